@@ -1,0 +1,50 @@
+"""Command-line entry point: ``ckptfs <command> …``. Each command lives in ``ckptfs/commands/<name>.py``
+with ``add_parser(subparsers)`` and ``run(args) -> int``. Errors become one line and exit code 2."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import CkptfsError
+
+COMMANDS = ["info", "ls", "models", "mount", "umount", "export"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ckptfs", description="Mount Cerebras checkpoints as Hugging Face / torch / upgraded Cerebras files, converted lazily on read.")
+    p.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in COMMANDS:
+        try:
+            mod = importlib.import_module(f".commands.{name}", __package__)
+        except ModuleNotFoundError as e:
+            if e.name and e.name.endswith(f"commands.{name}"):
+                continue  # command not built yet
+            raise
+        sp = mod.add_parser(sub)
+        sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        sp.set_defaults(_run=mod.run)
+    return p
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    debug = getattr(args, "debug", False)
+    try:
+        return int(args._run(args) or 0)
+    except CkptfsError as e:
+        if debug:
+            raise
+        print(f"ckptfs: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

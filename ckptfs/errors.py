@@ -1,0 +1,31 @@
+"""Exceptions of ckptfs: every error carries the path it concerns and a one-line problem."""
+from __future__ import annotations
+
+
+class CkptfsError(Exception):
+    """Base error: ``str(err)`` is the one line shown to users: ``<path>: <problem>``."""
+
+    def __init__(self, path, problem: str):
+        self.path = str(path) if path is not None else None
+        self.problem = problem
+        super().__init__(f"{self.path}: {problem}" if self.path else problem)
+
+
+class CheckpointError(CkptfsError):
+    """The checkpoint file cannot be opened or is not a valid Cerebras checkpoint."""
+
+
+class TensorReadError(CkptfsError):
+    """One tensor's data cannot be read (corrupt chunk, missing external file, unreadable kind)."""
+
+
+class MappingError(CkptfsError):
+    """A mapping YAML is invalid or does not fit the checkpoint."""
+
+
+class ConfigError(CkptfsError):
+    """The Cerebras params YAML is missing, ambiguous or cannot be converted."""
+
+
+class UsageError(CkptfsError):
+    """Bad command-line arguments (exit code 2)."""

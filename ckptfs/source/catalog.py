@@ -1,0 +1,97 @@
+"""What a checkpoint contains, independent of its on-disk format version: leaves plus nesting.
+
+A ``Checkpoint`` has a ``root`` node (the original nesting rebuilt from the pytree spec) and
+``leaves``, every flattened key in spec order. A link (``LinkedObject``, a hard-link alias, a
+legacy ``link_to_self``) is the *same* Leaf object under two keys, so ties survive.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+from ..tensor import VirtualTensor
+
+
+@dataclass(eq=False)
+class Leaf:
+    key: str  # flattened key of its first occurrence
+
+
+@dataclass(eq=False)
+class TensorLeaf(Leaf):
+    tensor: VirtualTensor
+    numpy: bool = False  # saved as a numpy array (NumpyArraySerializer / legacy 0.4 NumpyArrayH5Type)
+
+
+@dataclass(eq=False)
+class ValueLeaf(Leaf):
+    value: Any  # bool | int | float | str | None
+
+
+@dataclass(eq=False)
+class OpaqueLeaf(Leaf):
+    """A pickled Python object: its bytes, never unpickled."""
+
+    data: bytes
+    reason: str = "pickled Python object (not unpickled for safety)"
+
+
+@dataclass(eq=False)
+class UnreadableLeaf(Leaf):
+    """A leaf ckptfs cannot produce (e.g. a TorchScript graph tensor); ``reason`` says why."""
+
+    reason: str
+    shape: tuple | None = None
+    dtype: str | None = None
+
+
+@dataclass(eq=False)
+class Container:
+    """dict / OrderedDict / defaultdict: ``keys`` holds the keys (str or int); sequences: ``keys`` is None."""
+
+    kind: str  # "dict" | "OrderedDict" | "defaultdict" | "list" | "tuple" | "set" | "namedtuple" | "deque"
+    keys: list | None
+    children: list  # list[Node]
+    extra: dict = field(default_factory=dict)  # namedtuple name, defaultdict factory, deque maxlen
+
+
+Node = Union[Container, Leaf]
+
+
+@dataclass(eq=False)
+class Checkpoint:
+    path: Path
+    format_version: float
+    release: str | None  # release that wrote it ("2.10.0"), from __cstorch_version__ / metadata / version map
+    success: bool  # __SUCCESS__ present and true (legacy: True)
+    root: Node
+    leaves: dict  # dict[str, Leaf], every flat key in spec order
+    links: dict = field(default_factory=dict)  # alias key -> target key
+    warnings: list = field(default_factory=list)
+    _closers: list = field(default_factory=list, repr=False)
+
+    def tensors(self) -> dict:
+        """flat key -> TensorLeaf for every tensor key (aliases included, sharing the Leaf)."""
+        return {k: v for k, v in self.leaves.items() if isinstance(v, TensorLeaf)}
+
+    def subtree(self, top_key) -> Node | None:
+        """The node under a top-level key of a dict root (e.g. "model"), or None."""
+        r = self.root
+        if isinstance(r, Container) and r.keys is not None and top_key in r.keys:
+            return r.children[r.keys.index(top_key)]
+        return None
+
+    def close(self) -> None:
+        for c in self._closers:
+            try:
+                c()
+            except Exception:
+                pass
+        self._closers.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

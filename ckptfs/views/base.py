@@ -1,0 +1,53 @@
+"""What every view (hf, cs, torch, tensors) receives and returns.
+
+A view turns one opened checkpoint into virtual files: relative paths (``/``-separated) mapped to
+objects with an exact ``size`` and ``read(offset, n) -> bytes``. Layout objects (safetensors, torch
+zip, npy, hdf5) already have that shape; ``BytesFile`` wraps small generated texts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from ..cache import DEFAULT_CACHE_BYTES
+
+ALL_VIEWS = ("hf", "cs", "torch", "tensors")
+
+
+class VFile(Protocol):
+    size: int
+
+    def read(self, offset: int, n: int) -> bytes: ...
+
+
+class BytesFile:
+    """A small file whose whole content is known up front (config.json, index JSON, README.txt)."""
+
+    def __init__(self, data: bytes | str):
+        self.data = data.encode() if isinstance(data, str) else bytes(data)
+        self.size = len(self.data)
+
+    def read(self, offset: int, n: int) -> bytes:
+        return self.data[offset:offset + n]
+
+
+@dataclass
+class MountOptions:
+    config: Path | None = None  # --config: Cerebras params YAML
+    model: str | None = None  # --model: model name overriding detection
+    trainer_index: int | None = None  # --trainer-index for a list of trainers
+    views: tuple = ALL_VIEWS
+    max_shard_size: int = 5 * 10**9  # bytes (HF "5GB")
+    zip_crc: str = "exact"  # "exact" | "zero"
+    cache_size: int = DEFAULT_CACHE_BYTES
+    allow_partial: bool = False
+    data_iter_dir: Path | None = None  # --data-iter-dir (cs view dataloader state)
+    shuffle_seed: int | None = None
+
+
+@dataclass
+class ViewResult:
+    files: dict = field(default_factory=dict)  # relative path -> VFile
+    missing: str | None = None  # why the view (or part of it) is absent
+    notes: list = field(default_factory=list)  # lines for README.txt (dropped keys, opaque objects…)
