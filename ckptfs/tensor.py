@@ -162,7 +162,7 @@ class ArrayTensor(VirtualTensor):
     def __init__(self, array: np.ndarray, dtype: DType | None = None):
         from .dtypes import from_numpy
 
-        array = np.ascontiguousarray(array)
+        array = np.asarray(array, order="C")  # keeps 0-d arrays 0-d (ascontiguousarray makes them 1-d)
         dtype = dtype or from_numpy(array.dtype)
         if array.dtype != dtype.storage:
             array = array.view(dtype.storage) if array.dtype.itemsize == dtype.itemsize else array.astype(dtype.storage)
@@ -170,7 +170,7 @@ class ArrayTensor(VirtualTensor):
         self.array = array
 
     def read(self, box: Box) -> np.ndarray:
-        return np.ascontiguousarray(self.array[tuple(slice(a, b) for a, b in box)])
+        return np.asarray(self.array[tuple(slice(a, b) for a, b in box) + (Ellipsis,)], order="C")
 
     def describe(self) -> str:
         return f"array{list(self.shape)} {self.dtype.name}"

@@ -1,0 +1,47 @@
+"""Parse human byte sizes ("5GB", "512MiB", "300B", "123") the way Hugging Face tools spell them.
+
+Decimal units KB/MB/GB/TB are powers of 10 (as in ``save_pretrained(max_shard_size="5GB")``), binary
+units KiB/MiB/GiB/TiB powers of 2. Unit letters are case-insensitive and always mean bytes (unlike
+transformers' old ``"5Gb"`` = bits quirk). A fraction is allowed when the result is a whole number of
+bytes (``"1.5GB"``); anything else raises ``ValueError`` naming the input.
+"""
+from __future__ import annotations
+
+import re
+from decimal import Decimal
+
+UNITS: dict[str, int] = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+def parse_size(size: int | str) -> int:
+    """``"5GB"`` → 5_000_000_000, ``"2GiB"`` → 2**31, ``"300B"``/``"300"``/``300`` → 300."""
+    if isinstance(size, bool):
+        raise ValueError(f"invalid size {size!r}")
+    if isinstance(size, int):
+        if size < 0:
+            raise ValueError(f"invalid size {size!r}: negative")
+        return size
+    if not isinstance(size, str):
+        raise ValueError(f"invalid size {size!r}: expected a string such as '5GB'")
+    m = _SIZE.fullmatch(size)
+    unit = m.group(2).upper() if m else None
+    if m is None or unit not in UNITS:
+        raise ValueError(f"invalid size {size!r}: expected a number with an optional unit "
+                         f"B, KB, MB, GB, TB, KiB, MiB, GiB or TiB (e.g. '5GB')")
+    value = Decimal(m.group(1)) * UNITS[unit]
+    if value != value.to_integral_value():
+        raise ValueError(f"invalid size {size!r}: not a whole number of bytes")
+    return int(value)
