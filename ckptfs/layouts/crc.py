@@ -1,0 +1,82 @@
+"""Persistent store of computed CRC-32 values, so a checkpoint's zip records are hashed once, not per mount.
+
+One small JSON file per key (``<dir>/<key>.json``: ``{"format": 1, "crcs": {record: crc}}``). A key
+is a hash of the caller's ``identity`` (e.g. the source checkpoint's realpath, size, mtime_ns and
+inode) and of the layout's signature (record names, dtypes, shapes, archive name), so a changed
+checkpoint or a changed layout never reuses stale values. Writes are atomic (temporary file in the
+same directory, then ``os.replace``); a missing, unwritable or read-only directory just disables
+persistence, and an unreadable or corrupt file reads as empty.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import threading
+from pathlib import Path
+
+__all__ = ["CrcStore", "default_crc_dir"]
+
+_FORMAT = 1
+
+
+def default_crc_dir() -> Path:
+    """``$CKPTFS_CACHE_DIR/crc`` if set, else ``$XDG_CACHE_HOME/ckptfs/crc`` (default ``~/.cache/ckptfs/crc``)."""
+    env = os.environ.get("CKPTFS_CACHE_DIR")
+    if env:
+        return Path(env) / "crc"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ckptfs" / "crc"
+
+
+class CrcStore:
+    """CRC-32 values by record name, persisted per (identity, signature) key; thread-safe."""
+
+    def __init__(self, directory: str | os.PathLike | None = None):
+        self.directory = Path(directory) if directory is not None else default_crc_dir()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(identity: str, signature: str) -> str:
+        """File key for a checkpoint ``identity`` and a layout ``signature``."""
+        return hashlib.sha256(f"{identity}\0{signature}".encode("utf-8", "surrogatepass")).hexdigest()[:40]
+
+    def _path(self, key: str) -> Path:
+        return self.directory / f"{key}.json"
+
+    def load(self, key: str) -> dict[str, int]:
+        """Stored CRCs for ``key`` ({} when absent, unreadable or malformed)."""
+        try:
+            with open(self._path(key), "rb") as f:
+                doc = json.loads(f.read())
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(doc, dict) or doc.get("format") != _FORMAT or not isinstance(doc.get("crcs"), dict):
+            return {}
+        return {k: v for k, v in doc["crcs"].items()
+                if isinstance(k, str) and type(v) is int and 0 <= v <= 0xFFFFFFFF}
+
+    def save(self, key: str, crcs: dict[str, int]) -> bool:
+        """Merge ``crcs`` into the stored values of ``key``; False when nothing could be written."""
+        with self._lock:
+            merged = self.load(key)
+            if all(merged.get(k) == v for k, v in crcs.items()):
+                return True
+            merged.update(crcs)
+            data = json.dumps({"format": _FORMAT, "crcs": merged}, separators=(",", ":"), sort_keys=True).encode()
+            tmp = None
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".tmp", dir=self.directory)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, self._path(key))
+                return True
+            except OSError:
+                if tmp is not None:
+                    try:
+                        os.unlink(tmp)
+                    except OSError:
+                        pass
+                return False
