@@ -1,0 +1,207 @@
+"""CS params ``model:`` section -> HF ``config.json`` (and ``generation_config.json`` where derivable).
+
+Driven by a family's ``config:`` spec: framework defaults fill absent CS keys, ``derive`` computes named
+values (also used by the tensor rules, e.g. ``num_kv_heads``), ``guards`` reject (or warn about) CS
+settings the HF class cannot express, and ``hf`` gives every HF key as an expression. Every CS key that
+no rule read is reported once as a warning: nothing is dropped silently.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+from ..errors import ConfigError, MappingError
+from .expr import BASE_FUNCTIONS, OMIT, ExprError, MissingName, Scope, evaluate
+from .spec import FamilySpec, Guard, ModelVariant
+
+
+class ConfigScope(Scope):
+    """Names backed by the CS model dict; every key path read is recorded in ``used``."""
+
+    def __init__(self, cs: dict, defaulted=()):
+        super().__init__({})
+        self.cs = cs
+        self.used: set = set()
+        self.defaulted = set(defaulted)  # keys filled from framework defaults (never reported as unused)
+
+    def lookup(self, name):
+        return self.path_lookup((name,))
+
+    def path_lookup(self, path):
+        value = self.cs
+        for i, part in enumerate(path):
+            if not isinstance(value, Mapping) or part not in value:
+                raise MissingName(".".join(map(str, path[:i + 1])))
+            value = value[part]
+        self.used.add(tuple(path))
+        return value
+
+    def has(self, dotted: str) -> bool:
+        try:
+            return self.path_lookup(tuple(dotted.split("."))) is not None
+        except MissingName:
+            return False
+
+    def get(self, dotted: str, default=None):
+        try:
+            value = self.path_lookup(tuple(dotted.split(".")))
+        except MissingName:
+            return default
+        return default if value is None else value
+
+    def unused(self) -> list:
+        """(dotted key, value) of every CS leaf setting no rule read."""
+        out = []
+
+        def walk(prefix, value):
+            if prefix and any(prefix[:n] in self.used for n in range(1, len(prefix) + 1)):
+                return
+            if isinstance(value, Mapping) and value:
+                for k, v in value.items():
+                    walk(prefix + (k,), v)
+            elif prefix and prefix[0] not in self.defaulted:
+                out.append((".".join(map(str, prefix)), value))
+
+        walk((), self.cs)
+        return out
+
+
+@dataclass
+class ConfigResult:
+    hf: dict
+    generation: dict | None
+    warnings: list
+    scope: Scope  # CS keys + derived values + model vars, for the tensor rules
+    cs_scope: ConfigScope = field(repr=False, default=None)
+
+
+def config_functions(cs: ConfigScope, where: str, path) -> dict:
+    """Functions config expressions may call, besides the basic ones."""
+
+    def lookup(key: str, mapping: dict):
+        value = cs.get(key) if cs.has(key) else None
+        if value not in mapping:
+            shown = ", ".join(repr(k) for k in mapping)
+            raise ConfigError(path, f"{key}={value!r} has no HF equivalent (supported: {shown}) [{where}]")
+        return mapping[value]
+
+    def fail(message: str):
+        raise ConfigError(path, f"{message} [{where}]")
+
+    def has(key: str) -> bool:
+        return cs.has(key)
+
+    def keys_with_prefix(prefix: str) -> list:
+        return sorted(k for k in cs.cs if isinstance(k, str) and k.startswith(prefix) and cs.has(k))
+
+    def get(key: str, default=None):
+        return cs.get(key, default)
+
+    return {**BASE_FUNCTIONS, "lookup": lookup, "error": fail, "has": has, "get": get,
+            "keys_with_prefix": keys_with_prefix}
+
+
+def evaluate_config_expr(text: str, scope: Scope, functions: dict, params_path, spec_path, where: str):
+    """Evaluate a config expression; a missing CS key or bad value is a ConfigError, a bad rule a MappingError."""
+    try:
+        return evaluate(text, scope, functions)
+    except MissingName as e:
+        raise ConfigError(params_path, f"params lack model.{e.name}, needed for {where}") from None
+    except ExprError as e:
+        raise MappingError(spec_path, f"{where}: {e}") from None
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError) as e:
+        raise ConfigError(params_path, f"cannot compute {where}: {e}") from None
+
+
+def convert_config(spec: FamilySpec, variant: ModelVariant, cs_model: dict, params_path: Path | None) -> ConfigResult:
+    """Translate ``cs_model`` (the params ``model:`` dict) for ``variant`` of ``spec``."""
+    cfg = spec.config
+    cs = copy.deepcopy(cs_model)
+    defaulted = [k for k in cfg.defaults if k not in cs]
+    for k in defaulted:
+        cs[k] = copy.deepcopy(cfg.defaults[k])
+    cs_scope = ConfigScope(cs, defaulted)
+    scope = cs_scope.child({"headless": variant.headless, **variant.vars})
+    funcs = config_functions(cs_scope, spec.path.name, params_path)
+    warnings: list = []
+
+    def ev(text, where):
+        return evaluate_config_expr(text, scope, funcs, params_path, spec.path, f"{spec.path.name}: {where}")
+
+    for name, text in cfg.derive.items():
+        scope.values[name] = ev(text, f"config.derive.{name}")
+
+    for g in cfg.guards:
+        problem = _check_guard(g, cs_scope, scope, variant, ev)
+        if problem:
+            if g.warn:
+                warnings.append(problem)
+            else:
+                raise ConfigError(params_path, problem)
+
+    hf: dict = {}
+    for key, text in cfg.hf.items():
+        value = ev(text, f"config.hf.{key}")
+        if value is not OMIT:
+            hf[key] = value
+    hf["model_type"] = spec.model_type
+    hf["architectures"] = [variant.hf_class]
+
+    gen = {}
+    for key, text in cfg.generation.items():
+        value = ev(text, f"config.generation.{key}")
+        if value is not OMIT:
+            gen[key] = value
+    return ConfigResult(hf, gen or None, warnings, scope, cs_scope)
+
+
+def _check_guard(g: Guard, cs: ConfigScope, scope: Scope, variant: ModelVariant, ev) -> str | None:
+    if g.key is not None:
+        try:
+            value = cs.path_lookup(tuple(g.key.split(".")))
+        except MissingName:
+            return None  # like the converter: a guard only judges keys that are present
+        if value in g.allowed:
+            return None
+        allowed = ", ".join(repr(a) for a in g.allowed)
+        why = f": {g.message}" if g.message else ""
+        head = f"model.{g.key}={value!r}"
+        if g.warn:
+            return f"{head} differs from what HF {variant.hf_class} assumes ({allowed}); converted anyway{why}"
+        return f"{head} cannot be converted to HF {variant.hf_class} (supported: {allowed}){why}"
+    if ev(g.check, g.where.split(": ", 1)[-1]):
+        return None
+    message = _format_message(g.message, scope)
+    return f"HF {variant.hf_class}: {message}" if g.warn else f"cannot convert to HF {variant.hf_class}: {message}"
+
+
+class _Lenient(dict):
+    def __init__(self, scope):
+        super().__init__()
+        self.scope = scope
+
+    def __missing__(self, key):
+        try:
+            return self.scope.lookup(key)
+        except MissingName:
+            return "{" + key + "}"
+
+
+def _format_message(message: str, scope: Scope) -> str:
+    try:
+        return message.format_map(_Lenient(scope))
+    except (ValueError, IndexError, AttributeError):
+        return message
+
+
+def unused_key_warnings(cs_scope: ConfigScope, spec: FamilySpec, variant: ModelVariant) -> list:
+    """One warning per CS setting that nothing converted."""
+    out = []
+    for key, value in cs_scope.unused():
+        note = spec.config.notes.get(key) or spec.config.notes.get(key.split(".")[0])
+        why = f" ({note})" if note else ""
+        out.append(f"params model.{key}={value!r} has no counterpart in HF {variant.hf_class} "
+                   f"config.json; not converted{why}")
+    return out

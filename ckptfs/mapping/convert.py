@@ -1,0 +1,83 @@
+"""The mapping core's entry point: a Cerebras checkpoint -> a lazily computed Hugging Face model.
+
+``to_hf`` detects the family, finds the params, translates the config and maps the tensors; the
+returned ``HFModel`` holds HF names with virtual tensors (no data read yet), ``config.json`` and
+``generation_config.json`` contents, and every warning (unconverted config keys, dropped or unmatched
+tensors).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import MappingError
+from ..source.catalog import Checkpoint
+from . import floats
+from .config import config_functions, convert_config, unused_key_warnings
+from .detect import cs_model_tensors, detect_family
+from .params import find_params
+from .registry import Registry, default_registry
+from .tensors import RuleEngine
+
+
+@dataclass
+class HFModel:
+    family: str
+    model_name: str
+    hf_class: str
+    tensors: list  # [(HF name, VirtualTensor)] in converter order; tied outputs may share one object
+    config: dict
+    generation_config: dict | None
+    warnings: list = field(default_factory=list)
+    params_path: Path | None = None
+
+
+def weights_dtype(tensors) -> str | None:
+    """The dtype of most floating-point elements (HF ``torch_dtype``), or None when there are none."""
+    counts: Counter = Counter()
+    for _, t in tensors:
+        if floats.is_float(t.dtype):
+            counts[t.dtype.name] += t.numel
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def to_hf(checkpoint: Checkpoint, *, config=None, model: str | None = None, trainer_index: int | None = None,
+          registry: Registry | None = None) -> HFModel:
+    """Convert ``checkpoint`` to HF; ConfigError / MappingError saying why when it cannot."""
+    registry = registry or default_registry()
+    det = detect_family(checkpoint, config, model, trainer_index=trainer_index, registry=registry)
+    if det.family is None:
+        raise MappingError(checkpoint.path, det.reason)
+    params = find_params(checkpoint, config, trainer_index)
+    spec = registry.family(det.family)
+    variant = spec.variant(det.model_name)
+    warnings = []
+    cs_name = params.model.get("name")
+    if model is not None and isinstance(cs_name, str) and registry.for_cs_name(cs_name) not in (None, spec):
+        warnings.append(f"params name {cs_name!r} overridden by --model {model}")
+
+    cfg = convert_config(spec, variant, params.model, params.path)
+    cfg.cs_scope.used.add(("name",))  # consumed by family detection
+    funcs = config_functions(cfg.cs_scope, spec.path.name, params.path)
+    engine = RuleEngine(spec, variant, cfg.scope, funcs, params.path)
+    cs = cs_model_tensors(checkpoint)
+    mapping = engine.run(cs)
+    if not mapping.tensors:
+        raise MappingError(checkpoint.path, f"no CS model tensor matched the {spec.family} mapping "
+                                            f"({spec.path.name}); is this really a {variant.name} checkpoint?")
+
+    dtype = weights_dtype(mapping.tensors)
+    if dtype is not None:
+        cfg.hf["torch_dtype"] = dtype
+        cfg.hf["dtype"] = dtype
+    warnings += cfg.warnings
+    warnings += unused_key_warnings(cfg.cs_scope, spec, variant)
+    warnings += [f"CS tensor model.{key} not converted: {reason}" for key, reason in mapping.dropped]
+    for key in mapping.unmatched:
+        t = cs[key]
+        warnings.append(f"CS tensor model.{key} {list(t.shape)} {t.dtype.name} matches no rule of "
+                        f"{spec.path.name}; not converted")
+    return HFModel(family=spec.family, model_name=det.model_name or variant.name, hf_class=variant.hf_class,
+                   tensors=mapping.tensors, config=cfg.hf, generation_config=cfg.generation, warnings=warnings,
+                   params_path=params.path)

@@ -1,0 +1,106 @@
+"""Which model family (and CLI model name) a Cerebras checkpoint is, and why.
+
+Precedence: an explicit ``model`` name; else the params' ``name:``; else the family whose ``detect``
+rules match the checkpoint's CS tensor names (highest priority first). Never raises for an unknown
+model: the result then has ``family=None`` and a ``reason`` saying why.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import CkptfsError, ConfigError
+from ..source.catalog import Checkpoint, TensorLeaf
+from .config import ConfigScope, config_functions
+from .expr import ExprError, MissingName, evaluate
+from .params import CSParams, find_params
+from .registry import Registry, default_registry
+
+
+@dataclass
+class FamilyDetection:
+    family: str | None
+    model_name: str | None
+    reason: str
+    params_path: Path | None
+
+
+def cs_model_tensors(checkpoint: Checkpoint) -> dict:
+    """CS model tensors: the checkpoint's tensor leaves under top-level ``model``, keys without ``model.``."""
+    out = {}
+    for key, leaf in checkpoint.leaves.items():
+        if key.startswith("model.") and isinstance(leaf, TensorLeaf):
+            out[key[len("model."):]] = leaf.tensor
+    return out
+
+
+def _matches_keys(spec, keys) -> bool:
+    d = spec.detect
+    if not d.keys and d.config is None:
+        return False
+    if not all(any(p.match(k) is not None for k in keys) for p in d.keys):
+        return False
+    return not any(p.match(k) is not None for p in d.no_keys for k in keys)
+
+
+def _matches_config(spec, params: CSParams | None) -> bool:
+    if spec.detect.config is None:
+        return True
+    if params is None:
+        return False
+    scope = ConfigScope(params.model)
+    try:
+        return bool(evaluate(spec.detect.config, scope, config_functions(scope, spec.path.name, params.path)))
+    except (ExprError, MissingName, CkptfsError, TypeError, ValueError):
+        return False
+
+
+def infer_from_keys(registry: Registry, keys, params: CSParams | None):
+    """The family whose detect rules fit ``keys`` best, or None."""
+    for spec in sorted(registry.families.values(), key=lambda s: (-s.detect.priority, s.family)):
+        if _matches_keys(spec, keys) and _matches_config(spec, params):
+            return spec
+    return None
+
+
+def detect_family(checkpoint: Checkpoint, config=None, model: str | None = None, *,
+                  trainer_index: int | None = None, registry: Registry | None = None) -> FamilyDetection:
+    registry = registry or default_registry()
+    params, params_problem = None, None
+    try:
+        params = find_params(checkpoint, config, trainer_index)
+    except ConfigError as e:
+        params_problem = e.problem
+    params_path = params.path if params else None
+    where = f"{params.origin}" if params else "no params"
+
+    if model is not None:
+        spec = registry.for_model(model)
+        if spec is None:
+            return FamilyDetection(None, model, f"unknown model name {model!r} (`ckptfs models` lists the "
+                                                f"supported names)", params_path)
+        return FamilyDetection(spec.family, model, f"model {model!r} given explicitly", params_path)
+
+    name = params.model.get("name") if params else None
+    if isinstance(name, str) and name:
+        spec = registry.for_cs_name(name)
+        if spec is None:
+            known = ", ".join(sorted(registry.families))
+            return FamilyDetection(None, None, f"params name {name!r} ({where}) is not a supported model family "
+                                               f"(supported: {known}); pass --model to override", params_path)
+        model_name = name if name in spec.names() else spec.models[0].name
+        return FamilyDetection(spec.family, model_name, f"params name {name!r} ({where})", params_path)
+
+    keys = list(cs_model_tensors(checkpoint))
+    if not keys:
+        why = f"; {params_problem}" if params_problem else ""
+        return FamilyDetection(None, None, f"the checkpoint has no model tensors (no 'model.*' keys){why}",
+                               params_path)
+    spec = infer_from_keys(registry, keys, params)
+    if spec is None:
+        why = f"; {params_problem}" if params_problem else ""
+        return FamilyDetection(None, None, f"model family not recognised from the CS tensor names and no "
+                                           f"'name' in the params ({where}){why}; pass --model", params_path)
+    how = f"no 'name' in {where}" if params else f"params unavailable: {params_problem}"
+    return FamilyDetection(spec.family, spec.models[0].name,
+                           f"inferred from the CS tensor names ({how})", params_path)

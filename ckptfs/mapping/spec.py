@@ -1,0 +1,354 @@
+"""Load and validate the declarative mapping YAML files (one per model family, plus shared fragments).
+
+A family file names the CLI model names it serves, how to recognise its checkpoints, how the CS params
+``model:`` section becomes HF ``config.json``, and how CS tensors become HF tensors. Every problem is a
+``MappingError`` naming the YAML file and the place in it. The schema is documented in
+``mappings/README.md``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from ..errors import MappingError
+from .expr import ExprError, parse
+from .pattern import KeyPattern, PatternError, template_names
+
+
+@dataclass(frozen=True)
+class ModelVariant:
+    """One CLI model name (and its aliases) of a family: which HF class it produces."""
+
+    name: str
+    hf_class: str
+    headless: bool = False
+    aliases: tuple = ()
+    vars: dict = field(default_factory=dict)
+    notes: str = ""
+
+
+@dataclass(frozen=True)
+class Emit:
+    """One HF output of a tensor rule: its name template and the operation producing it."""
+
+    hf: str
+    op: str = "x"
+    when: str | None = None
+    each: tuple = ()  # ((var, expression giving a list), ...): one output per combination
+
+
+@dataclass(frozen=True)
+class TensorRule:
+    """Matches one CS tensor key (``cs``) and emits HF tensors from it (plus ``inputs``), or drops it."""
+
+    cs: KeyPattern
+    where: str  # "<file>: tensors[3]" for messages
+    when: str | None = None
+    inputs: tuple = ()  # ((name, key template), ...) other CS tensors the rule consumes
+    drop: str | None = None
+    emits: tuple = ()
+
+
+@dataclass(frozen=True)
+class Guard:
+    """A CS setting the HF class cannot express: ``key`` must be in ``allowed``, or ``check`` must hold."""
+
+    where: str
+    key: str | None = None
+    allowed: tuple | None = None
+    check: str | None = None
+    message: str | None = None
+    warn: bool = False  # a failed guard is a warning instead of an error
+
+
+@dataclass
+class ConfigSpec:
+    defaults: dict = field(default_factory=dict)  # CS framework defaults for absent keys
+    derive: dict = field(default_factory=dict)  # name -> expression, in order
+    guards: list = field(default_factory=list)
+    hf: dict = field(default_factory=dict)  # HF config key -> expression, in order
+    generation: dict = field(default_factory=dict)  # generation_config key -> expression
+    notes: dict = field(default_factory=dict)  # CS key -> why it has no HF counterpart
+
+
+@dataclass(frozen=True)
+class DetectSpec:
+    """How to recognise the family from CS key names (when the params give no ``name``)."""
+
+    priority: int = 0
+    keys: tuple = ()  # KeyPatterns that must all match some CS model key
+    no_keys: tuple = ()  # KeyPatterns none of which may match
+    config: str | None = None  # expression over the CS params (only checked when params were found)
+
+
+@dataclass
+class FamilySpec:
+    family: str
+    path: Path
+    description: str
+    model_type: str
+    cs_names: tuple
+    models: list
+    detect: DetectSpec
+    config: ConfigSpec
+    prepare: list
+    tensors: list
+
+    def variant(self, name: str | None) -> ModelVariant:
+        """The model entry for CLI name ``name`` (an alias counts); the first entry when None."""
+        if name is None:
+            return self.models[0]
+        for m in self.models:
+            if name == m.name or name in m.aliases:
+                return m
+        raise KeyError(name)
+
+    def names(self) -> list:
+        return [n for m in self.models for n in (m.name, *m.aliases)]
+
+
+@dataclass
+class FragmentSpec:
+    """Shared config / prepare rules that families pull in with ``include:``."""
+
+    name: str
+    path: Path
+    config: ConfigSpec
+    prepare: list
+
+
+# -- loading ---------------------------------------------------------------------------------------
+
+_FAMILY_KEYS = {"family", "description", "model_type", "cs_names", "include", "models", "detect", "config",
+                "prepare", "tensors"}
+_FRAGMENT_KEYS = {"fragment", "description", "config", "prepare"}
+
+
+def read_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise MappingError(path, f"cannot read mapping YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise MappingError(path, "mapping YAML must be a mapping at the top level")
+    return data
+
+
+def load_fragment(path: Path, data: dict | None = None) -> FragmentSpec:
+    data = read_yaml(path) if data is None else data
+    v = _Validator(path)
+    v.keys(data, _FRAGMENT_KEYS, "top level")
+    name = v.string(data.get("fragment"), "fragment")
+    return FragmentSpec(name, Path(path), v.config(data.get("config") or {}, set()),
+                        v.rules(data.get("prepare") or [], "prepare", set(), prepare=True))
+
+
+def load_family(path: Path, fragments: dict, data: dict | None = None) -> FamilySpec:
+    """Parse one family file; ``fragments`` maps fragment name -> FragmentSpec for ``include:``."""
+    data = read_yaml(path) if data is None else data
+    v = _Validator(path)
+    v.keys(data, _FAMILY_KEYS, "top level")
+    family = v.string(data.get("family"), "family")
+    models = v.models(data.get("models"))
+    var_names = set(models[0].vars)
+    for m in models:
+        if set(m.vars) != var_names:
+            v.fail(f"models: {m.name} defines vars {sorted(m.vars)} but {models[0].name} defines {sorted(var_names)}")
+    config = v.config(data.get("config") or {}, var_names)
+    prepare = v.rules(data.get("prepare") or [], "prepare", var_names, prepare=True)
+    tensors = v.rules(data.get("tensors") or [], "tensors", var_names)
+    if not tensors:
+        v.fail("tensors: a family needs at least one tensor rule")
+    include = data.get("include") or []
+    if not isinstance(include, list):
+        v.fail("include: must be a list of fragment names")
+    for name in include:
+        frag = fragments.get(name)
+        if frag is None:
+            v.fail(f"include: unknown fragment {name!r} (known: {sorted(fragments)})")
+        config = merge_config(frag.config, config)
+        prepare = frag.prepare + prepare
+    cs_names = data.get("cs_names") or [family]
+    if not isinstance(cs_names, list) or not all(isinstance(n, str) for n in cs_names):
+        v.fail("cs_names: must be a list of strings")
+    return FamilySpec(
+        family=family, path=Path(path), description=str(data.get("description") or ""),
+        model_type=v.string(data.get("model_type"), "model_type"), cs_names=tuple(cs_names), models=models,
+        detect=v.detect(data.get("detect") or {}), config=config, prepare=prepare, tensors=tensors)
+
+
+def merge_config(base: ConfigSpec, own: ConfigSpec) -> ConfigSpec:
+    """A fragment's config under a family's: the family's entries win, derived values keep order."""
+    return ConfigSpec(
+        defaults={**base.defaults, **own.defaults},
+        derive={**base.derive, **own.derive},
+        guards=base.guards + own.guards,
+        hf={**base.hf, **own.hf},
+        generation={**base.generation, **own.generation},
+        notes={**base.notes, **own.notes})
+
+
+class _Validator:
+    def __init__(self, path):
+        self.path = Path(path)
+
+    def fail(self, problem: str):
+        raise MappingError(self.path, problem)
+
+    def keys(self, data, allowed, where):
+        if not isinstance(data, dict):
+            self.fail(f"{where}: expected a mapping, got {type(data).__name__}")
+        unknown = sorted(set(data) - set(allowed))
+        if unknown:
+            self.fail(f"{where}: unknown key(s) {unknown} (allowed: {sorted(allowed)})")
+
+    def string(self, value, where) -> str:
+        if not isinstance(value, str) or not value:
+            self.fail(f"{where}: expected a non-empty string, got {value!r}")
+        return value
+
+    def expr(self, text, where) -> str:
+        if isinstance(text, bool) or text is None or isinstance(text, (int, float)):
+            return repr(text)  # literal YAML values are valid expressions of themselves
+        if not isinstance(text, str):
+            self.fail(f"{where}: expected an expression string, got {text!r}")
+        try:
+            parse(text)
+        except ExprError as e:
+            self.fail(f"{where}: {e}")
+        return text
+
+    def pattern(self, text, where) -> KeyPattern:
+        try:
+            return KeyPattern.compile(text)
+        except PatternError as e:
+            self.fail(f"{where}: {e}")
+
+    def template(self, text, where, known: set):
+        self.string(text, where)
+        try:
+            missing = [n for n in template_names(text) if n not in known]
+        except PatternError as e:
+            self.fail(f"{where}: {e}")
+        if missing:
+            self.fail(f"{where}: template {text!r} uses {{{missing[0]}}}, which is not a capture or var "
+                      f"(known: {sorted(known)})")
+        return text
+
+    def models(self, items) -> list:
+        if not isinstance(items, list) or not items:
+            self.fail("models: expected a non-empty list of model names")
+        out, seen = [], set()
+        for n, item in enumerate(items):
+            where = f"models[{n}]"
+            self.keys(item, {"name", "hf_class", "headless", "aliases", "vars", "notes"}, where)
+            aliases = item.get("aliases") or []
+            if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
+                self.fail(f"{where}.aliases: must be a list of names")
+            vars_ = item.get("vars") or {}
+            if not isinstance(vars_, dict):
+                self.fail(f"{where}.vars: must be a mapping")
+            m = ModelVariant(self.string(item.get("name"), f"{where}.name"),
+                             self.string(item.get("hf_class"), f"{where}.hf_class"),
+                             bool(item.get("headless", False)), tuple(aliases), dict(vars_),
+                             str(item.get("notes") or ""))
+            for name in (m.name, *m.aliases):
+                if name in seen:
+                    self.fail(f"{where}: model name {name!r} listed twice")
+                seen.add(name)
+            out.append(m)
+        return out
+
+    def detect(self, data) -> DetectSpec:
+        self.keys(data, {"priority", "keys", "no_keys", "config"}, "detect")
+        pri = data.get("priority", 0)
+        if not isinstance(pri, int):
+            self.fail("detect.priority: must be an integer")
+        pats = lambda k: tuple(self.pattern(p, f"detect.{k}[{i}]") for i, p in enumerate(data.get(k) or []))
+        cfg = data.get("config")
+        return DetectSpec(pri, pats("keys"), pats("no_keys"),
+                          None if cfg is None else self.expr(cfg, "detect.config"))
+
+    def config(self, data, var_names) -> ConfigSpec:
+        self.keys(data, {"defaults", "derive", "guards", "hf", "generation", "notes"}, "config")
+        for k in ("defaults", "derive", "hf", "generation", "notes"):
+            if not isinstance(data.get(k) or {}, dict):
+                self.fail(f"config.{k}: must be a mapping")
+        derive = {k: self.expr(e, f"config.derive.{k}") for k, e in (data.get("derive") or {}).items()}
+        hf = {k: self.expr(e, f"config.hf.{k}") for k, e in (data.get("hf") or {}).items()}
+        gen = {k: self.expr(e, f"config.generation.{k}") for k, e in (data.get("generation") or {}).items()}
+        guards = []
+        items = data.get("guards") or []
+        if not isinstance(items, list):
+            self.fail("config.guards: must be a list")
+        for n, g in enumerate(items):
+            where = f"config.guards[{n}]"
+            self.keys(g, {"key", "allowed", "check", "message", "warn"}, where)
+            if ("key" in g) == ("check" in g):
+                self.fail(f"{where}: give exactly one of 'key' (with 'allowed') or 'check'")
+            if "key" in g:
+                allowed = g.get("allowed")
+                if not isinstance(allowed, list):
+                    self.fail(f"{where}.allowed: must be a list of accepted values")
+                guards.append(Guard(f"{self.path.name}: {where}", key=self.string(g["key"], f"{where}.key"),
+                                    allowed=tuple(allowed), message=g.get("message"), warn=bool(g.get("warn"))))
+            else:
+                guards.append(Guard(f"{self.path.name}: {where}", check=self.expr(g["check"], f"{where}.check"),
+                                    message=self.string(g.get("message"), f"{where}.message"),
+                                    warn=bool(g.get("warn"))))
+        return ConfigSpec(dict(data.get("defaults") or {}), derive, guards, hf, gen,
+                          {str(k): str(v) for k, v in (data.get("notes") or {}).items()})
+
+    def rules(self, items, section, var_names, prepare=False) -> list:
+        if not isinstance(items, list):
+            self.fail(f"{section}: must be a list of rules")
+        make = self.prepare_rule if prepare else self.rule
+        return [make(item, f"{section}[{n}]", var_names) for n, item in enumerate(items)]
+
+    def prepare_rule(self, item, where, var_names) -> TensorRule:
+        """A rewrite of a CS tensor in place (same key), applied before the key rules (muP folding)."""
+        self.keys(item, {"cs", "when", "op"}, where)
+        cs = self.pattern(item.get("cs"), f"{where}.cs")
+        when = None if item.get("when") is None else self.expr(item["when"], f"{where}.when")
+        if "op" not in item:
+            self.fail(f"{where}: a prepare rule needs 'op'")
+        return TensorRule(cs, f"{self.path.name}: {where}", when, (), None,
+                          (Emit("", self.expr(item["op"], f"{where}.op")),))
+
+    def rule(self, item, where, var_names) -> TensorRule:
+        self.keys(item, {"cs", "when", "with", "drop", "hf", "op", "emit"}, where)
+        cs = self.pattern(item.get("cs"), f"{where}.cs")
+        known = set(cs.names) | set(var_names)
+        when = None if item.get("when") is None else self.expr(item["when"], f"{where}.when")
+        inputs = item.get("with") or {}
+        if not isinstance(inputs, dict):
+            self.fail(f"{where}.with: must map input names to CS key templates")
+        inputs = tuple((name, self.template(t, f"{where}.with.{name}", known)) for name, t in inputs.items())
+        forms = [k for k in ("drop", "hf", "emit") if k in item]
+        if len(forms) != 1:
+            self.fail(f"{where}: give exactly one of 'drop', 'hf' (+ 'op') or 'emit'")
+        if "op" in item and "hf" not in item:
+            self.fail(f"{where}: 'op' goes with 'hf' (or inside an 'emit' entry)")
+        emits: list = []
+        if "hf" in item:
+            emits.append(Emit(self.template(item["hf"], f"{where}.hf", known),
+                              self.expr(item.get("op", "x"), f"{where}.op")))
+        elif "emit" in item:
+            if not isinstance(item["emit"], list) or not item["emit"]:
+                self.fail(f"{where}.emit: must be a non-empty list")
+            for n, e in enumerate(item["emit"]):
+                ew = f"{where}.emit[{n}]"
+                self.keys(e, {"hf", "op", "when", "each"}, ew)
+                each = e.get("each") or {}
+                if not isinstance(each, dict):
+                    self.fail(f"{ew}.each: must map a name to an expression giving a list")
+                each = tuple((k, self.expr(x, f"{ew}.each.{k}")) for k, x in each.items())
+                emits.append(Emit(self.template(e.get("hf"), f"{ew}.hf", known | {k for k, _ in each}),
+                                  self.expr(e.get("op", "x"), f"{ew}.op"),
+                                  None if e.get("when") is None else self.expr(e["when"], f"{ew}.when"), each))
+        drop = item.get("drop")
+        if "drop" in item and (not isinstance(drop, str) or not drop):
+            self.fail(f"{where}.drop: give the reason the tensor is not converted")
+        return TensorRule(cs, f"{self.path.name}: {where}", when, inputs, drop, tuple(emits))

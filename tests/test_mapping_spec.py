@@ -1,0 +1,130 @@
+"""Mapping YAML loading: the shipped files, validation errors naming file and problem, YAML-only families."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import yaml
+
+from ckptfs.errors import ConfigError, MappingError
+from ckptfs.mapping.convert import to_hf
+from ckptfs.mapping.expr import ExprError, Scope, evaluate, parse
+from ckptfs.mapping.pattern import KeyPattern, PatternError
+from ckptfs.mapping.registry import Registry, default_registry, list_models, mapping_dirs
+from test_mapping_helpers import RecordingTensor, checkpoint_from_model
+
+REQUIRED_NAMES = {"gpt2", "gpt2-headless", "llama", "llamaV2", "code-llama", "wizardlm", "llama-headless",
+                  "llamaV2-headless", "code-llama-headless", "wizardlm-headless", "mistral", "mistral-headless",
+                  "mixtral", "mixtral-headless", "gemma2"}
+
+
+def test_shipped_mappings_load_and_cover_the_cerebras_names():
+    reg = default_registry()
+    assert set(reg.families) == {"gpt2", "llama", "mistral", "mixtral", "gemma2"}
+    names = {m.name for m in list_models()}
+    assert REQUIRED_NAMES <= names
+    for m in list_models():
+        spec = reg.for_model(m.name)
+        assert spec.family == m.family and spec.variant(m.name).hf_class == m.hf_class
+        headless = m.name.endswith("-headless")
+        assert spec.variant(m.name).headless == headless
+        assert m.hf_class.endswith("Model") if headless else m.hf_class.endswith(("ForCausalLM", "LMHeadModel"))
+    assert any(d.name == "mappings" for d in mapping_dirs())
+
+
+def test_key_patterns():
+    p = KeyPattern.compile("transformer_decoder.layers.{i}.norm1.{p:weight|bias}")
+    assert p.match("transformer_decoder.layers.12.norm1.bias") == {"i": 12, "p": "bias"}
+    assert p.match("transformer_decoder.layers.12.norm1.gamma") is None
+    assert p.match("transformer_decoder_layers.1.norm1.bias") is None  # dots are literal
+    assert p.format({"i": 3, "p": "weight"}) == "transformer_decoder.layers.3.norm1.weight"
+    with pytest.raises(PatternError, match="groups"):
+        KeyPattern.compile("a.{x:(b|c)}")
+    with pytest.raises(PatternError, match="twice"):
+        KeyPattern.compile("{i}.{i}")
+
+
+def test_expressions_are_a_safe_subset():
+    scope = Scope({"a": 3, "cfg": {"moe": {"k": 2}}})
+    fns = {"sqrt": lambda x: x ** 0.5}
+    assert evaluate("a * 2 + cfg.moe.k if a > 1 else 0", scope, fns) == 8
+    assert evaluate("cfg['moe']['k'] in [1, 2]", scope, fns) is True
+    for bad in ("__import__('os')", "a.__class__", "[x for x in range(3)]", "lambda: 1", "(1).real"):
+        with pytest.raises(ExprError):
+            parse(bad)
+            evaluate(bad, scope, fns)
+
+
+BAD_FAMILIES = [
+    ({"unexpected": 1}, "unknown key"),
+    ({"tensors": [{"cs": "a.{i}", "hf": "b.{j}"}]}, r"uses \{j\}"),
+    ({"tensors": [{"cs": "a", "hf": "b", "op": "transpose(x"}]}, "syntax error"),
+    ({"tensors": [{"cs": "a", "hf": "b", "drop": "why"}]}, "exactly one of"),
+    ({"tensors": [{"cs": "a.{x:(y)}", "hf": "b"}]}, "groups"),
+    ({"include": ["nope"]}, "unknown fragment 'nope'"),
+    ({"tensors": []}, "at least one tensor rule"),
+    ({"config": {"guards": [{"key": "k"}]}}, "allowed"),
+    ({"models": [{"name": "toy", "hf_class": "X"}, {"name": "toy", "hf_class": "Y"}]}, "listed twice"),
+]
+
+
+def toy_family(**changes):
+    doc = {"family": "toy", "model_type": "gpt2", "models": [{"name": "toy", "hf_class": "GPT2Model"}],
+           "tensors": [{"cs": "w.{i}", "hf": "h.{i}.weight"}]}
+    doc.update(changes)
+    return doc
+
+
+@pytest.mark.parametrize("changes,problem", BAD_FAMILIES)
+def test_invalid_yaml_names_file_and_problem(tmp_path, changes, problem):
+    (tmp_path / "toy.yaml").write_text(yaml.safe_dump(toy_family(**changes)))
+    with pytest.raises(MappingError, match=problem) as err:
+        Registry([tmp_path])
+    assert "toy.yaml" in str(err.value)
+
+
+def test_name_clash_between_files(tmp_path):
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump(toy_family()))
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump(toy_family(family="toy2")))
+    with pytest.raises(MappingError, match="model name 'toy' also belongs"):
+        Registry([tmp_path])
+
+
+def test_a_new_family_needs_only_yaml(tmp_path):
+    """A fused-qkv family with a derived config value and a generated buffer, written as YAML only."""
+    shutil.copy(mapping_dirs()[0] / "common.yaml", tmp_path / "common.yaml")
+    (tmp_path / "toy.yaml").write_text(yaml.safe_dump({
+        "family": "toy", "model_type": "toy", "include": ["common"],
+        "models": [{"name": "toy", "hf_class": "ToyForCausalLM", "vars": {"prefix": "m."}}],
+        "config": {"derive": {"width": "hidden_size * 3"},
+                   "guards": [{"key": "norm", "allowed": ["rms"]}],
+                   "hf": {"hidden": "hidden_size", "fused_width": "width",
+                          "act": "lookup('act', {'swiglu': 'silu'})"}},
+        "tensors": [
+            {"cs": "layers.{i}.q", "with": {"k": "layers.{i}.k", "v": "layers.{i}.v"},
+             "emit": [{"hf": "{prefix}h.{i}.qkv", "op": "transpose(concat(x, k, v))"},
+                      {"hf": "{prefix}h.{i}.mask", "op": "causal_mask(4)"}]},
+            {"cs": "norm", "hf": "{prefix}norm", "op": "sub(x, 1.0)"},
+            {"cs": "junk", "drop": "not needed"},
+        ]}))
+    reg = Registry([tmp_path])
+    rng = np.random.default_rng(0)
+    t = {k: RecordingTensor(rng.standard_normal(s).astype(np.float32))
+         for k, s in {"layers.0.q": (2, 2), "layers.0.k": (2, 2), "layers.0.v": (2, 2), "norm": (2,),
+                      "junk": (1,)}.items()}
+    params = tmp_path / "p.yaml"
+    params.write_text(yaml.safe_dump({"model": {"name": "toy", "hidden_size": 2, "norm": "rms", "act": "swiglu",
+                                                "extra": 1}}))
+    hf = to_hf(checkpoint_from_model(tmp_path / "c.mdl", t), config=params, registry=reg)
+    assert [n for n, _ in hf.tensors] == ["m.h.0.qkv", "m.h.0.mask", "m.norm"]
+    qkv = dict(hf.tensors)["m.h.0.qkv"].read_all()
+    ref = np.concatenate([t["layers.0.q"].inner.array, t["layers.0.k"].inner.array, t["layers.0.v"].inner.array]).T
+    np.testing.assert_array_equal(qkv, ref)
+    assert hf.config["fused_width"] == 6 and hf.config["act"] == "silu"
+    assert hf.config["architectures"] == ["ToyForCausalLM"] and hf.config["torch_dtype"] == "float32"
+    assert any("model.extra=1" in w for w in hf.warnings)
+    assert any("junk" in w and "not needed" in w for w in hf.warnings)
+    params.write_text(yaml.safe_dump({"model": {"name": "toy", "hidden_size": 2, "norm": "layer", "act": "swiglu"}}))
+    with pytest.raises(ConfigError, match="norm='layer' cannot be converted"):
+        to_hf(checkpoint_from_model(tmp_path / "c.mdl", t), config=params, registry=reg)

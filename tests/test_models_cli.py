@@ -1,0 +1,42 @@
+"""``ckptfs models``: lists every supported model name with family, HF class and notes."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from ckptfs.cli import main
+from ckptfs.mapping.registry import list_models
+
+
+def test_table_lists_every_name(capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["MODEL", "FAMILY", "HF"]
+    first_words = [line.split()[0] for line in lines[1:] if line and not line.startswith(" ")]
+    assert first_words == [m.name for m in list_models()]
+    for m in list_models():
+        row = next(line for line in lines if line.split()[0] == m.name)
+        assert m.family in row.split() and m.hf_class in row.split()
+
+
+def test_json_output(capsys):
+    assert main(["models", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["name"], r["family"], r["hf_class"], r["notes"]) for r in rows] == \
+        [(m.name, m.family, m.hf_class, m.notes) for m in list_models()]
+    assert {"gpt2", "gpt2-headless", "llamaV2-headless", "mixtral-headless", "gemma2"} <= {r["name"] for r in rows}
+
+
+def test_filter_and_unknown(capsys):
+    assert main(["models", "mixtral", "--json"]) == 0
+    assert {r["name"] for r in json.loads(capsys.readouterr().out)} == {"mixtral", "mixtral-headless"}
+    assert main(["models", "bert"]) == 2
+    assert "unknown model 'bert'" in capsys.readouterr().err
+
+
+def test_runs_as_a_program():
+    out = subprocess.run([sys.executable, "-m", "ckptfs", "models", "--hide-notes"], capture_output=True,
+                         text=True, check=True).stdout
+    assert "code-llama-headless" in out and "NOTES" not in out
