@@ -1,0 +1,86 @@
+"""The Hugging Face view: config.json, generation_config.json, safetensors and pytorch_model.bin weights with
+their index files, all computed from the mapping core's virtual tensors (nothing read until a byte is asked for)."""
+from __future__ import annotations
+
+import json
+
+from ..errors import CkptfsError
+from ..tensor import VirtualTensor
+from .base import BytesFile, ViewResult
+
+
+class Alias(VirtualTensor):
+    """The same data under a second name (safetensors cannot share bytes between names)."""
+
+    def __init__(self, target: VirtualTensor):
+        super().__init__(target.shape, target.dtype)
+        self.target = target
+
+    def read(self, box):
+        return self.target.read(box)
+
+    def sources(self):
+        return [self.target]
+
+    def describe(self) -> str:
+        return "alias of " + self.target.describe()
+
+
+def _json_file(obj) -> BytesFile:
+    return BytesFile(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def _untie(named: list) -> list:
+    """Give every name its own tensor object (for safetensors, where each name owns its bytes)."""
+    seen: set[int] = set()
+    out = []
+    for name, t in named:
+        if id(t) in seen:
+            t = Alias(t)
+        seen.add(id(t))
+        out.append((name, t))
+    return out
+
+
+def weight_files(named: list, *, max_shard_size: int, zip_crc: str, crc_store=None, identity: str | None = None) -> dict:
+    """Both HF weight formats for ``named`` [(hf name, tensor)]: {relative path: VFile}."""
+    from ..layouts.safetensors import SafetensorsLayout
+    from ..layouts.shards import index_json, plan_shards, shard_filenames
+    from ..layouts.torchzip import TorchZipLayout
+    from collections import OrderedDict
+
+    files: dict = {}
+    st_named = _untie(named)
+    shards = plan_shards(st_named, max_shard_size)
+    names = shard_filenames("model", ".safetensors", len(shards))
+    for fname, shard in zip(names, shards):
+        files[fname] = SafetensorsLayout(shard, metadata={"format": "pt"})
+    files["model.safetensors.index.json"] = BytesFile(index_json(shards, names))
+
+    shards = plan_shards(named, max_shard_size)
+    names = shard_filenames("pytorch_model", ".bin", len(shards))
+    for fname, shard in zip(names, shards):
+        ident = f"{identity}:{fname}" if identity else None
+        files[fname] = TorchZipLayout(OrderedDict(shard), fname.rsplit(".", 1)[0], crc=zip_crc,
+                                      crc_store=crc_store, identity=ident)
+    files["pytorch_model.bin.index.json"] = BytesFile(index_json(shards, names))
+    return files
+
+
+def build(ctx) -> ViewResult:
+    from ..mapping.convert import to_hf
+
+    opts = ctx.options
+    try:
+        hf = to_hf(ctx.checkpoint, config=opts.config, model=opts.model, trainer_index=opts.trainer_index)
+    except CkptfsError as e:
+        return ViewResult(missing=f"Hugging Face files not generated: {e.problem}")
+    files = {"config.json": _json_file(hf.config)}
+    if hf.generation_config:
+        files["generation_config.json"] = _json_file(hf.generation_config)
+    files.update(weight_files(hf.tensors, max_shard_size=opts.max_shard_size, zip_crc=opts.zip_crc,
+                              crc_store=getattr(ctx, "crc_store", None), identity=getattr(ctx, "identity", None)))
+    notes = [f"hf: family {hf.family} (model name {hf.model_name}), class {hf.hf_class}"
+             + (f", params {hf.params_path}" if hf.params_path else "")]
+    notes += [f"hf: {w}" for w in hf.warnings]
+    return ViewResult(files=files, notes=notes)
