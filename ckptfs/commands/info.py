@@ -1,0 +1,150 @@
+"""``ckptfs info CKPT [--json] [--allow-partial]``: what a checkpoint is and holds, from metadata only.
+
+Format version, writing release, success flag, tensor count and bytes by dtype, other leaves,
+top-level keys, detected model family and the catalog's warnings. No tensor data is read.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from ..errors import CkptfsError
+from ..source import open_checkpoint
+from ..source.catalog import Checkpoint, Container, OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser(
+        "info", help="summarise a Cerebras checkpoint (format, release, tensors, model family)",
+        description="Summarise a Cerebras checkpoint from its metadata: format version, the release that wrote it, "
+                    "whether the save completed, tensors and bytes by dtype, top-level keys and the model family.")
+    p.add_argument("ckpt", metavar="CKPT", help="checkpoint .mdl file, or a model_dir (its latest checkpoint)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--allow-partial", action="store_true",
+                   help="open a partially written checkpoint, salvaging what its datasets describe")
+    return p
+
+
+@dataclass
+class DtypeTotal:
+    tensors: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class FamilyInfo:
+    family: str | None
+    model_name: str | None
+    reason: str
+
+
+@dataclass
+class Summary:
+    path: str
+    format_version: float
+    release: str | None
+    success: bool
+    tensors: int
+    total_bytes: int
+    by_dtype: dict  # dtype name -> DtypeTotal
+    values: int
+    opaque: int
+    unreadable: dict  # flat key -> reason
+    aliases: int
+    top_level_keys: list
+    root_kind: str
+    family: FamilyInfo
+    warnings: list = field(default_factory=list)
+
+
+def detect(ckpt: Checkpoint) -> FamilyInfo:
+    """The model family, from the mapping core if it is installed."""
+    try:
+        from ..mapping.detect import detect_family
+    except ImportError:
+        return FamilyInfo(None, None, "mapping core not available")
+    try:
+        d = detect_family(ckpt, config=None, model=None)
+    except CkptfsError as e:
+        return FamilyInfo(None, None, e.problem)
+    return FamilyInfo(getattr(d, "family", None), getattr(d, "model_name", None), str(getattr(d, "reason", "") or ""))
+
+
+def summarize(ckpt: Checkpoint) -> Summary:
+    by_dtype: dict = {}
+    seen: set = set()
+    values = opaque = 0
+    unreadable: dict = {}
+    for key, leaf in ckpt.leaves.items():
+        if key in ckpt.links or id(leaf) in seen:
+            continue
+        seen.add(id(leaf))
+        if isinstance(leaf, TensorLeaf):
+            t = by_dtype.setdefault(leaf.tensor.dtype.name, DtypeTotal())
+            t.tensors += 1
+            t.bytes += leaf.tensor.nbytes
+        elif isinstance(leaf, ValueLeaf):
+            values += 1
+        elif isinstance(leaf, OpaqueLeaf):
+            opaque += 1
+        elif isinstance(leaf, UnreadableLeaf):
+            unreadable[key] = leaf.reason
+    root = ckpt.root
+    if isinstance(root, Container):
+        kind = root.kind
+        top = [k if isinstance(k, (str, int, float, bool)) or k is None else str(k) for k in root.keys] \
+            if root.keys is not None else list(range(len(root.children)))
+    else:
+        kind, top = "leaf", []
+    return Summary(
+        path=str(ckpt.path), format_version=ckpt.format_version, release=ckpt.release, success=ckpt.success,
+        tensors=sum(t.tensors for t in by_dtype.values()), total_bytes=sum(t.bytes for t in by_dtype.values()),
+        by_dtype=dict(sorted(by_dtype.items(), key=lambda kv: -kv[1].bytes)), values=values, opaque=opaque,
+        unreadable=unreadable, aliases=len(ckpt.links), top_level_keys=top, root_kind=kind, family=detect(ckpt),
+        warnings=list(ckpt.warnings))
+
+
+def human_bytes(n: int) -> str:
+    v = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if v < 1024 or unit == "TiB":
+            return f"{int(v)} B" if unit == "B" else f"{v:.1f} {unit}"
+        v /= 1024
+    return f"{n} B"
+
+
+def family_line(f: FamilyInfo) -> str:
+    if not f.family:
+        return f"unknown ({f.reason})" if f.reason else "unknown"
+    name = f" ({f.model_name})" if f.model_name else ""
+    why = f": {f.reason}" if f.reason else ""
+    return f"{f.family}{name}{why}"
+
+
+def format_text(s: Summary) -> str:
+    lines = [f"checkpoint: {s.path}",
+             f"format: {s.format_version:g} (written by release {s.release or 'unknown'})",
+             "complete: " + ("yes (__SUCCESS__ set)" if s.success else "no (partial save; opened with --allow-partial)"),
+             f"family: {family_line(s.family)}",
+             f"top-level keys ({s.root_kind}): " + (", ".join(str(k) for k in s.top_level_keys) or "(none)"),
+             f"tensors: {s.tensors} ({human_bytes(s.total_bytes)}, {s.total_bytes} bytes)"]
+    w = max((len(k) for k in s.by_dtype), default=0)
+    for name, t in s.by_dtype.items():
+        lines.append(f"  {name:<{w}}  {t.tensors:>6} tensors  {t.bytes:>14} bytes")
+    lines.append(f"other leaves: {s.values} values, {s.opaque} opaque pickled objects, {len(s.unreadable)} unreadable; "
+                 f"{s.aliases} aliases (links)")
+    for key, reason in s.unreadable.items():
+        lines.append(f"  unreadable {key}: {reason}")
+    for msg in s.warnings:
+        lines.append(f"warning: {msg}")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    with open_checkpoint(args.ckpt, allow_partial=args.allow_partial) as ckpt:
+        s = summarize(ckpt)
+    if args.json:
+        print(json.dumps(asdict(s), indent=2, default=str))
+    else:
+        print(format_text(s))
+    return 0

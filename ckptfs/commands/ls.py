@@ -1,0 +1,74 @@
+"""``ckptfs ls CKPT [-l] [--allow-partial]``: a checkpoint's key tree, nesting shown by indentation.
+
+Containers end in ``/`` (sequence items are ``[i]``); an alias (link) is marked ``-> target key``;
+``-l`` adds each tensor's shape and dtype, each value, and what opaque/unreadable leaves are.
+"""
+from __future__ import annotations
+
+import sys
+
+from ..source import open_checkpoint
+from ..source.catalog import Container, OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
+from ..source.walk import Entry, walk
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser("ls", help="list a checkpoint's key tree",
+                              description="List a Cerebras checkpoint's keys as a tree (indentation shows nesting; "
+                                          "'-> key' marks an alias of another key).")
+    p.add_argument("ckpt", metavar="CKPT", help="checkpoint .mdl file, or a model_dir (its latest checkpoint)")
+    p.add_argument("-l", "--long", action="store_true", help="also show shapes, dtypes and values")
+    p.add_argument("--allow-partial", action="store_true",
+                   help="open a partially written checkpoint, salvaging what its datasets describe")
+    return p
+
+
+def _name(e: Entry, parent_is_seq: bool) -> str:
+    return f"[{e.name}]" if parent_is_seq else str(e.name)
+
+
+def leaf_detail(leaf) -> str:
+    if isinstance(leaf, TensorLeaf):
+        t = leaf.tensor
+        return f"{list(t.shape)} {t.dtype.name}" + (" (numpy)" if leaf.numpy else "")
+    if isinstance(leaf, ValueLeaf):
+        r = repr(leaf.value)
+        return f"= {r if len(r) <= 80 else r[:77] + '...'}"
+    if isinstance(leaf, OpaqueLeaf):
+        return f"opaque pickled object, {len(leaf.data)} bytes"
+    if isinstance(leaf, UnreadableLeaf):
+        return f"unreadable: {leaf.reason}"
+    return ""
+
+
+def format_lines(ckpt, long: bool = False):
+    seq_depths: dict[int, bool] = {0: isinstance(ckpt.root, Container) and ckpt.root.keys is None}
+    if not isinstance(ckpt.root, Container):
+        leaf = ckpt.root
+        yield "(a single leaf)" + (f"  {leaf_detail(leaf)}" if long else "")
+        return
+    for e in walk(ckpt):
+        name = _name(e, seq_depths.get(e.depth, False))
+        pad = "  " * e.depth
+        if isinstance(e.node, Container):
+            seq_depths[e.depth + 1] = e.node.keys is None
+            n = len(e.node.children)
+            extra = f"  ({e.node.kind}, {n} {'entry' if n == 1 else 'entries'})" if long else ""
+            yield f"{pad}{name}/{extra}"
+            continue
+        line = f"{pad}{name}"
+        if e.link_target is not None:
+            line += f" -> {e.link_target}"
+        if long:
+            line += f"  {leaf_detail(e.node)}"
+        yield line
+
+
+def run(args) -> int:
+    with open_checkpoint(args.ckpt, allow_partial=args.allow_partial) as ckpt:
+        out = sys.stdout
+        for line in format_lines(ckpt, args.long):
+            out.write(line + "\n")
+        for msg in ckpt.warnings:
+            print(f"warning: {msg}", file=sys.stderr)
+    return 0

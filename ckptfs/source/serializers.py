@@ -1,0 +1,205 @@
+"""One serialized object's metadata (format 0.5, ``__TYPE__`` = a cstorch serializer) -> a Leaf.
+
+No tensor data is read here: tensors become lazy ``H5DatasetTensor``/``FullTensor``/
+``SafetensorsTensor`` objects. Only small things are read at catalog time: a pickled object's bytes
+(kept opaque, never unpickled) and, for numpy leaves, the dataset's shape and element type.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .. import dtypes
+from ..dtypes import BFLOAT16, DType
+from ..errors import TensorReadError
+from .catalog import OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
+from .h5store import ExternalFiles, H5Store, one_line
+from .tensors import FullTensor, H5DatasetTensor, SafetensorsTensor
+
+#: RtFxProto element types (``rtfx_dtypes``) -> dtype name
+RTFX_DTYPES = {1: "bool", 3: "int16", 4: "int32", 5: "int64", 6: "uint8", 7: "uint16", 8: "uint32", 9: "uint64",
+               10: "float16", 11: "float32", 12: "float64", 15: "bfloat16"}
+
+
+@dataclass
+class Link:
+    """A LinkedObject: the value is the one stored under top-level key ``target``."""
+
+    target: str
+
+
+@dataclass
+class Unresolved:
+    """An external tensor whose shape/dtype are not known yet (target missing): ``make(shape, dtype)``
+    builds it once an enclosing serializer supplies them; otherwise it is unreadable for ``reason``."""
+
+    reason: str
+    make: Callable[[tuple, DType], object]
+
+
+def tensor_dtype(md: dict) -> DType:
+    """The torch dtype of TorchTensorSerializer-style metadata (``dtypes`` or ``rtfx_dtypes``)."""
+    names = md.get("dtypes") or md.get("dtype")
+    name = names[0] if isinstance(names, list) and names else names
+    if isinstance(name, str):
+        return dtypes.by_name(name)
+    rt = md.get("rtfx_dtypes")
+    if isinstance(rt, list) and rt and rt[0] in RTFX_DTYPES:
+        return dtypes.BY_NAME[RTFX_DTYPES[rt[0]]]
+    raise KeyError("metadata names no dtype")
+
+
+def tensor_shape(md: dict) -> tuple:
+    shapes = md.get("shapes")
+    if isinstance(shapes, list) and shapes and isinstance(shapes[0], list):
+        return tuple(int(n) for n in shapes[0])
+    shape = md.get("shape")
+    if isinstance(shape, list):
+        return tuple(int(n) for n in shape)
+    raise KeyError("metadata names no shape")
+
+
+def attrs_to_metadata(attrs) -> dict:
+    """A dataset's HDF5 attributes (which duplicate its leaf metadata) as JSON-like metadata."""
+    out = {}
+    for k, v in attrs.items():
+        if k == "__BYTES__":
+            out[k] = True
+            continue
+        if isinstance(v, np.ndarray):
+            v = v.tolist()
+        elif isinstance(v, np.generic):
+            v = v.item()
+        if isinstance(v, bytes):
+            v = v.decode("utf-8", "replace")
+        if isinstance(v, list):
+            v = [x.decode("utf-8", "replace") if isinstance(x, bytes) else x for x in v]
+        out[k] = v
+    return out
+
+
+class LeafFactory:
+    """Builds Leaves of one checkpoint from serializer metadata."""
+
+    def __init__(self, store: H5Store, externals: ExternalFiles, warnings: list):
+        self.store = store
+        self.externals = externals
+        self.warnings = warnings
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.store.checkpoint_path
+
+    def from_metadata(self, key: str, name: str, md: dict, store: H5Store | None = None):
+        """Leaf (or Link / Unresolved) for the object stored as dataset ``name`` with metadata ``md``."""
+        store = store or self.store
+        if not isinstance(md, dict):
+            return UnreadableLeaf(key, "metadata is not a JSON object")
+        t = md.get("__TYPE__")
+        try:
+            if t == "LinkedObject":
+                return Link(str(md["key"]))
+            if t == "ScalarSerializer":
+                return ValueLeaf(key, md.get("scalar_value"))
+            if t == "StringSerializer":
+                return ValueLeaf(key, md.get("string_value"))
+            if t == "NoneSerializer":
+                return ValueLeaf(key, None)
+            if t in ("DeferredFullTensor", "FullTensor"):
+                return TensorLeaf(key, FullTensor(tensor_shape(md), tensor_dtype(md), md.get("fill_value")))
+            if t == "DeferredSafeTensor":
+                return self._safetensor(key, md)
+            if t in ("DeferredNumpyArray", "DeferredObject"):
+                return self._external_object(key, md)
+            if md.get("__RTFX__"):
+                return UnreadableLeaf(key, "raw RtFx object written by an S3 weight host (not in this file)")
+            if md.get("__NUMPY__"):
+                if t == "NumpyArraySerializer" or not md.get("__TORCH__"):
+                    return self._numpy(key, name, md, store)
+                return TensorLeaf(key, H5DatasetTensor(store, name, key, tensor_shape(md), tensor_dtype(md)))
+            if md.get("__BYTES__") or t == "ObjectSerializer":
+                return self._opaque(key, name, store)
+        except (KeyError, TypeError, ValueError) as e:
+            return UnreadableLeaf(key, f"{t or 'object'} metadata is malformed ({one_line(e)})")
+        return UnreadableLeaf(key, f"unknown serializer {t!r}")
+
+    # -- kinds needing the file at catalog time --------------------------------------------------------
+    def _dataset(self, name: str, store: H5Store, key: str):
+        f = store.file(f"tensor {key}")
+        d = f.get(name)
+        if d is None or not hasattr(d, "shape"):
+            raise TensorReadError(self.checkpoint_path, f"tensor {key}: dataset {name!r} is missing")
+        return d
+
+    def _numpy(self, key: str, name: str, md: dict, store: H5Store):
+        try:
+            d = self._dataset(name, store, key)
+            shape = tuple(d.shape or ())
+            dt = BFLOAT16 if md.get("is_bfloat16") else dtypes.from_numpy(d.dtype)
+        except TensorReadError as e:
+            return UnreadableLeaf(key, e.problem)
+        except KeyError as e:
+            return UnreadableLeaf(key, f"numpy array of unsupported element type ({one_line(e)})")
+        return TensorLeaf(key, H5DatasetTensor(store, name, key, shape, dt), numpy=True)
+
+    def _opaque(self, key: str, name: str, store: H5Store):
+        try:
+            d = self._dataset(name, store, key)
+            if "__BYTES__" in d.attrs:
+                data = np.asarray(d.attrs["__BYTES__"]).tobytes()
+            elif "object_value" in d.attrs:
+                data = bytes.fromhex(str(d.attrs["object_value"]))
+            else:
+                return UnreadableLeaf(key, "pickled object without its __BYTES__ attribute")
+        except TensorReadError as e:
+            return UnreadableLeaf(key, e.problem)
+        except (OSError, ValueError) as e:
+            return UnreadableLeaf(key, f"pickled object bytes cannot be read ({one_line(e)})")
+        return OpaqueLeaf(key, data)
+
+    # -- references to other files ---------------------------------------------------------------------
+    def _safetensor(self, key: str, md: dict):
+        ref = str(md["path"])
+        name = str(md["key"])
+        path = self.externals.resolve(ref)
+        ckpt = self.checkpoint_path
+
+        def make(shape, dt):
+            return SafetensorsTensor(path, name, shape, dt, key, ckpt, referenced_as=ref)
+
+        if not path.exists():
+            self.warnings.append(f"{key}: external safetensors file {path} not found (referenced as {ref!r})")
+            return Unresolved(f"external safetensors file {path} not found (referenced as {ref!r})", make)
+        from .safetensors_ref import read_safetensors_header
+
+        try:
+            entry = read_safetensors_header(path).get(name)
+        except (OSError, ValueError) as e:
+            return Unresolved(f"external safetensors file {path.name}: {one_line(e)}", make)
+        if entry is None:
+            return Unresolved(f"external safetensors file {path.name} has no tensor {name!r}", make)
+        return TensorLeaf(key, make(entry.shape, entry.dtype))
+
+    def _external_object(self, key: str, md: dict):
+        ref = str(md["path"])
+        store = self.externals.h5(ref)
+        inner = md.get("metadata")
+        if not store.path.exists():
+            self.warnings.append(f"{key}: external file {store.path} not found (referenced as {ref!r})")
+        if isinstance(inner, dict) and inner:
+            leaf = self.from_metadata(key, str(md["key"]), inner, store)
+            if isinstance(leaf, UnreadableLeaf) and not store.path.exists():
+                name = str(md["key"])
+                return Unresolved(leaf.reason, lambda shape, dt: H5DatasetTensor(store, name, key, shape, dt))
+            return leaf
+        # no stored metadata: the target dataset's own attributes describe it
+        name = str(md["key"])
+        try:
+            d = self._dataset(name, store, key)
+            inner = attrs_to_metadata(d.attrs)
+        except TensorReadError as e:
+            return Unresolved(e.problem, lambda shape, dt: H5DatasetTensor(store, name, key, shape, dt))
+        return self.from_metadata(key, name, inner, store)

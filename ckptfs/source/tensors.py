@@ -1,0 +1,243 @@
+"""The source tensors of a checkpoint: VirtualTensors whose ``read(box)`` reads only that box.
+
+* ``H5DatasetTensor``: a dataset of the checkpoint (or of an external .mdl), read by an h5py
+  hyperslab selection of exactly the box, so only the chunks it touches are decompressed.
+* ``FullTensor``: a constant-fill tensor (DeferredFullTensor) with no data on disk.
+* ``FileRegionTensor``: raw little-endian C-order elements at an offset of a plain file
+  (a .safetensors data block, a legacy DeferredFileTensor file), read run by run.
+
+Any failure while reading becomes ``TensorReadError(checkpoint path, "tensor <key>: <problem>")``.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+import numpy as np
+
+from ..dtypes import BFLOAT16, DType
+from ..errors import TensorReadError
+from ..tensor import Box, VirtualTensor, box_shape
+from .h5store import H5Store, one_line
+
+
+def _shape_str(shape) -> str:
+    return "[" + ", ".join(str(n) for n in shape) + "]"
+
+
+class H5DatasetTensor(VirtualTensor):
+    """Dataset ``name`` of an HDF5 file; shape and dtype come from the checkpoint's metadata."""
+
+    def __init__(self, store: H5Store, name: str, key: str, shape, dtype: DType):
+        super().__init__(shape, dtype)
+        self.store = store
+        self.name = name  # dataset path inside the file (h5py follows '/' as groups)
+        self.key = key  # flat key, for messages
+        self._dset = None
+
+    def describe(self) -> str:
+        where = "" if self.store.path == self.store.checkpoint_path else f" of {self.store.path.name}"
+        return f"h5 dataset {self.name!r}{where} {_shape_str(self.shape)} {self.dtype.name}"
+
+    def _fail(self, problem) -> TensorReadError:
+        return TensorReadError(self.store.checkpoint_path, f"tensor {self.key}: {one_line(problem)}")
+
+    def dataset(self):
+        """The h5py Dataset, checked against the metadata shape and element size (no data read)."""
+        d = self._dset
+        if d is not None:
+            return d
+        f = self.store.file(f"tensor {self.key}")
+        try:
+            d = f.get(self.name)
+        except (OSError, KeyError, ValueError, RuntimeError) as e:
+            raise self._fail(f"cannot open dataset {self.name!r}: {e}") from e
+        if d is None:
+            raise self._fail(f"dataset {self.name!r} is missing from {self.store.path.name}")
+        if not hasattr(d, "shape") or not hasattr(d, "dtype"):
+            raise self._fail(f"{self.name!r} is a group, not a dataset")
+        if d.shape is None:
+            raise self._fail(f"dataset {self.name!r} holds no data (null dataspace)")
+        if tuple(d.shape) != self.shape:
+            raise self._fail(f"dataset shape {_shape_str(d.shape)} does not match the metadata {_shape_str(self.shape)}")
+        if d.dtype.itemsize != self.dtype.itemsize or d.dtype.kind not in "biufc":
+            raise self._fail(f"dataset element type {d.dtype} does not fit {self.dtype.name}")
+        self._dset = d
+        return d
+
+    def read(self, box: Box) -> np.ndarray:
+        shape = box_shape(box)
+        st = self.dtype.storage
+        if self.ndim and math.prod(shape) == 0:
+            return np.empty(shape, st)
+        d = self.dataset()
+        try:
+            if self.ndim == 0:
+                arr = np.asarray(d[()])
+            else:
+                arr = d[tuple(slice(a, b) for a, b in box)]
+        except (OSError, KeyError, ValueError, RuntimeError, TypeError) as e:
+            raise self._fail(e) from e
+        return _to_storage(np.asarray(arr), st).reshape(shape)
+
+
+def _to_storage(arr: np.ndarray, st: np.dtype) -> np.ndarray:
+    """Reinterpret/convert an array read from disk to the DType's storage (bf16 int16 bits -> '<u2').
+
+    C-contiguous, but may come back 1-d for a 0-d input: callers reshape to the box.
+    """
+    if arr.dtype == st:
+        return np.ascontiguousarray(arr)
+    if arr.dtype.kind in "iu" and st.kind in "iu" and arr.dtype.itemsize == st.itemsize:
+        le = arr.dtype.newbyteorder("<")
+        return np.ascontiguousarray(arr, dtype=le).view(st)  # same bits, other integer type
+    return np.ascontiguousarray(arr.astype(st))
+
+
+def float_to_bf16_bits(value: float) -> int:
+    """Round a float to bfloat16 (nearest-even, as torch does) and return its 16-bit pattern."""
+    u = int(np.array(value, dtype=np.float32).view(np.uint32))
+    if (u & 0x7F800000) == 0x7F800000 and (u & 0x007FFFFF):
+        return 0x7FC0 | ((u >> 16) & 0x8000)  # NaN
+    u += 0x7FFF + ((u >> 16) & 1)
+    return (u >> 16) & 0xFFFF
+
+
+def fill_element(value, dtype: DType):
+    """The storage element for a constant fill ``value`` (None -> zero)."""
+    if value is None:
+        value = 0
+    if dtype is BFLOAT16 or dtype.name == "bfloat16":
+        return np.uint16(float_to_bf16_bits(float(value)))
+    if dtype.name == "bool":
+        return np.bool_(bool(value))
+    if not dtype.npy_native:
+        raise ValueError(f"constant fill of {dtype.name} is not supported")
+    return np.array(value).astype(dtype.storage)[()]
+
+
+class FullTensor(VirtualTensor):
+    """A tensor whose every element is ``fill`` (DeferredFullTensor; ``fill=None`` means zeros)."""
+
+    def __init__(self, shape, dtype: DType, fill):
+        super().__init__(shape, dtype)
+        self.fill = fill
+        self._elem = fill_element(fill, dtype)
+
+    def describe(self) -> str:
+        v = "uninitialised (zeros)" if self.fill is None else repr(self.fill)
+        return f"constant {v} {_shape_str(self.shape)} {self.dtype.name}"
+
+    def read(self, box: Box) -> np.ndarray:
+        return np.full(box_shape(box), self._elem, dtype=self.dtype.storage)
+
+
+def box_runs(shape, box) -> list[tuple[int, int]]:
+    """The box as C-order ``(first element, element count)`` runs of consecutive elements.
+
+    Trailing dimensions the box covers completely are merged, so a row range is one run.
+    """
+    shape = tuple(int(n) for n in shape)
+    box = tuple((int(a), int(b)) for a, b in box)
+    if not shape:
+        return [(0, 1)]
+    k = len(shape) - 1  # the box covers dims k+1.. fully
+    while k > 0 and box[k] == (0, shape[k]):
+        k -= 1
+    inner = math.prod(shape[k + 1:])
+    run = (box[k][1] - box[k][0]) * inner
+    if run == 0 or any(b <= a for a, b in box[:k]):
+        return []
+    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    runs = []
+    for idx in itertools.product(*(range(a, b) for a, b in box[:k])):
+        start = sum(i * s for i, s in zip(idx, strides)) + box[k][0] * strides[k]
+        runs.append((start, run))
+    return runs
+
+
+class FileRegionTensor(VirtualTensor):
+    """Raw little-endian C-order elements of a plain file starting at ``offset``."""
+
+    def __init__(self, path: Path, offset: int, shape, dtype: DType, key: str, checkpoint_path: Path,
+                 referenced_as: str | None = None, what: str = "file"):
+        super().__init__(shape, dtype)
+        self.path = Path(path)
+        self.offset = int(offset)
+        self.key = key
+        self.checkpoint_path = Path(checkpoint_path)
+        self.referenced_as = referenced_as
+        self.what = what
+
+    def describe(self) -> str:
+        return f"{self.what} {self.path.name} @{self.offset} {_shape_str(self.shape)} {self.dtype.name}"
+
+    def _fail(self, problem) -> TensorReadError:
+        return TensorReadError(self.checkpoint_path, f"tensor {self.key}: {one_line(problem)}")
+
+    def _missing(self) -> TensorReadError:
+        ref = f" (referenced as {self.referenced_as!r})" if self.referenced_as else ""
+        return self._fail(f"external {self.what} {self.path} not found{ref}")
+
+    def data_offset(self) -> int:
+        """Absolute offset of the first element in the file."""
+        return self.offset
+
+    def read(self, box: Box) -> np.ndarray:
+        shape = box_shape(box)
+        st = self.dtype.storage
+        runs = box_runs(self.shape, box)
+        item = st.itemsize
+        out = np.empty(math.prod(shape), dtype=st)
+        if not runs:
+            return out.reshape(shape)
+        if not self.path.exists():
+            raise self._missing()
+        base = self.data_offset()
+        buf = out.view(np.uint8)
+        pos = 0
+        try:
+            with open(self.path, "rb") as fh:
+                for start, n in runs:
+                    fh.seek(base + start * item)
+                    nb = n * item
+                    got = fh.readinto(memoryview(buf)[pos:pos + nb])
+                    if got != nb:
+                        raise self._fail(f"external {self.what} {self.path.name} is truncated")
+                    pos += nb
+        except OSError as e:
+            raise self._fail(e) from e
+        return out.reshape(shape)
+
+
+class SafetensorsTensor(FileRegionTensor):
+    """Tensor ``name`` of an external .safetensors file (DeferredSafeTensor); the header is read on
+    first use and checked against the shape and dtype the catalog announced."""
+
+    def __init__(self, path: Path, name: str, shape, dtype: DType, key: str, checkpoint_path: Path,
+                 referenced_as: str | None = None):
+        super().__init__(path, -1, shape, dtype, key, checkpoint_path, referenced_as, what="safetensors file")
+        self.name = name
+
+    def describe(self) -> str:
+        return f"safetensors {self.path.name}:{self.name} {_shape_str(self.shape)} {self.dtype.name}"
+
+    def data_offset(self) -> int:
+        if self.offset >= 0:
+            return self.offset
+        from .safetensors_ref import read_safetensors_header
+
+        if not self.path.exists():
+            raise self._missing()
+        try:
+            entry = read_safetensors_header(self.path).get(self.name)
+        except (OSError, ValueError) as e:
+            raise self._fail(f"safetensors file {self.path.name}: {e}") from e
+        if entry is None:
+            raise self._fail(f"safetensors file {self.path.name} has no tensor {self.name!r}")
+        if entry.shape != self.shape or entry.dtype != self.dtype:
+            raise self._fail(f"safetensors tensor {self.name!r} is {_shape_str(entry.shape)} {entry.dtype.name}, "
+                             f"expected {_shape_str(self.shape)} {self.dtype.name}")
+        self.offset = entry.offset
+        return self.offset
