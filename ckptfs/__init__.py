@@ -1,2 +1,7 @@
-"""ckptfs: Cerebras checkpoints as a read-only filesystem of converted files, generated on read."""
+"""ckptfs: Cerebras checkpoints as a read-only filesystem of converted files, generated on read.
+
+Python API: ``ckptfs.open`` (the virtual tree), ``ckptfs.export`` (one file), ``ckptfs.load`` (the state dict).
+"""
 __version__ = "0.1.0"
+
+from .api import export, load, open  # noqa: E402,F401

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..cache import DEFAULT_CACHE_BYTES
 
@@ -51,3 +51,20 @@ class ViewResult:
     files: dict = field(default_factory=dict)  # relative path -> VFile
     missing: str | None = None  # why the view (or part of it) is absent
     notes: list = field(default_factory=list)  # lines for README.txt (dropped keys, opaque objects…)
+
+
+@dataclass
+class ViewContext:
+    """What ``ckptfs.views.<name>.build(ctx) -> ViewResult`` receives (built once per mount by ``vfs.build_tree``).
+
+    A view's ``ViewResult.files`` paths are relative to the view's own directory ``<name>/`` in the mount
+    (``hf`` returning ``config.json`` appears as ``hf/config.json``); a path that already starts with
+    ``<name>/`` is taken as is.
+    """
+
+    checkpoint: Any  # ckptfs.source.catalog.Checkpoint (from ckptfs.source.open_checkpoint)
+    ckpt_path: Path  # the resolved .mdl file
+    stem: str  # ckpt_path's name without suffix ("checkpoint" for checkpoint.mdl)
+    options: MountOptions
+    crc_store: Any = None  # ckptfs.layouts.crc.CrcStore persisting zip CRCs across mounts (None: not persisted)
+    identity: str | None = None  # the checkpoint file (realpath, size, mtime, inode) + content-shaping options

@@ -1,0 +1,65 @@
+"""The Python API: everything the mount shows, without FUSE.
+
+    import ckptfs
+    tree = ckptfs.open("checkpoint_1000.mdl")             # same files as `ckptfs mount`
+    tree.listdir("")                                       # ['README.txt', 'config.json', ..., 'cs', 'tensors', 'torch']
+    head = tree.read("model.safetensors", 0, 8)            # any byte range of any file, computed on demand
+    ckptfs.export("checkpoint_1000.mdl", "pytorch_model.bin", "out.bin")
+    state = ckptfs.load("checkpoint_1000.mdl")             # the state dict as torch objects, nothing unpickled
+"""
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+
+from .views.base import MountOptions
+
+
+def _options(**kw) -> MountOptions:
+    known = {f.name for f in fields(MountOptions)}
+    bad = set(kw) - known
+    if bad:
+        raise TypeError(f"unknown option(s) {sorted(bad)}; known: {sorted(known)}")
+    if isinstance(kw.get("max_shard_size"), str) or isinstance(kw.get("cache_size"), str):
+        from .layouts.units import parse_size
+
+        for k in ("max_shard_size", "cache_size"):
+            if isinstance(kw.get(k), str):
+                kw[k] = parse_size(kw[k])
+    if isinstance(kw.get("views"), str):
+        kw["views"] = tuple(v.strip() for v in kw["views"].split(",") if v.strip())
+    return MountOptions(**kw)
+
+
+def open(ckpt, **options):  # noqa: A001 - mirrors the file-system verb
+    """The virtual tree of a checkpoint (a .mdl file or a model_dir): ``listdir``, ``attr``, ``read``, ``iter_blocks``.
+
+    Options are MountOptions fields: config, model, trainer_index, views, max_shard_size ("5GB"), zip_crc,
+    cache_size ("256MiB"), allow_partial, data_iter_dir, shuffle_seed.
+    """
+    from .cache import set_default_cache_size
+    from .vfs import build_tree
+
+    opts = _options(**options)
+    set_default_cache_size(opts.cache_size)
+    return build_tree(Path(ckpt), opts)
+
+
+def export(ckpt, virtual_path: str, dest, **options) -> int:
+    """Write one virtual file to ``dest`` (a file path, an existing directory, or "-" for stdout); returns its size."""
+    from .commands.export import export_file
+
+    tree = open(ckpt, **options)
+    try:
+        return export_file(tree, virtual_path, dest)
+    finally:
+        tree.close()
+
+
+def load(ckpt, *, allow_partial: bool = False):
+    """The checkpoint's state as torch objects — a safe ``cstorch.load``: pickled objects stay ``Opaque`` bytes."""
+    from .source import open_checkpoint, resolve_checkpoint
+    from .source.materialize import to_torch
+
+    with open_checkpoint(resolve_checkpoint(Path(ckpt)), allow_partial=allow_partial) as c:
+        return to_torch(c)

@@ -1,0 +1,241 @@
+"""The thin FUSE adapter: mfusepy operations serving a ``VirtualTree`` read-only, in page-cache mode.
+
+All the logic (paths, sizes, inodes, bytes) lives in ``ckptfs.vfs``; this module only translates FUSE calls and
+errors. Choices (see docs/fuse-bindings-and-throughput.md §0, §6): libfuse 3 loaded explicitly, no ``direct_io``
+(mmap must work), ``kernel_cache`` and long attr/entry timeouts (the tree is immutable), ``st_blksize`` 1 MiB,
+single-threaded loop, glibc malloc thresholds pinned, a 1 MiB read-ahead when allowed. A failing read logs one line
+naming the file and the problem (once per file) and returns EIO; every write-ish operation returns EROFS.
+
+mfusepy is imported lazily (``load_mfusepy``) because it raises at import time when libfuse is missing.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import re
+import sys
+import threading
+from ctypes.util import find_library
+
+from .errors import CkptfsError
+from .vfs import BLKSIZE, Entry, VirtualPathError, VirtualTree
+
+log = logging.getLogger("ckptfs.fuse")
+
+#: kernel cache lifetimes in seconds; the tree never changes while mounted
+CACHE_TIMEOUT = 86400
+READ_AHEAD_KB = 1024
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+class FuseUnavailableError(CkptfsError):
+    """libfuse or mfusepy cannot be loaded; the message says what to install."""
+
+
+def load_mfusepy():
+    """Import mfusepy, preferring libfuse 3 (``FUSE_LIBRARY_NAME=fuse3`` when it is installed)."""
+    if "mfusepy" in sys.modules:
+        return sys.modules["mfusepy"]
+    if not os.environ.get("FUSE_LIBRARY_PATH") and not os.environ.get("FUSE_LIBRARY_NAME") and find_library("fuse3"):
+        os.environ["FUSE_LIBRARY_NAME"] = "fuse3"
+    try:
+        import mfusepy
+    except OSError as e:
+        raise FuseUnavailableError(None, f"cannot load libfuse ({e}): install fuse3 (Debian/Ubuntu: "
+                                         "apt install fuse3; Fedora: dnf install fuse3) and make /dev/fuse usable") from e
+    except ImportError as e:
+        raise FuseUnavailableError(None, f"mfusepy is not installed ({e}): pip install 'mfusepy~=3.1'") from e
+    return mfusepy
+
+
+def pin_malloc() -> bool:
+    """Stop glibc from trimming/refaulting the heap on every 1 MiB reply (§3.3). Best effort; False if not glibc."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    # 32 MiB is the largest mmap threshold glibc accepts on 64-bit; trimming only above 512 MiB of free heap
+    ok = mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1
+    return (mallopt(_M_TRIM_THRESHOLD, 512 << 20) == 1) and ok
+
+
+def _erofs(*_args, **_kw):
+    raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+
+def _oserror(code: int) -> OSError:
+    return OSError(code, os.strerror(code))  # what mfusepy's FuseOSError is; any errno > 0 reaches the caller
+
+
+class CkptfsOperations:
+    """mfusepy ``Operations`` over a VirtualTree. Every public attribute is a FUSE op: private state is ``_x``."""
+
+    use_ns = True  # times are int nanoseconds (read by mfusepy, not an operation)
+
+    def __init__(self, tree: VirtualTree, mount_target: str | None = None, *, uid: int | None = None,
+                 gid: int | None = None):
+        self._tree = tree
+        self._mount_target = mount_target  # see mount_target(); never stat'ed from inside a callback
+        self._uid = os.getuid() if uid is None else uid
+        self._gid = os.getgid() if gid is None else gid
+        self._failed: set = set()
+        self._lock = threading.Lock()
+
+    # -- helpers ------------------------------------------------------------------------------------
+    def _entry(self, path: str) -> Entry:
+        try:
+            return self._tree.lookup(path)
+        except VirtualPathError as e:
+            raise _oserror(e.errno) from None
+
+    def _stat(self, e: Entry) -> dict:
+        a = self._tree.attr(e)
+        return {"st_mode": a.mode, "st_ino": a.ino, "st_nlink": a.nlink, "st_size": a.size,
+                "st_uid": self._uid, "st_gid": self._gid, "st_blksize": a.blksize, "st_blocks": a.blocks,
+                "st_mtime": a.mtime_ns, "st_ctime": a.mtime_ns, "st_atime": a.mtime_ns}
+
+    def _report(self, e: Entry, err: BaseException) -> None:
+        """Log the first failure of each file as one line; later ones only at debug level."""
+        path = "/" + e.path
+        msg = " ".join(str(err).split()) or type(err).__name__
+        if not isinstance(err, CkptfsError):
+            msg = f"{type(err).__name__}: {msg}"
+        with self._lock:
+            first = path not in self._failed
+            self._failed.add(path)
+        if first:
+            log.error("read error in %s: %s (reads of this file return EIO)", path, msg)
+        log.debug("read error in %s", path, exc_info=err)
+
+    # -- read-only operations ---------------------------------------------------------------------------
+    def getattr(self, path, fh=None):
+        return self._stat(self._entry(path))
+
+    def readdir(self, path, fh):
+        e = self._entry(path)
+        if not e.is_dir:
+            raise _oserror(errno.ENOTDIR)
+        out = [(".", {"st_mode": self._tree.attr(e).mode, "st_ino": e.ino}, 0), ".."]
+        for name in e.children:
+            c = self._tree.lookup(f"{e.path}/{name}")
+            out.append((name, {"st_mode": self._tree.attr(c).mode, "st_ino": c.ino}, 0))
+        return out
+
+    def access(self, path, amode):
+        self._entry(path)
+        if amode & os.W_OK:
+            raise _oserror(errno.EROFS)
+        return 0
+
+    def open(self, path, flags):
+        e = self._entry(path)
+        if flags & os.O_ACCMODE != os.O_RDONLY:
+            raise _oserror(errno.EROFS)
+        if e.is_dir:
+            raise _oserror(errno.EISDIR)
+        return e.ino  # the file handle is the inode number
+
+    def read(self, path, size, offset, fh):
+        try:
+            e = self._tree.entry_by_ino(fh) if fh else self._tree.lookup(path)
+        except VirtualPathError:
+            raise _oserror(errno.EBADF) from None
+        try:
+            return self._tree.read(e, offset, size)
+        except Exception as err:  # never wrong bytes: any failure is EIO for this read only
+            self._report(e, err)
+            raise _oserror(errno.EIO) from None
+
+    def release(self, path, fh):
+        return 0
+
+    def statfs(self, path):
+        frsize = 4096
+        return {"f_bsize": BLKSIZE, "f_frsize": frsize, "f_blocks": -(-self._tree.total_size // frsize),
+                "f_bfree": 0, "f_bavail": 0, "f_files": len(self._tree.all_paths()) + 1, "f_ffree": 0,
+                "f_favail": 0, "f_namemax": 255}
+
+    def init_with_config(self, conn, config):
+        """Ask for 1 MiB read-ahead (libfuse 3 then sends 1 MiB requests); best effort, never raises."""
+        try:
+            if conn is not None and hasattr(conn, "max_readahead"):
+                conn.max_readahead = READ_AHEAD_KB << 10
+            if self._mount_target:
+                raise_read_ahead(self._mount_target)
+            log.info("serving %s", self._mount_target)
+        except Exception:
+            log.debug("could not raise read-ahead", exc_info=True)
+
+    # -- everything that would modify the tree ------------------------------------------------------
+    write = create = mkdir = mknod = unlink = rmdir = rename = truncate = _erofs
+    chmod = chown = symlink = link = setxattr = removexattr = utimens = fallocate = _erofs
+
+
+def unescape_mount_path(s: str) -> str:
+    """Undo the octal escapes (``\\040`` for a space) of paths in /proc/mounts and /proc/self/mountinfo."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), s)
+
+
+def mount_target(mountpoint) -> str:
+    """The path /proc/self/mountinfo lists for ``mountpoint``, computed without touching the mount point itself
+    (its parent is resolved; resolving the mount point would send a request to our own, maybe busy, server)."""
+    p = os.path.abspath(str(mountpoint))
+    return os.path.join(os.path.realpath(os.path.dirname(p)), os.path.basename(p))
+
+
+def mount_device(target: str) -> str | None:
+    """``major:minor`` of the filesystem mounted at ``target`` (a ``mount_target`` path; reads only /proc)."""
+    dev = None
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 4 and unescape_mount_path(parts[4]) == target:
+                    dev = parts[2]
+    except OSError:
+        return None
+    return dev
+
+
+def raise_read_ahead(target: str) -> bool:
+    """Set the bdi read-ahead of the mount at ``target`` (a ``mount_target`` path) to 1 MiB when we may (root).
+
+    Safe inside the server's own callbacks: it reads /proc and writes /sys only. True if done."""
+    dev = mount_device(target)
+    if not dev:
+        return False
+    ra = f"/sys/class/bdi/{dev}/read_ahead_kb"
+    if not os.access(ra, os.W_OK):
+        return False
+    with open(ra, "w") as f:
+        f.write(str(READ_AHEAD_KB))
+    log.debug("read-ahead of %s set to %d KiB", target, READ_AHEAD_KB)
+    return True
+
+
+def serve(tree: VirtualTree, mountpoint, *, fsname: str = "ckptfs", allow_other: bool = False) -> None:
+    """Mount ``tree`` at ``mountpoint`` and serve until unmounted or signalled (SIGTERM/SIGINT/SIGHUP).
+
+    Returns normally on a clean unmount; raises ``CkptfsError`` if the mount itself fails.
+    """
+    fuse = load_mfusepy()
+    pin_malloc()
+    mountpoint = os.path.abspath(str(mountpoint))
+    ops = CkptfsOperations(tree, mount_target(mountpoint))
+    opts = dict(foreground=True, nothreads=True, ro=True, default_permissions=True, kernel_cache=True,
+                attr_timeout=CACHE_TIMEOUT, entry_timeout=CACHE_TIMEOUT, negative_timeout=CACHE_TIMEOUT,
+                use_ino=True, fsname=fsname.replace(",", "_"), subtype="ckptfs")
+    if allow_other:
+        opts["allow_other"] = True
+    try:
+        fuse.FUSE(ops, mountpoint, **opts)
+    except RuntimeError as e:
+        code = e.args[0] if e.args else None
+        if code == 8:  # libfuse 3: the loop ended because of a signal; the mount is already gone
+            log.debug("FUSE loop ended by a signal")
+            return
+        raise CkptfsError(mountpoint, f"FUSE mount failed (libfuse error {code}; see the messages above)") from e

@@ -1,0 +1,287 @@
+"""Mount lifecycle: mount-point checks (stale mounts included), foreground serving, the background server process
+with its readiness wait and log file, and unmounting.
+
+Backgrounding never forks a process that may hold threads: ``mount(..., foreground=False)`` validates everything
+and builds the tree once (so errors appear before anything is mounted), then starts a fresh
+``python -m ckptfs mount … --foreground`` with its output going to a log file, and returns only once the mount
+answers (``os.path.ismount`` and a ``stat`` of README.txt), or fails with the log's last line if the child exits.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import stat as stat_mod
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .cache import set_default_cache_size
+from .errors import CkptfsError
+from .views.base import MountOptions
+from .vfs import README_NAME, build_tree
+
+log = logging.getLogger("ckptfs.mount")
+
+READY_TIMEOUT = 120.0  # seconds the background start may take (tree building included)
+_STALE_ERRNOS = (errno.ENOTCONN, errno.ECONNABORTED)
+
+
+class MountError(CkptfsError):
+    """The mount point is unusable, the server did not come up, or unmounting failed."""
+
+
+class NotMountedError(MountError):
+    """``ckptfs umount`` on a path where nothing is mounted."""
+
+
+def stale_fix(mountpoint) -> str:
+    return f"clear it with `ckptfs umount {mountpoint}` (or `fusermount3 -u -z {mountpoint}`)"
+
+
+def _proc_mounts() -> list:
+    """``(mountpoint, fstype)`` of every mount, from /proc/self/mounts (does not touch the mounts themselves)."""
+    from .fusefs import unescape_mount_path
+
+    out = []
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3:
+                    out.append((unescape_mount_path(parts[1]), parts[2]))
+    except OSError:
+        pass
+    return out
+
+
+def mount_state(mountpoint) -> str:
+    """``"mounted"``, ``"stale"`` (a dead FUSE server: ENOTCONN) or ``"none"``."""
+    p = os.path.abspath(str(mountpoint))
+    try:
+        os.stat(p)
+    except OSError as e:
+        if e.errno in _STALE_ERRNOS:
+            return "stale"
+        return "none"
+    listed = {m for m, _ in _proc_mounts()}
+    if not (p in listed or os.path.realpath(p) in listed or os.path.ismount(p)):
+        return "none"
+    try:  # the kernel may still answer stat from its attribute cache; listing reaches the (dead?) server
+        with os.scandir(p) as it:
+            next(it, None)
+    except OSError as e:
+        if e.errno in _STALE_ERRNOS:
+            return "stale"
+    return "mounted"
+
+
+def check_mountpoint(mountpoint) -> Path:
+    """The absolute mount point if it is an existing, empty, unmounted directory; else a ``MountError`` saying why."""
+    p = Path(os.path.abspath(str(mountpoint)))
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        raise MountError(p, "mount point does not exist (create it with mkdir)") from None
+    except OSError as e:
+        if e.errno in _STALE_ERRNOS:
+            raise MountError(p, f"stale mount ({os.strerror(e.errno)}): its server died; {stale_fix(p)}") from None
+        raise MountError(p, f"cannot use as mount point: {os.strerror(e.errno or 0)}") from None
+    state = mount_state(p)
+    if state == "stale":
+        raise MountError(p, f"stale mount (Transport endpoint is not connected): its server died; {stale_fix(p)}")
+    if state == "mounted":
+        raise MountError(p, f"something is already mounted here (unmount it with `ckptfs umount {p}`)")
+    if not stat_mod.S_ISDIR(st.st_mode):
+        raise MountError(p, "mount point is not a directory")
+    try:
+        with os.scandir(p) as it:
+            if next(it, None) is not None:
+                raise MountError(p, "mount point is not empty")
+    except PermissionError:
+        raise MountError(p, "mount point is not readable") from None
+    return p
+
+
+def fusermount() -> str:
+    for name in ("fusermount3", "fusermount"):
+        path = shutil.which(name)
+        if path:
+            return path
+    raise MountError(None, "fusermount3 not found: install fuse3 (Debian/Ubuntu: apt install fuse3)")
+
+
+def unmount(mountpoint) -> str:
+    """Unmount a ckptfs (or any FUSE) mount, live or stale: ``fusermount3 -u``, then ``-u -z`` if busy.
+
+    Returns what was done (``"unmounted"`` or ``"lazily unmounted"``).
+    """
+    p = os.path.abspath(str(mountpoint))
+    state = mount_state(p)
+    if state == "none":
+        raise NotMountedError(p, "not mounted")
+    fm = fusermount()
+    r = subprocess.run([fm, "-u", p], capture_output=True, text=True)
+    if r.returncode == 0:
+        return "unmounted"
+    first = (r.stderr or r.stdout).strip().splitlines()
+    r2 = subprocess.run([fm, "-u", "-z", p], capture_output=True, text=True)
+    if r2.returncode == 0:
+        return "lazily unmounted"
+    msg = (r2.stderr or r2.stdout).strip().splitlines() or first or [f"{fm} failed"]
+    raise MountError(p, f"unmount failed: {msg[-1]}")
+
+
+def log_dir() -> Path:
+    base = os.environ.get("CKPTFS_CACHE_DIR")
+    if base:
+        return Path(base) / "logs"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "ckptfs" / "logs"
+
+
+def server_argv(ckpt, mountpoint, options: MountOptions, *, allow_other: bool = False, debug: bool = False) -> list:
+    """The ``ckptfs`` arguments that run this mount in the foreground (what the background process executes)."""
+    argv = ["mount", os.path.abspath(str(ckpt)), os.path.abspath(str(mountpoint)), "--foreground",
+            "--views", ",".join(options.views), "--max-shard-size", str(options.max_shard_size),
+            "--zip-crc", options.zip_crc, "--cache-size", str(options.cache_size)]
+    if options.config is not None:
+        argv += ["--config", os.path.abspath(str(options.config))]
+    if options.model is not None:
+        argv += ["--model", options.model]
+    if options.trainer_index is not None:
+        argv += ["--trainer-index", str(options.trainer_index)]
+    if options.data_iter_dir is not None:
+        argv += ["--data-iter-dir", os.path.abspath(str(options.data_iter_dir))]
+    if options.shuffle_seed is not None:
+        argv += ["--shuffle-seed", str(options.shuffle_seed)]
+    if options.allow_partial:
+        argv.append("--allow-partial")
+    if allow_other:
+        argv.append("--allow-other")
+    if debug:
+        argv.append("--debug")
+    return argv
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
+
+
+def wait_until_mounted(proc: subprocess.Popen, mountpoint, *, timeout: float = READY_TIMEOUT,
+                       log_path: Path | None = None) -> None:
+    """Poll until ``mountpoint`` is a mount whose README.txt can be stat'ed; fail early if ``proc`` exits."""
+    p = os.path.abspath(str(mountpoint))
+    deadline = time.monotonic() + timeout
+    while True:
+        rc = proc.poll()
+        if rc is not None:
+            why = _last_line(log_path) if log_path else ""
+            where = f" (log: {log_path})" if log_path else ""
+            raise MountError(p, f"server exited with code {rc} before mounting: {why or 'no output'}{where}")
+        if os.path.ismount(p):
+            try:
+                os.stat(os.path.join(p, README_NAME))
+                return
+            except OSError:
+                pass
+        if time.monotonic() > deadline:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if mount_state(p) != "none":
+                try:
+                    unmount(p)
+                except CkptfsError:
+                    pass
+            where = f" (log: {log_path})" if log_path else ""
+            raise MountError(p, f"server did not answer within {timeout:.0f} s{where}")
+        time.sleep(0.05)
+
+
+@dataclass
+class Started:
+    """A background server that answers at ``mountpoint``."""
+
+    pid: int
+    mountpoint: Path
+    log_path: Path
+
+
+def start_background(ckpt, mountpoint, options: MountOptions, *, allow_other: bool = False,
+                     debug: bool = False, timeout: float = READY_TIMEOUT) -> Started:
+    """Run the server as a new ``python -m ckptfs mount … --foreground`` process and wait until it answers."""
+    d = log_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    log_path = d / f"mount-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    env = dict(os.environ)
+    pkg_parent = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (pkg_parent, env.get("PYTHONPATH")) if x)
+    argv = [sys.executable, "-m", "ckptfs", *server_argv(ckpt, mountpoint, options, allow_other=allow_other, debug=debug)]
+    with open(log_path, "ab") as logf:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, cwd="/",
+                                env=env, start_new_session=True, close_fds=True)
+    try:
+        wait_until_mounted(proc, mountpoint, timeout=timeout, log_path=log_path)
+    except KeyboardInterrupt:  # the user gave up waiting: leave nothing behind
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        if mount_state(mountpoint) != "none":
+            try:
+                unmount(mountpoint)
+            except CkptfsError:
+                pass
+        raise
+    return Started(proc.pid, Path(os.path.abspath(str(mountpoint))), log_path)
+
+
+def setup_logging(debug: bool = False) -> None:
+    """Server-side logging: one line per record on stderr (the log file when in the background)."""
+    root = logging.getLogger()
+    if not any(getattr(h, "_ckptfs", False) for h in root.handlers):
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        h._ckptfs = True
+        root.addHandler(h)
+    root.setLevel(logging.DEBUG if debug else logging.INFO)
+
+
+def mount(ckpt, mountpoint, options: MountOptions | None = None, *, foreground: bool = False,
+          allow_other: bool = False, debug: bool = False) -> Started | None:
+    """Mount checkpoint ``ckpt`` at ``mountpoint``.
+
+    Everything that can be checked is checked first (mount point, checkpoint, views), so a failure leaves nothing
+    mounted. In the foreground this serves until unmounted or signalled and returns None; otherwise it returns once
+    a background server answers.
+    """
+    options = options or MountOptions()
+    mp = check_mountpoint(mountpoint)
+    set_default_cache_size(options.cache_size)
+    from .fusefs import load_mfusepy, serve
+
+    load_mfusepy()  # a missing libfuse is reported before anything is built or started
+    tree = build_tree(ckpt, options)
+    if not foreground:
+        tree.close()  # the background process builds its own
+        return start_background(ckpt, mp, options, allow_other=allow_other, debug=debug)
+    setup_logging(debug)
+    log.info("mounting %s at %s (%d files)", ckpt, mp, tree.file_count)
+    try:
+        serve(tree, mp, fsname=f"ckptfs:{os.path.abspath(str(ckpt))}", allow_other=allow_other)
+    finally:
+        tree.close()
+    log.info("unmounted %s", mp)
+    return None

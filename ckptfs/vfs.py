@@ -1,0 +1,462 @@
+"""The virtual tree: an immutable directory tree of virtual files, and ``build_tree`` that assembles it from the views.
+
+``VirtualTree`` is what every frontend serves (FUSE, ``ckptfs export``, the Python API). It is built from a
+``{relative_path: VFile}`` dict and never changes afterwards: inode numbers are assigned in sorted path order
+(root is 1), every file's size is read once at construction (so it is exact and stable from the first
+``getattr``), every entry's mtime is the checkpoint's mtime, files are mode 0444 and directories 0555.
+
+``build_tree(ckpt_path, options)`` opens the checkpoint, calls ``ckptfs.views.<name>.build(ctx)`` for each view in
+``options.views`` (a view whose module is absent, or whose builder raises, is *missing* with a reason; the others
+still mount), places each view's files under ``<name>/`` and writes a root ``README.txt`` saying what was mounted.
+
+Test-only hook: when the environment variable ``CKPTFS_TEST_TREE=module:function`` is set, ``build_tree`` does not
+open the checkpoint; it calls ``function(ckpt_path, options)``, which returns ``{view_name: ViewResult | Exception}``,
+and assembles those exactly like real views. It exists so that the FUSE frontend can be tested end to end with
+synthetic files (tests/fusehelp.py); nothing in ckptfs sets it.
+"""
+from __future__ import annotations
+
+import errno
+import importlib
+import json
+import logging
+import os
+import stat as stat_mod
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping
+
+from .errors import CheckpointError, CkptfsError, TensorReadError
+from .views.base import ALL_VIEWS, BytesFile, MountOptions, ViewContext, ViewResult
+
+log = logging.getLogger("ckptfs.vfs")
+
+FILE_MODE = stat_mod.S_IFREG | 0o444
+DIR_MODE = stat_mod.S_IFDIR | 0o555
+BLKSIZE = 1 << 20  # st_blksize: tells readers (cp, cat) to use 1 MiB reads
+README_NAME = "README.txt"
+TEST_TREE_ENV = "CKPTFS_TEST_TREE"
+NOT_AVAILABLE = "not available in this build"
+
+
+class VirtualPathError(CkptfsError):
+    """A virtual path that does not exist, or is a directory where a file is needed (``errno`` says which)."""
+
+    def __init__(self, path, problem: str, errno_: int):
+        super().__init__(path, problem)
+        self.errno = errno_
+
+
+def split_path(path: str) -> tuple:
+    """``"/a//b/"`` → ``("a", "b")``; ``""`` and ``"/"`` → ``()``. ``..`` is never resolved (it does not exist)."""
+    return tuple(p for p in str(path).split("/") if p and p != ".")
+
+
+@dataclass(frozen=True, eq=False)
+class Entry:
+    """One node of the tree: a directory (``file is None``) or a file with its size fixed at construction."""
+
+    path: str  # "" for the root, else "a/b/c"
+    ino: int
+    file: Any = None  # VFile, or None for a directory
+    size: int = 0
+    children: tuple = ()  # sorted child names (directories only)
+    nsubdirs: int = 0
+
+    @property
+    def is_dir(self) -> bool:
+        return self.file is None
+
+    @property
+    def name(self) -> str:
+        return self.path.rsplit("/", 1)[-1]
+
+
+@dataclass(frozen=True)
+class Attr:
+    """``stat``-like attributes of an entry."""
+
+    ino: int
+    mode: int
+    nlink: int
+    size: int
+    mtime_ns: int
+    blksize: int = BLKSIZE
+
+    @property
+    def blocks(self) -> int:  # 512-byte units, as st_blocks
+        return (self.size + 511) // 512
+
+
+class VirtualTree:
+    """Immutable tree built from ``{relative_path: VFile}`` (plus optional empty directories ``dirs``)."""
+
+    def __init__(self, files: Mapping[str, Any], *, dirs: Iterable[str] = (), mtime_ns: int | None = None,
+                 closers: Iterable = ()):
+        self.mtime_ns = int(time.time_ns() if mtime_ns is None else mtime_ns)
+        self._closers = list(closers)
+        file_parts: dict = {}
+        for raw, vf in files.items():
+            parts = _checked_parts(raw)
+            if not parts:
+                raise CkptfsError(raw, "a file cannot be the root directory")
+            size = getattr(vf, "size", None)
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0 or not callable(getattr(vf, "read", None)):
+                raise CkptfsError(raw, f"not a virtual file (size={size!r})")
+            if parts in file_parts:
+                raise CkptfsError(raw, "listed twice")
+            file_parts[parts] = vf
+        dir_parts = {()}
+        for d in dirs:
+            parts = _checked_parts(d)
+            dir_parts.update(parts[:i] for i in range(len(parts) + 1))
+        for parts in file_parts:
+            dir_parts.update(parts[:i] for i in range(len(parts)))
+        clash = dir_parts & file_parts.keys()
+        if clash:
+            raise CkptfsError("/".join(sorted(clash)[0]), "is both a file and a directory")
+        children: dict = {d: [] for d in dir_parts}
+        for parts in list(dir_parts) + list(file_parts):
+            if parts:
+                children[parts[:-1]].append(parts[-1])
+        self._entries: dict = {}
+        self._by_ino: list = [None]  # index = inode number; 0 unused
+        for ino, parts in enumerate(sorted(dir_parts | file_parts.keys()), start=1):
+            path = "/".join(parts)
+            if parts in file_parts:
+                vf = file_parts[parts]
+                e = Entry(path, ino, vf, vf.size)
+            else:
+                kids = tuple(sorted(children[parts]))
+                nsub = sum(1 for k in kids if parts + (k,) in dir_parts)
+                e = Entry(path, ino, None, 0, kids, nsub)
+            self._entries[path] = e
+            self._by_ino.append(e)
+        self._nfiles = len(file_parts)
+        self._total = sum(vf.size for vf in file_parts.values())
+
+    # -- lookups -----------------------------------------------------------------------------------
+    def lookup(self, path: str) -> Entry:
+        key = "/".join(split_path(path))
+        e = self._entries.get(key)
+        if e is None:
+            raise VirtualPathError("/" + key, "no such file or directory", errno.ENOENT)
+        return e
+
+    def entry_by_ino(self, ino: int) -> Entry:
+        if 0 < ino < len(self._by_ino):
+            return self._by_ino[ino]
+        raise VirtualPathError(f"inode {ino}", "no such inode", errno.ENOENT)
+
+    def listdir(self, path: str = "") -> list:
+        e = self.lookup(path)
+        if not e.is_dir:
+            raise VirtualPathError("/" + e.path, "not a directory", errno.ENOTDIR)
+        return list(e.children)
+
+    def attr(self, path_or_entry) -> Attr:
+        e = path_or_entry if isinstance(path_or_entry, Entry) else self.lookup(path_or_entry)
+        if e.is_dir:
+            return Attr(e.ino, DIR_MODE, 2 + e.nsubdirs, 0, self.mtime_ns)
+        return Attr(e.ino, FILE_MODE, 1, e.size, self.mtime_ns)
+
+    def file_paths(self) -> list:
+        """Every file's path, in inode (sorted) order."""
+        return [e.path for e in self._by_ino[1:] if not e.is_dir]
+
+    def all_paths(self) -> list:
+        """Every file's and directory's path except the root's, in inode order."""
+        return [e.path for e in self._by_ino[2:]]
+
+    @property
+    def file_count(self) -> int:
+        return self._nfiles
+
+    @property
+    def total_size(self) -> int:
+        return self._total
+
+    def __contains__(self, path) -> bool:
+        return "/".join(split_path(path)) in self._entries
+
+    # -- data -----------------------------------------------------------------------------------------
+    def read(self, path_or_entry, offset: int, n: int) -> bytes:
+        """Bytes ``[offset, offset+n)`` of a file, clipped at its end; exactly that many or an exception."""
+        e = path_or_entry if isinstance(path_or_entry, Entry) else self.lookup(path_or_entry)
+        if e.is_dir:
+            raise VirtualPathError("/" + e.path, "is a directory", errno.EISDIR)
+        if offset < 0 or n < 0:
+            raise VirtualPathError("/" + e.path, f"invalid read of {n} bytes at offset {offset}", errno.EINVAL)
+        want = max(0, min(n, e.size - offset))
+        if want == 0:
+            return b""
+        data = e.file.read(offset, want)
+        if not isinstance(data, bytes):
+            data = bytes(data)
+        if len(data) != want:
+            raise TensorReadError("/" + e.path, f"produced {len(data)} bytes for a read of {want} at offset {offset}")
+        return data
+
+    def iter_blocks(self, path_or_entry, block: int = 8 << 20) -> Iterator[bytes]:
+        """A whole file in order, ``block`` bytes at a time (bounded memory)."""
+        e = path_or_entry if isinstance(path_or_entry, Entry) else self.lookup(path_or_entry)
+        for off in range(0, e.size, block):
+            yield self.read(e, off, block)
+
+    def close(self) -> None:
+        for c in self._closers:
+            try:
+                c()
+            except Exception:  # closing is best effort
+                log.debug("close failed", exc_info=True)
+        self._closers = []
+
+
+def _checked_parts(path) -> tuple:
+    raw = str(path)
+    parts = tuple(p for p in raw.split("/") if p)
+    for p in parts:
+        if p in (".", "..") or "\0" in p:
+            raise CkptfsError(raw, "invalid path component")
+    return parts
+
+
+# ---- assembling the views -------------------------------------------------------------------------
+
+
+@dataclass
+class SourceInfo:
+    """What README.txt says about the mounted checkpoint."""
+
+    path: Path
+    format_version: Any = None
+    release: str | None = None
+    success: bool | None = None
+    warnings: list = field(default_factory=list)
+
+
+@dataclass
+class ViewOutcome:
+    """One view after its builder ran: its files (under ``<name>/``) or why it is missing."""
+
+    name: str
+    files: dict = field(default_factory=dict)
+    missing: str | None = None
+    notes: list = field(default_factory=list)
+
+    @property
+    def present(self) -> bool:
+        return bool(self.files) or self.missing is None
+
+
+def view_dir(name: str) -> str:
+    """Where a view's files go: the hf view at the mount's root (so ``from_pretrained(mountpoint)`` works),
+    every other view under ``<name>/``."""
+    return "" if name == "hf" else name + "/"
+
+
+def outcome_from(name: str, result) -> ViewOutcome:
+    """Normalise what a builder produced (a ``ViewResult`` or an exception) into a ``ViewOutcome``."""
+    if isinstance(result, CkptfsError):
+        return ViewOutcome(name, missing=str(result))
+    if isinstance(result, BaseException):
+        return ViewOutcome(name, missing=f"internal error: {type(result).__name__}: {result}")
+    if not isinstance(result, ViewResult):
+        return ViewOutcome(name, missing=f"internal error: builder returned {type(result).__name__}, not ViewResult")
+    files = {}
+    prefix = view_dir(name)
+    for rel, vf in (result.files or {}).items():
+        rel = "/".join(split_path(rel))
+        files[rel if (not prefix or rel.startswith(prefix)) else prefix + rel] = vf
+    try:  # validate the view alone, so that one broken view cannot stop the others
+        VirtualTree(files)
+    except CkptfsError as e:
+        return ViewOutcome(name, missing=f"invalid file list: {e}", notes=list(result.notes or []))
+    return ViewOutcome(name, files, result.missing, [str(n) for n in (result.notes or [])])
+
+
+def run_builder(name: str, ctx: ViewContext) -> ViewOutcome:
+    """Import ``ckptfs.views.<name>`` lazily and run its ``build(ctx)``; failures make the view missing."""
+    modname = f"ckptfs.views.{name}"
+    if name not in ALL_VIEWS:
+        return ViewOutcome(name, missing=f"unknown view (known: {', '.join(ALL_VIEWS)})")
+    try:
+        mod = importlib.import_module(modname)
+    except ModuleNotFoundError as e:
+        if e.name == modname:
+            return ViewOutcome(name, missing=NOT_AVAILABLE)
+        return ViewOutcome(name, missing=f"cannot be loaded: {e}")
+    build = getattr(mod, "build", None)
+    if build is None:
+        return ViewOutcome(name, missing=NOT_AVAILABLE)
+    try:
+        result = build(ctx)
+    except CkptfsError as e:
+        log.debug("view %s failed", name, exc_info=True)
+        result = e
+    except Exception as e:  # a bug in one view must not take the others down
+        log.warning("view %s: internal error: %s: %s", name, type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
+        result = e
+    return outcome_from(name, result)
+
+
+def family_of(outcomes: list) -> str | None:
+    """The model family as the hf view says it: ``model_type`` (and architecture) of its config.json."""
+    for o in outcomes:
+        vf = o.files.get(view_dir(o.name) + "config.json") if o.name == "hf" else None
+        if vf is None or vf.size > (1 << 20):
+            continue
+        try:
+            cfg = json.loads(vf.read(0, vf.size))
+        except Exception:
+            return None
+        fam = cfg.get("model_type")
+        archs = cfg.get("architectures") or []
+        if fam and archs:
+            return f"{fam} ({', '.join(map(str, archs))})"
+        return fam or (", ".join(map(str, archs)) or None)
+    return None
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def readme_text(info: SourceInfo, outcomes: list) -> str:
+    """The root README.txt: what was mounted, which views are present, why any is missing, and all notes."""
+    lines = ["ckptfs: a read-only view of a Cerebras checkpoint; every file is generated on read.", ""]
+    lines.append(f"checkpoint:     {info.path}")
+    if info.format_version is not None:
+        lines.append(f"format version: {info.format_version}")
+    if info.release:
+        lines.append(f"release:        {info.release}")
+    fam = family_of(outcomes)
+    if fam:
+        lines.append(f"family:         {fam}")
+    if info.success is False:
+        lines.append("complete:       no (no __SUCCESS__ marker; mounted with --allow-partial)")
+    lines += ["", "views:"]
+    for o in outcomes:
+        if o.present:
+            size = sum(f.size for f in o.files.values())
+            status = f"{len(o.files)} file{'' if len(o.files) == 1 else 's'}, {_human(size)}"
+            if o.missing:
+                status += f"; partly missing: {o.missing}"
+        else:
+            status = f"missing: {o.missing}"
+        lines.append(f"  {(view_dir(o.name) or '(root)'):<10} {o.name + ':':<8} {status}")
+    notes = [(o.name, n) for o in outcomes for n in o.notes] + [("checkpoint", w) for w in info.warnings]
+    if notes:
+        lines += ["", "notes:"]
+        lines += [f"  {n}" if n.startswith(who + ":") else f"  {who}: {n}" for who, n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def assemble_tree(info: SourceInfo, outcomes: list, *, mtime_ns: int | None = None, closers: Iterable = ()) -> VirtualTree:
+    """The mount's tree: each present view under ``<name>/`` plus the root README.txt."""
+    files: dict = {}
+    dirs = []
+    for o in outcomes:
+        if o.present:
+            files.update(o.files)
+            if view_dir(o.name):
+                dirs.append(view_dir(o.name).rstrip("/"))
+    files[README_NAME] = BytesFile(readme_text(info, outcomes))
+    return VirtualTree(files, dirs=dirs, mtime_ns=mtime_ns, closers=closers)
+
+
+# ---- building from a checkpoint ---------------------------------------------------------------------
+
+
+def open_source(ckpt_path, options: MountOptions):
+    """Resolve a checkpoint path (a .mdl or a model_dir) and open it: ``(resolved_path, checkpoint)``."""
+    path = Path(ckpt_path)
+    if not path.exists():
+        raise CheckpointError(path, "no such file or directory")
+    try:
+        from . import source
+    except ImportError as e:  # pragma: no cover - the package always exists
+        raise CheckpointError(path, f"checkpoint reader {NOT_AVAILABLE}") from e
+    opener = getattr(source, "open_checkpoint", None)
+    if opener is None:
+        raise CheckpointError(path, f"checkpoint reader {NOT_AVAILABLE}")
+    resolver = getattr(source, "resolve_checkpoint", None)
+    if resolver is not None:
+        path = Path(resolver(path))
+    elif path.is_dir():
+        raise CheckpointError(path, "is a directory (model_dir resolution not available in this build)")
+    return path, opener(path, allow_partial=options.allow_partial)
+
+
+def _file_identity(path) -> str | None:
+    try:
+        real = os.path.realpath(path)
+        st = os.stat(real)
+    except OSError:
+        return None
+    return f"{real}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+
+
+def content_identity(path, options: MountOptions) -> str | None:
+    """Names what the generated files are computed from: the checkpoint file and the options that change their
+    content (params YAML, model, trainer index). Keys persisted caches (zip CRCs); None if it cannot be stat'ed."""
+    ident = _file_identity(path)
+    if ident is None:
+        return None
+    parts = [ident]
+    if options.config is not None:
+        parts.append(f"config={_file_identity(options.config) or options.config}")
+    if options.model is not None:
+        parts.append(f"model={options.model}")
+    if options.trainer_index is not None:
+        parts.append(f"trainer={options.trainer_index}")
+    return "|".join(parts)
+
+
+def _crc_store():
+    try:
+        from .layouts.crc import CrcStore
+    except ImportError:
+        return None
+    return CrcStore()
+
+
+def _load_test_factory(spec: str):
+    mod, _, func = spec.partition(":")
+    if not mod or not func:
+        raise CkptfsError(None, f"{TEST_TREE_ENV} must be module:function, not {spec!r}")
+    return getattr(importlib.import_module(mod), func)
+
+
+def build_tree(ckpt_path, options: MountOptions | None = None) -> VirtualTree:
+    """Open the checkpoint and assemble every requested view into one ``VirtualTree``.
+
+    Raises ``CheckpointError`` if the checkpoint cannot be opened; a failing view only makes that view missing.
+    """
+    options = options or MountOptions()
+    spec = os.environ.get(TEST_TREE_ENV)
+    if spec:  # test-only: synthetic views (see module docstring)
+        path = Path(ckpt_path).absolute()
+        results = _load_test_factory(spec)(path, options)
+        outcomes = [outcome_from(n, results.get(n, CkptfsError(None, NOT_AVAILABLE))) for n in options.views]
+        info = SourceInfo(path)
+        closers: list = []
+    else:
+        path, ckpt = open_source(ckpt_path, options)
+        path = path.absolute()
+        ctx = ViewContext(checkpoint=ckpt, ckpt_path=path, stem=path.stem, options=options,
+                          crc_store=_crc_store(), identity=content_identity(path, options))
+        outcomes = [run_builder(n, ctx) for n in options.views]
+        info = SourceInfo(path, getattr(ckpt, "format_version", None), getattr(ckpt, "release", None),
+                          getattr(ckpt, "success", None), [str(w) for w in getattr(ckpt, "warnings", []) or []])
+        closers = [ckpt.close] if callable(getattr(ckpt, "close", None)) else []
+    try:
+        mtime_ns = path.stat().st_mtime_ns
+    except OSError:
+        mtime_ns = None
+    return assemble_tree(info, outcomes, mtime_ns=mtime_ns, closers=closers)

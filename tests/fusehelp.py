@@ -1,0 +1,236 @@
+"""Test helpers for real FUSE mounts: a skip marker, a ``mounted()`` context manager that runs
+``python -m ckptfs mount … --foreground`` in a subprocess with guaranteed cleanup, and synthetic views.
+
+Synthetic views: ``fake_env()`` sets ``CKPTFS_TEST_TREE=fusehelp:fake_views`` (the test-only hook of
+``ckptfs.vfs.build_tree``), so a mount or export shows the files of ``fake_views`` instead of a real checkpoint's.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from ctypes.util import find_library
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ckptfs.errors import CheckpointError, TensorReadError
+from ckptfs.views.base import BytesFile, ViewResult
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+MiB = 1 << 20
+FIXTURES_CKPT = TESTS / "fixtures" / "llama" / "cs" / "checkpoint.mdl"  # a real Cerebras checkpoint
+
+
+# ---- synthetic files ---------------------------------------------------------------------------------
+
+
+class PatternFile:
+    """``size`` pseudo-random bytes, each a function of (offset, seed): any range can be produced independently."""
+
+    def __init__(self, size: int, seed: int):
+        self.size, self.seed = size, seed
+
+    def read(self, offset: int, n: int) -> bytes:
+        n = max(0, min(n, self.size - offset))
+        i = np.arange(offset, offset + n, dtype=np.uint64)
+        return (((i * np.uint64(2654435761) + np.uint64(self.seed * 40503)) >> np.uint64(11)) & np.uint64(255)) \
+            .astype(np.uint8).tobytes()
+
+
+class FailingFile(PatternFile):
+    """Like PatternFile, but any read touching bytes at or after ``fail_from`` raises TensorReadError."""
+
+    def __init__(self, size: int, seed: int, fail_from: int):
+        super().__init__(size, seed)
+        self.fail_from = fail_from
+
+    def read(self, offset: int, n: int) -> bytes:
+        if offset + n > self.fail_from:
+            raise TensorReadError("model.layers.1.weight", "corrupt chunk (synthetic failure)")
+        return super().read(offset, n)
+
+
+FAILING = "torch/broken.pt"  # the one file of fake_views whose reads fail past FAIL_FROM
+FAIL_FROM = MiB + 5
+
+
+def fake_views(ckpt_path: Path, options) -> dict:
+    """The CKPTFS_TEST_TREE factory: three present views, one failing view, one file that cannot be read."""
+    if Path(ckpt_path).suffix == ".bad":
+        raise CheckpointError(ckpt_path, "not a Cerebras checkpoint (synthetic)")
+    return {
+        "hf": ViewResult(files={
+            "config.json": BytesFile(json.dumps({"model_type": "fakefam", "architectures": ["FakeForCausalLM"]})),
+            "model.safetensors": PatternFile(5 * MiB + 123, 1),
+            "empty.bin": PatternFile(0, 2),
+            "one.bin": PatternFile(1, 3),
+            "page.bin": PatternFile(4096, 4),
+        }, notes=["hf: synthetic note"]),
+        "tensors": ViewResult(files={
+            "model/layers/0/weight.npy": PatternFile(3 * 4096 + 1, 5),
+            "model/layers/0/bias.npy": PatternFile(700, 6),
+            "model/odd%2Fkey.npy": PatternFile(MiB, 7),
+        }),
+        "cs": CheckpointError("/synthetic/cs", "upgrade not possible (synthetic)"),
+        "torch": ViewResult(files={"broken.pt": FailingFile(3 * MiB, 8, FAIL_FROM)}),
+    }
+
+
+def fake_views_server_fails(ckpt_path: Path, options) -> dict:
+    """Like fake_views, but the checkpoint "breaks" in the background server process (``--foreground``)."""
+    if "--foreground" in sys.argv:
+        raise CheckpointError(ckpt_path, "vanished before the server started (synthetic)")
+    return fake_views(ckpt_path, options)
+
+
+def fake_env(**extra) -> dict:
+    """Environment for a ckptfs subprocess that mounts/exports ``fake_views`` (and finds this module)."""
+    env = dict(os.environ)
+    env["CKPTFS_TEST_TREE"] = "fusehelp:fake_views"
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(TESTS), str(REPO), env.get("PYTHONPATH")) if x)
+    env.update(extra)
+    return env
+
+
+def fake_tree(ckpt="fake.mdl", **options):
+    """The same tree in this process (what the mount must show)."""
+    from ckptfs.views.base import MountOptions
+    from ckptfs.vfs import TEST_TREE_ENV, build_tree
+
+    old = os.environ.get(TEST_TREE_ENV)
+    os.environ[TEST_TREE_ENV] = "fusehelp:fake_views"
+    try:
+        return build_tree(ckpt, MountOptions(**options))
+    finally:
+        if old is None:
+            del os.environ[TEST_TREE_ENV]
+        else:
+            os.environ[TEST_TREE_ENV] = old
+
+
+# ---- FUSE availability ---------------------------------------------------------------------------------
+
+
+def fuse_unusable_reason() -> str | None:
+    if not shutil.which("fusermount3") and not shutil.which("fusermount"):
+        return "fusermount3 not installed"
+    if not find_library("fuse3") and not find_library("fuse"):
+        return "libfuse not installed"
+    try:
+        os.close(os.open("/dev/fuse", os.O_RDWR))
+    except OSError as e:
+        return f"/dev/fuse unusable: {e.strerror}"
+    return None
+
+
+needs_fuse = pytest.mark.skipif(fuse_unusable_reason() is not None,
+                                reason=f"FUSE not usable here: {fuse_unusable_reason()}")
+
+
+# ---- running ckptfs ---------------------------------------------------------------------------------
+
+
+def ckptfs(*args, env=None, timeout=120, **kw) -> subprocess.CompletedProcess:
+    """Run ``python -m ckptfs ARGS`` and capture its output."""
+    return subprocess.run([sys.executable, "-m", "ckptfs", *map(str, args)], env=env or fake_env(),
+                          capture_output=True, timeout=timeout, **kw)
+
+
+def _fusermount() -> str:
+    return shutil.which("fusermount3") or shutil.which("fusermount") or "fusermount3"
+
+
+def is_mounted(mnt) -> bool:
+    """Listed in /proc/self/mounts (true for a stale mount too)."""
+    target = os.path.abspath(str(mnt)).replace(" ", "\\040")
+    with open("/proc/self/mounts") as f:
+        return any(line.split()[1] == target for line in f if len(line.split()) > 1)
+
+
+def force_unmount(mnt) -> None:
+    for args in (["-u"], ["-u", "-z"]):
+        if not is_mounted(mnt):
+            return
+        subprocess.run([_fusermount(), *args, str(mnt)], capture_output=True, timeout=30)
+
+
+def reap(proc: subprocess.Popen, timeout: float = 15) -> int:
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait(10)
+
+
+@dataclass
+class Server:
+    mnt: Path
+    proc: subprocess.Popen
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def wait_mounted(proc: subprocess.Popen, mnt: Path, log_path: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"ckptfs mount exited with {proc.returncode}:\n{log_path.read_text(errors='replace')}")
+        if os.path.ismount(mnt) and (mnt / "README.txt").exists():
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not mounted after {timeout} s:\n{log_path.read_text(errors='replace')}")
+        time.sleep(0.05)
+
+
+def start_server(ckpt, mnt: Path, *args, env=None, log_path: Path | None = None) -> Server:
+    """Start a foreground server (not waiting); the caller must reap it."""
+    log_path = log_path or Path(tempfile.mkstemp(prefix="ckptfs-test-", suffix=".log")[1])
+    with open(log_path, "ab") as logf:
+        proc = subprocess.Popen([sys.executable, "-m", "ckptfs", "mount", str(ckpt), str(mnt), *map(str, args),
+                                 "--foreground"], env=env or fake_env(), stdin=subprocess.DEVNULL, stdout=logf,
+                                stderr=subprocess.STDOUT)
+    return Server(mnt, proc, log_path)
+
+
+@contextlib.contextmanager
+def mounted_server(ckpt, *args, env=None, timeout: float = 60):
+    """Mount ``ckpt`` on a fresh temporary directory in a foreground subprocess; yield a ``Server``.
+
+    Cleanup always runs: fusermount3 -u, reap, then -u -z and kill as last resorts, then remove the directory.
+    """
+    mnt = Path(tempfile.mkdtemp(prefix="ckptfs-mnt-"))
+    srv = start_server(ckpt, mnt, *args, env=env)
+    try:
+        wait_mounted(srv.proc, mnt, srv.log_path, timeout)
+        yield srv
+    finally:
+        if srv.proc.poll() is None and is_mounted(mnt):
+            subprocess.run([_fusermount(), "-u", str(mnt)], capture_output=True, timeout=30)
+        try:
+            srv.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            force_unmount(mnt)
+            reap(srv.proc)
+        force_unmount(mnt)
+        with contextlib.suppress(OSError):
+            mnt.rmdir()
+        with contextlib.suppress(OSError):
+            srv.log_path.unlink()  # read it inside the with block
+
+
+@contextlib.contextmanager
+def mounted(ckpt, *args, env=None, timeout: float = 60):
+    """``with mounted(ckpt, "--views", "hf") as mnt:`` — the mount point as a Path."""
+    with mounted_server(ckpt, *args, env=env, timeout=timeout) as srv:
+        yield srv.mnt

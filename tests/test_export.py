@@ -1,0 +1,109 @@
+"""``ckptfs export``: the bytes of one virtual file without FUSE, run as a user would (a subprocess)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from fusehelp import FAILING, FIXTURES_CKPT, ckptfs, fake_env, fake_tree
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    p = tmp_path / "fake.mdl"
+    p.write_bytes(b"synthetic")
+    return p
+
+
+def test_every_file_exports_the_tree_bytes(ckpt, tmp_path):
+    tree = fake_tree(ckpt)
+    for path in tree.file_paths():
+        if path == FAILING:
+            continue
+        dest = tmp_path / "out.bin"
+        r = ckptfs("export", ckpt, path, dest)
+        assert r.returncode == 0, r.stderr
+        assert r.stderr == b""  # no progress bar when stderr is not a terminal
+        assert dest.read_bytes() == tree.read(path, 0, tree.attr(path).size), path
+        assert not (tmp_path / "out.bin.tmp").exists()
+
+
+def test_stdout_and_directory_destinations(ckpt, tmp_path):
+    tree = fake_tree(ckpt)
+    want = tree.read("model.safetensors", 0, 1 << 30)
+    r = ckptfs("export", ckpt, "/model.safetensors", "-")
+    assert r.returncode == 0 and r.stdout == want
+    outdir = tmp_path / "d"
+    outdir.mkdir()
+    r = ckptfs("export", ckpt, "model.safetensors", outdir)
+    assert r.returncode == 0, r.stderr
+    assert (outdir / "model.safetensors").read_bytes() == want
+
+
+def test_view_options_change_what_exists(ckpt, tmp_path):
+    r = ckptfs("export", ckpt, "config.json", tmp_path / "c.json", "--views", "tensors")
+    assert r.returncode == 2
+    assert b"no such file" in r.stderr
+
+
+def test_unknown_path_lists_close_matches(ckpt, tmp_path):
+    r = ckptfs("export", ckpt, "model.safetensor", tmp_path / "x")
+    assert r.returncode == 2
+    lines = r.stderr.decode().strip().splitlines()
+    assert len(lines) == 1 and "model.safetensors" in lines[0]
+    assert not (tmp_path / "x").exists()
+    r = ckptfs("export", ckpt, "tensors/model", tmp_path / "x")
+    assert r.returncode == 2 and b"is a directory" in r.stderr and b"bias.npy" in r.stderr
+
+
+def test_read_error_exits_2_and_leaves_no_partial_file(ckpt, tmp_path):
+    dest = tmp_path / "broken.pt"
+    r = ckptfs("export", ckpt, FAILING, dest)
+    assert r.returncode == 2
+    lines = r.stderr.decode().strip().splitlines()
+    assert len(lines) == 1 and "corrupt chunk" in lines[0]
+    assert sorted(os.listdir(tmp_path)) == ["fake.mdl"]
+    dest.write_bytes(b"old content")  # an existing DEST is left alone on failure
+    r = ckptfs("export", ckpt, FAILING, dest)
+    assert r.returncode == 2 and dest.read_bytes() == b"old content"
+    assert sorted(os.listdir(tmp_path)) == ["broken.pt", "fake.mdl"]
+
+
+def test_bad_checkpoint_is_one_line_exit_2(tmp_path):
+    bad = tmp_path / "garbage.mdl"
+    bad.write_bytes(b"garbage" * 1000)
+    env = {k: v for k, v in fake_env().items() if k != "CKPTFS_TEST_TREE"}
+    r = ckptfs("export", bad, "README.txt", tmp_path / "r.txt", env=env)
+    assert r.returncode == 2 and len(r.stderr.decode().strip().splitlines()) == 1
+    assert not (tmp_path / "r.txt").exists()
+
+
+def test_real_checkpoint_export_matches_the_tree(tmp_path):
+    from ckptfs.vfs import build_tree
+
+    env = {k: v for k, v in fake_env().items() if k != "CKPTFS_TEST_TREE"}
+    tree = build_tree(FIXTURES_CKPT)
+    try:
+        files = [p for p in tree.file_paths() if not p.startswith("tensors/")][:8] + \
+                [p for p in tree.file_paths() if p.startswith("tensors/")][:2]
+        assert len(files) > 2
+        for path in files:
+            dest = tmp_path / path.replace("/", "_")
+            r = ckptfs("export", FIXTURES_CKPT, path, dest, env=env)
+            assert r.returncode == 0, r.stderr
+            assert dest.read_bytes() == tree.read(path, 0, tree.attr(path).size), path
+    finally:
+        tree.close()
+
+
+def test_a_model_dir_means_its_latest_checkpoint(tmp_path):
+    env = {k: v for k, v in fake_env().items() if k != "CKPTFS_TEST_TREE"}
+    model_dir = tmp_path / "model_dir"
+    model_dir.mkdir()
+    for step in (10, 200):
+        (model_dir / f"checkpoint_{step}.mdl").symlink_to(FIXTURES_CKPT)
+    r = ckptfs("export", model_dir, "README.txt", "-", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "checkpoint_200.mdl" in r.stdout.decode()

@@ -1,0 +1,182 @@
+"""The FUSE frontend on a real mount of synthetic views: listing, sizes, cp, mmap, concurrency, EROFS, EIO."""
+from __future__ import annotations
+
+import errno
+import os
+import random
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from fusehelp import FAIL_FROM, FAILING, ckptfs, fake_tree, mounted_server, needs_fuse
+
+pytestmark = [needs_fuse, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    p = tmp_path_factory.mktemp("ck") / "fake.mdl"
+    p.write_bytes(b"synthetic")
+    os.utime(p, ns=(1_600_000_000_123_456_789, 1_600_000_000_123_456_789))
+    return p
+
+
+@pytest.fixture(scope="module")
+def srv(ckpt):
+    with mounted_server(ckpt) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def tree(ckpt):
+    return fake_tree(ckpt)
+
+
+@pytest.fixture(scope="module")
+def exported(ckpt, tree, tmp_path_factory):
+    """Every readable file as written by ``ckptfs export`` (the reference bytes)."""
+    d = tmp_path_factory.mktemp("exported")
+    out = {}
+    for path in tree.file_paths():
+        if path == FAILING:
+            continue
+        dest = d / path.replace("/", "__")
+        r = ckptfs("export", ckpt, path, dest)
+        assert r.returncode == 0, r.stderr
+        out[path] = dest.read_bytes()
+    return out
+
+
+def test_ls_lR_lists_every_file_with_exact_size_mode_and_mtime(srv, tree, ckpt):
+    r = subprocess.run(["ls", "-lRn", "--time-style=+%s", str(srv.mnt)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    seen, cur = {}, None
+    for line in r.stdout.splitlines():
+        if line.endswith(":") and line.startswith(str(srv.mnt)):
+            cur = line[len(str(srv.mnt)):-1].strip("/")
+        elif line.startswith("-") or line.startswith("d"):
+            mode, _n, _u, _g, size, mtime, name = line.split(None, 6)
+            path = f"{cur}/{name}" if cur else name
+            seen[path] = (mode, int(size), int(mtime))
+    files = set(tree.file_paths())
+    assert {p for p, (m, _, _) in seen.items() if m.startswith("-")} == files
+    assert {p for p, (m, _, _) in seen.items() if m.startswith("d")} == set(tree.all_paths()) - files
+    for p, (mode, size, mtime) in seen.items():
+        assert mtime == int(ckpt.stat().st_mtime)
+        if p in files:
+            assert mode == "-r--r--r--" and size == tree.attr(p).size, p
+        else:
+            assert mode == "dr-xr-xr-x", p
+
+
+def test_stat_is_exact_from_the_first_call_and_inodes_are_stable(srv, tree, ckpt):
+    for p in tree.all_paths():
+        st = os.stat(srv.mnt / p)
+        a = tree.attr(p)
+        assert (st.st_size, st.st_ino, st.st_mode, st.st_nlink) == (a.size, a.ino, a.mode, a.nlink), p
+        assert st.st_mtime_ns == ckpt.stat().st_mtime_ns
+        if not p.endswith("/") and st.st_size:
+            assert st.st_blksize == 1 << 20
+    assert sorted(os.listdir(srv.mnt)) == tree.listdir("/")
+
+
+def test_cp_of_every_file_equals_export(srv, exported, tmp_path):
+    for path, want in exported.items():
+        dest = tmp_path / "copy"
+        r = subprocess.run(["cp", str(srv.mnt / path), str(dest)], capture_output=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert dest.read_bytes() == want, path
+
+
+def test_numpy_memmap_of_a_file_works(srv, exported):
+    for path in ("model.safetensors", "tensors/model/layers/0/weight.npy", "one.bin"):
+        m = np.memmap(srv.mnt / path, dtype=np.uint8, mode="r")
+        assert m.tobytes() == exported[path]
+        assert bytes(m[-3:]) == exported[path][-3:]
+        del m
+
+
+def test_eight_threads_reading_random_ranges_get_export_bytes(srv, exported):
+    paths = sorted(exported)
+    errors: list = []
+    counts = [0] * 8
+
+    def worker(k):
+        rnd = random.Random(k)
+        fds = {p: os.open(srv.mnt / p, os.O_RDONLY) for p in paths}
+        try:
+            deadline = time.monotonic() + 4
+            while time.monotonic() < deadline and not errors:
+                p = rnd.choice(paths)
+                want = exported[p]
+                off = rnd.randrange(0, len(want) + 1)
+                n = rnd.choice([1, 7, 4096, 65536, 1 << 20, 3 << 20, rnd.randrange(1, 300000)])
+                got = os.pread(fds[p], n, off)
+                if got != want[off:off + n]:
+                    errors.append(f"{p} [{off}+{n}]: {len(got)} bytes differ")
+                counts[k] += 1
+        except Exception as e:  # reported below
+            errors.append(f"{p}: {e!r}")
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:5]
+    assert all(c > 0 for c in counts)
+
+
+@pytest.mark.parametrize("action", [
+    "open_wronly", "open_rdwr", "create", "mkdir", "unlink", "rmdir", "rename", "chmod", "chown", "truncate",
+    "symlink", "link", "setxattr", "utime",
+])
+def test_every_modification_fails_with_erofs(srv, action):
+    m = srv.mnt
+    f, d = m / "config.json", m / "tensors" / "model"
+    ops = {
+        "open_wronly": lambda: os.open(f, os.O_WRONLY),
+        "open_rdwr": lambda: os.open(f, os.O_RDWR),
+        "create": lambda: os.open(m / "new.txt", os.O_WRONLY | os.O_CREAT, 0o644),
+        "mkdir": lambda: os.mkdir(m / "newdir"),
+        "unlink": lambda: os.unlink(f),
+        "rmdir": lambda: os.rmdir(m / "tensors" / "model" / "layers" / "0"),
+        "rename": lambda: os.rename(f, m / "renamed.json"),
+        "chmod": lambda: os.chmod(f, 0o666),
+        "chown": lambda: os.chown(f, 1, 1),
+        "truncate": lambda: os.truncate(f, 0),
+        "symlink": lambda: os.symlink("x", d / "link"),
+        "link": lambda: os.link(f, m / "hard"),
+        "setxattr": lambda: os.setxattr(f, "user.x", b"1"),
+        "utime": lambda: os.utime(f, (0, 0)),
+    }
+    with pytest.raises(OSError) as e:
+        ops[action]()
+    assert e.value.errno == errno.EROFS, e.value
+    assert {"config.json", "empty.bin", "model.safetensors", "one.bin", "page.bin"} <= set(os.listdir(m))
+
+
+def test_failing_file_gives_eio_other_files_work_and_one_log_line(srv, exported, tree):
+    bad = srv.mnt / FAILING
+    assert os.stat(bad).st_size == tree.attr(FAILING).size  # metadata is fine
+    r = subprocess.run(["cat", str(bad)], capture_output=True, timeout=60)
+    assert r.returncode != 0 and b"Input/output error" in r.stderr
+    with open(bad, "rb", buffering=0) as fh:
+        assert os.pread(fh.fileno(), 4096, 0) == tree.read(FAILING, 0, 4096)  # the readable part is correct
+        got = os.pread(fh.fileno(), 8192, FAIL_FROM - 100)  # the kernel may return the pages before the bad one
+        assert len(got) < 8192 and got == tree.read(FAILING, FAIL_FROM - 100, len(got))
+        with pytest.raises(OSError) as e:
+            os.pread(fh.fileno(), 8192, FAIL_FROM // 4096 * 4096)
+        assert e.value.errno == errno.EIO
+    for path, want in exported.items():
+        assert (srv.mnt / path).read_bytes() == want, path
+    lines = [ln for ln in srv.log().splitlines() if FAILING in ln]
+    assert len(lines) == 1, srv.log()
+    assert "corrupt chunk" in lines[0]
+    assert srv.proc.poll() is None  # the server survived
