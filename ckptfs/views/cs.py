@@ -1,0 +1,133 @@
+"""The cs view: the checkpoint upgraded to the current Cerebras release (2.10) as a lazily generated ``.mdl``.
+
+Files (relative to ``cs/``):
+
+* ``<stem>.mdl`` — a format-0.5 checkpoint (``ckptfs.layouts.hdf5``) holding the complete source
+  state (model, optimizer, schedulers, global_step, dataloader, ``__metadata__``…) with the release
+  rules of ``ckptfs.upgrade`` applied. Tensors keep their dtype and their data is read from the
+  source only when those bytes are read; constant-fill tensors stay metadata-only
+  (DeferredFullTensor); pickled objects are copied as the same ``__BYTES__`` dataset, never
+  unpickled; a leaf that appears under several keys is written once and linked, as cstorch does.
+  Leaves ckptfs cannot produce (e.g. TorchScript graph tensors) are left out and listed in notes.
+* ``<stem>.yaml`` — the params upgraded the same way, when params were found (else a note).
+"""
+from __future__ import annotations
+
+import yaml
+
+from ..errors import CkptfsError
+from ..layouts.hdf5 import (BytesEntry, FullEntry, Hdf5Layout, NoneEntry, ScalarEntry, StringEntry,
+                            TensorEntry)
+from ..source.catalog import Container, OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
+from ..upgrade import upgrade_checkpoint
+from .base import BytesFile, ViewResult
+
+try:  # the source's constant-fill tensor (DeferredFullTensor); absent in older trees
+    from ..source.tensors import FullTensor
+except ImportError:  # pragma: no cover
+    FullTensor = ()
+
+
+class _Omit:
+    """Marks a leaf left out of the output."""
+
+
+OMIT = _Omit()
+
+
+def _entry(leaf, key: str, memo: dict, notes: list):
+    if isinstance(leaf, TensorLeaf):
+        t = leaf.tensor
+        if id(t) in memo:
+            return memo[id(t)]
+        if isinstance(t, FullTensor):
+            fill = t.fill.item() if hasattr(t.fill, "item") else t.fill
+            e = FullEntry(t.shape, t.dtype, fill)
+        else:
+            e = TensorEntry(t, numpy=bool(leaf.numpy))
+        memo[id(t)] = e
+        return e
+    if isinstance(leaf, ValueLeaf):
+        v = leaf.value
+        if hasattr(v, "item") and not isinstance(v, (bool, int, float, str)):
+            v = v.item()
+        if v is None:
+            return NoneEntry()
+        if isinstance(v, str):
+            return StringEntry(v)
+        if isinstance(v, (bool, int, float)):
+            return ScalarEntry(v)
+        notes.append(f"{key}: {type(v).__name__} value written as its text")
+        return StringEntry(str(v))
+    if isinstance(leaf, OpaqueLeaf):
+        return BytesEntry(leaf.data)
+    if isinstance(leaf, UnreadableLeaf):
+        notes.append(f"{key}: left out ({leaf.reason})")
+        return OMIT
+    raise TypeError(f"{key}: unknown leaf type {type(leaf).__name__}")
+
+
+def to_entries(node, notes: list, memo: dict | None = None, key: str = ""):
+    """The layout tree of a state tree: same containers, leaves as hdf5 layout entries (or OMIT)."""
+    memo = {} if memo is None else memo
+    if isinstance(node, Container):
+        keys = node.keys if node.keys is not None else list(range(len(node.children)))
+        out_keys, out_children = [], []
+        for k, child in zip(keys, node.children):
+            ck = f"{key}.{k}" if key else str(k)
+            e = to_entries(child, notes, memo, ck)
+            if e is OMIT:
+                continue
+            out_keys.append(k)
+            out_children.append(e)
+        kind = node.kind
+        if kind == "defaultdict" and len(out_children) > 1:
+            notes.append(f"{key or '<root>'}: defaultdict with several keys written as a dict "
+                         f"(cstorch's key naming would lose entries)")
+            kind = "dict"
+        return Container(kind, out_keys if node.keys is not None else None, out_children, dict(node.extra))
+    if id(node) not in memo:
+        memo[id(node)] = _entry(node, key, memo, notes)
+    return memo[id(node)]
+
+
+def _plain(obj):
+    """YAML-safe copy (tuples → lists)."""
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+def params_yaml(params: dict) -> str:
+    return yaml.safe_dump(_plain(params), indent=4, sort_keys=False, allow_unicode=True)
+
+
+def build(ctx) -> ViewResult:
+    ckpt = ctx.checkpoint
+    result = ViewResult()
+    up = upgrade_checkpoint(ckpt, ctx.options)
+    result.notes.extend(up.notes)
+    if not ckpt.success:
+        result.notes.append("source is a partially written checkpoint: the upgraded file holds what could be read")
+
+    if up.params is not None:
+        result.files[f"{ctx.stem}.yaml"] = BytesFile(params_yaml(up.params))
+        result.notes.append(f"{ctx.stem}.yaml from {up.params_doc.origin}")
+    else:
+        result.notes.append(f"{ctx.stem}.yaml not generated (no params; use --config)")
+
+    entries = to_entries(up.root, result.notes)
+    if entries is OMIT:
+        result.missing = f"{ctx.stem}.mdl: the checkpoint holds nothing ckptfs can write"
+        return result
+    try:
+        layout = Hdf5Layout(entries, path=ctx.ckpt_path)
+        layout.size  # lay the skeleton out now, so problems show here and not at first read
+    except CkptfsError as e:
+        result.missing = f"{ctx.stem}.mdl: {e.problem}"
+        return result
+    result.notes.extend(layout.notes)
+    result.files[f"{ctx.stem}.mdl"] = layout
+    return result

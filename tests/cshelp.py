@@ -1,0 +1,144 @@
+"""Helpers shared by the cs/torch view and hdf5 layout tests: copying virtual files out, comparing
+catalogs leaf by leaf (values, dtypes, containers, link identity), synthetic tensors, and a legacy
+file whose keys are renamed by rewriting its pickled spec (no torch or dill involved)."""
+from __future__ import annotations
+
+import io
+import pickletools
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from ckptfs.source.catalog import Container, OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
+from ckptfs.tensor import VirtualTensor
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def read_all(vf, chunk: int = 1 << 20) -> bytes:
+    return b"".join(vf.read(o, chunk) for o in range(0, vf.size, chunk))
+
+
+def write_out(vf, path: Path, chunk: int = 1 << 20) -> Path:
+    with open(path, "wb") as f:
+        for o in range(0, vf.size, chunk):
+            f.write(vf.read(o, chunk))
+    return path
+
+
+class RampTensor(VirtualTensor):
+    """1-D int32 tensor whose element i is i + offset (< 2**31): large, cheap, and position-checkable."""
+
+    def __init__(self, n: int, offset: int = 0):
+        from ckptfs.dtypes import INT32
+
+        super().__init__((n,), INT32)
+        self.offset = offset
+
+    def read(self, box):
+        (a, b), = box
+        return np.arange(a + self.offset, b + self.offset, dtype=np.int32)
+
+
+# -- comparing catalogs ----------------------------------------------------------------------------
+def _leaf_sig(leaf):
+    if isinstance(leaf, TensorLeaf):
+        t = leaf.tensor
+        fill = getattr(t, "fill", "-") if type(t).__name__ == "FullTensor" else "-"
+        return ("tensor", t.dtype.name, tuple(t.shape), bool(leaf.numpy), fill, t.read_all().tobytes())
+    if isinstance(leaf, ValueLeaf):
+        return ("value", type(leaf.value).__name__, leaf.value)
+    if isinstance(leaf, OpaqueLeaf):
+        return ("opaque", leaf.data)
+    if isinstance(leaf, UnreadableLeaf):
+        return ("unreadable",)
+    raise TypeError(type(leaf))
+
+
+def tree_sig(node):
+    """Containers (kind, keys, defaultdict factory) with leaf signatures, recursively."""
+    if isinstance(node, Container):
+        extra = {k: v for k, v in (node.extra or {}).items() if k in ("default_factory", "maxlen")}
+        return (node.kind, None if node.keys is None else tuple(node.keys), tuple(sorted(extra.items())),
+                tuple(tree_sig(c) for c in node.children))
+    return _leaf_sig(node)
+
+
+def link_groups(root) -> list:
+    """Positions (paths) of each leaf object that occurs more than once, as sorted groups."""
+    where: dict[int, list] = {}
+
+    def walk(n, path):
+        if isinstance(n, Container):
+            keys = n.keys if n.keys is not None else range(len(n.children))
+            for k, c in zip(keys, n.children):
+                walk(c, path + (k,))
+        else:
+            where.setdefault(id(n), []).append(path)
+
+    walk(root, ())
+    return sorted(sorted(map(str, v)) for v in where.values() if len(v) > 1)
+
+
+# -- a renamed legacy file -------------------------------------------------------------------------
+def _rewrite_pickle(raw: bytes, renames: dict) -> bytes:
+    """The same pickle with some SHORT_BINUNICODE/BINUNICODE strings replaced (FRAME opcodes dropped)."""
+    ops = list(pickletools.genops(raw))
+    out = bytearray()
+    for i, (op, arg, pos) in enumerate(ops):
+        end = ops[i + 1][2] if i + 1 < len(ops) else len(raw)
+        if op.name == "FRAME":
+            continue
+        if op.name in ("SHORT_BINUNICODE", "BINUNICODE") and arg in renames:
+            s = renames[arg].encode()
+            out += (b"\x8c" + bytes([len(s)]) if len(s) < 256 else b"X" + struct.pack("<I", len(s))) + s
+        else:
+            out += raw[pos:end]
+    return bytes(out)
+
+
+def renamed_legacy_copy(src: Path, dst: Path, renames: dict, *, drop: tuple = (), version=None,
+                        cstorch_version=...) -> Path:
+    """Copy a legacy (<0.5) fixture with spec keys renamed (datasets moved to the quoted new names).
+
+    ``renames`` maps a spec string (a dict key) to its new text; ``drop`` lists flat keys whose
+    dataset is removed (a missing dataset reads as None); ``version``/``cstorch_version`` override
+    the file attributes (``None`` deletes ``__cstorch_version__``).
+    """
+    import urllib.parse
+
+    import h5py
+
+    shutil.copyfile(src, dst)
+    with h5py.File(dst, "r+") as f:
+        spec = bytes.fromhex(f.attrs["__spec__"])
+        f.attrs["__spec__"] = _rewrite_pickle(spec, renames).hex()
+        names = [urllib.parse.unquote(n) for n in f.keys()]
+        moves = []
+        for key in names:
+            parts = key.split(".")
+            new = ".".join(renames.get(p, p) for p in parts)
+            if key == "model.a/b" and "a/b" in renames:
+                new = "model." + renames["a/b"]
+            moves.append((key, new))
+        for key, new in moves:
+            q_old, q_new = urllib.parse.quote(key, safe=""), urllib.parse.quote(new, safe="")
+            if q_old != q_new:
+                f.move(q_old, q_new)
+        for key in drop:
+            del f[urllib.parse.quote(key, safe="")]
+        if version is not None:
+            f.attrs["__version__"] = np.float64(version)
+        if cstorch_version is None:
+            f.attrs.pop("__cstorch_version__", None)
+        elif cstorch_version is not ...:
+            f.attrs["__cstorch_version__"] = cstorch_version
+    return dst
+
+
+def h5_bytes_file(data: bytes):
+    import h5py
+
+    return h5py.File(io.BytesIO(data), "r")
