@@ -197,3 +197,20 @@ def test_build_tree_on_a_real_checkpoint():
             assert sum(len(b) for b in t.iter_blocks(p)) == t.attr(p).size
     finally:
         t.close()
+
+
+def test_content_identity_names_the_file_and_the_options_that_shape_content(tmp_path):
+    from ckptfs.vfs import content_identity
+
+    ck = tmp_path / "c.mdl"
+    ck.write_bytes(b"x")
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text("model: {}\n")
+    base = content_identity(ck, MountOptions())
+    assert base == content_identity(ck, MountOptions())  # stable
+    assert str(ck.resolve()) in base
+    assert content_identity(ck, MountOptions(config=cfg)) != base
+    assert content_identity(ck, MountOptions(model="llama")) != base
+    assert content_identity(tmp_path / "missing.mdl", MountOptions()) is None
+    ck.write_bytes(b"xy")  # a rewritten checkpoint never reuses old CRCs
+    assert content_identity(ck, MountOptions()) != base

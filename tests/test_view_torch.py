@@ -197,13 +197,6 @@ def test_crc_mode_follows_options(tmp_path):
     assert_same(load(vf, tmp_path / "z.pt"), torch.load(EDGE / "src.ref.pt", weights_only=True))
 
 
-def test_identity_is_realpath_size_mtime_inode():
-    p = EDGE / "src.mdl"
-    st = p.stat()
-    assert tview.checkpoint_identity(p) == f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
-    assert tview.checkpoint_identity(p.parent / "does-not-exist.mdl") is None
-
-
 def test_memory_bounded_copy_of_a_checkpoint_larger_than_the_cache(tmp_path):
     root = Container("dict", ["model", "optimizer"], [
         Container("dict", [f"w{i}" for i in range(2)], [TensorEntry(RampTensor(4 << 20, i)) for i in range(2)]),

@@ -11,12 +11,11 @@ Files (relative to ``torch/``):
   tuple, deque → list) with a note; numpy-array leaves become tensors.
 * ``model.pt`` — only the top-level ``model`` subtree, when there is one.
 
-CRC mode follows ``options.zip_crc``; the CRC store identity is the checkpoint's realpath, size,
-mtime_ns and inode (plus the file name).
+CRC mode follows ``options.zip_crc``; CRCs persist under ``ctx.identity`` (the checkpoint's realpath, size,
+mtime_ns and inode plus the content-shaping options, see ``vfs.content_identity``) and the file name.
 """
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 
 from ..errors import CkptfsError
@@ -77,16 +76,6 @@ def to_object(node, notes: list, key: str = ""):
     raise CkptfsError(key, f"unknown leaf type {type(node).__name__}")
 
 
-def checkpoint_identity(path) -> str | None:
-    """realpath, size, mtime_ns and inode of the checkpoint file (None if it cannot be stat'ed)."""
-    try:
-        real = os.path.realpath(path)
-        st = os.stat(real)
-    except OSError:
-        return None
-    return f"{real}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
-
-
 def build(ctx) -> ViewResult:
     from ..layouts.torchzip import TorchZipLayout
 
@@ -94,7 +83,7 @@ def build(ctx) -> ViewResult:
     result = ViewResult()
     crc = getattr(ctx.options, "zip_crc", "exact")
     store = getattr(ctx, "crc_store", None)
-    ident = getattr(ctx, "identity", None) or checkpoint_identity(ctx.ckpt_path)
+    ident = getattr(ctx, "identity", None)  # set by vfs.build_tree (content_identity)
 
     def layout(obj, name: str):
         return TorchZipLayout(obj, name, crc=crc, crc_store=store,
