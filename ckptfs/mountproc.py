@@ -22,7 +22,7 @@ from pathlib import Path
 from .cache import set_default_cache_size
 from .errors import CkptfsError
 from .views.base import MountOptions
-from .vfs import README_NAME, build_tree
+from .vfs import README_NAME, build_tree, check_source
 
 log = logging.getLogger("ckptfs.mount")
 
@@ -273,10 +273,12 @@ def mount(ckpt, mountpoint, options: MountOptions | None = None, *, foreground: 
     from .fusefs import load_mfusepy, serve
 
     load_mfusepy()  # a missing libfuse is reported before anything is built or started
-    tree = build_tree(ckpt, options)
     if not foreground:
-        tree.close()  # the background process builds its own
+        # Check the checkpoint here (a bad one: one line, exit 2, nothing started); the server process builds the
+        # tree itself before mounting, and a failure there is reported from its log, so it is built only once.
+        check_source(ckpt, options)
         return start_background(ckpt, mp, options, allow_other=allow_other, debug=debug)
+    tree = build_tree(ckpt, options)
     setup_logging(debug)
     log.info("mounting %s at %s (%d files)", ckpt, mp, tree.file_count)
     try:
