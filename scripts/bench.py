@@ -1,0 +1,216 @@
+#!/usr/bin/env python
+"""ckptfs benchmark (issue #7): generated llama checkpoints, throughput and latency through the mount, PASS/FAIL.
+
+    .venv/bin/python scripts/bench.py [--size 1.5GiB] [--dtype bf16|fp32|both] [--workdir DIR]
+                                      [--json bench-out/bench.json] [--quick] [--repeat 3] [--cache-size 256MiB]
+
+1. Writes, in the real cstorch 2.10 layout (scripts/benchlib/gen.py), one llama-shaped checkpoint of ``--size``
+   tensor bytes per dtype with random weights, plus a llama-2-70b-shaped bf16 one whose datasets are declared but
+   never written (metadata only), and a params YAML next to each.
+2. Measures (each 3x, median; page cache dropped before every run when root; every FUSE run on a fresh mount):
+   raw h5py read of every tensor (the baseline); ``cp`` of the safetensors and .bin weights (CRC exact, cold CRC
+   store, and CRC zero) to /dev/null; ``ckptfs export``; ``from_pretrained`` through the mount vs a local copy of
+   the same files; ``torch.load(mmap=True)`` first open of a .bin (cold and warm CRC store); 70B mount and ``ls -lR``
+   time and index read; that no tensor data is read to answer stat/index; the servers' peak RSS.
+3. Prints one line per target, writes the JSON report. Exit 0 when every item was measured (targets may FAIL),
+   1 when something crashed or could not be measured, 2 on bad arguments.
+
+Generated data lives in ``--workdir`` (default /tmp/ckptfs-bench) and is removed at the end unless ``--keep``;
+``--reuse`` reuses kept checkpoints of the same shape.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+import zlib
+from dataclasses import asdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO))
+
+from benchlib import gen, measure, report, sysutil  # noqa: E402
+from ckptfs.layouts.units import parse_size  # noqa: E402
+
+DEFAULT_SIZE = "1.5GiB"
+QUICK_SIZE = "24MB"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", help=f"tensor bytes of each generated checkpoint (default {DEFAULT_SIZE}; "
+                                  f"{QUICK_SIZE} with --quick)")
+    p.add_argument("--dtype", choices=("bf16", "fp32", "both"), default="both")
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/ckptfs-bench"))
+    p.add_argument("--json", type=Path, default=REPO / "bench-out" / "bench.json")
+    p.add_argument("--quick", action="store_true", help="small sizes: a smoke run of every measurement")
+    p.add_argument("--repeat", type=int, default=3, help="runs per measurement (median reported)")
+    p.add_argument("--cache-size", default="256MiB", help="the mounts' --cache-size")
+    p.add_argument("--max-shard-size", help="the mounts' --max-shard-size (default: ckptfs's)")
+    p.add_argument("--keep", action="store_true", help="keep the generated checkpoints in the workdir")
+    p.add_argument("--reuse", action="store_true", help="reuse kept checkpoints when their shape matches")
+    args = p.parse_args(argv)
+    args.size = args.size or (QUICK_SIZE if args.quick else DEFAULT_SIZE)
+    try:
+        args.size_bytes = parse_size(args.size)
+        args.cache_bytes = parse_size(args.cache_size)
+        if args.max_shard_size:
+            parse_size(args.max_shard_size)
+    except ValueError as e:
+        p.error(str(e))
+    if args.repeat < 1:
+        p.error("--repeat must be at least 1")
+    args.dtypes = ["bf16", "fp32"] if args.dtype == "both" else [args.dtype]
+    return args
+
+
+def generate(name: str, dims: gen.LlamaDims, dtype: str, root: Path, *, allocate: bool, reuse: bool) -> measure.Ckpt:
+    d = root / name
+    path, params, meta = d / "checkpoint_0.mdl", d / "params.yaml", d / "gen.json"
+    want = {"dims": asdict(dims), "dtype": dtype, "allocated": allocate}
+    if reuse and path.exists() and meta.exists():
+        info = json.loads(meta.read_text())
+        if all(info.get(k) == v for k, v in want.items()):
+            info["reused"] = True
+            return measure.Ckpt(name, path, params, info)
+    d.mkdir(parents=True, exist_ok=True)
+    info = gen.write_checkpoint(path, dims, dtype, allocate=allocate, seed=zlib.crc32(name.encode()))
+    gen.write_params(params, dims)
+    meta.write_text(json.dumps(info, indent=2))
+    return measure.Ckpt(name, path, params, info)
+
+
+def environment() -> dict:
+    def git(*a):
+        r = subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    return {"python": sys.version.split()[0], "kernel": platform.release(), "cpus": os.cpu_count(),
+            "root": sysutil.is_root(), "cold_runs": sysutil.is_root(), "loadavg_start": os.getloadavg(),
+            "git_head": git("rev-parse", "--short", "HEAD"), "git_dirty_files": len((git("status", "--short") or "").splitlines()),
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+class Runner:
+    """Runs items one by one; an item that raises is recorded in ``errors`` and the run goes on."""
+
+    def __init__(self):
+        self.results: dict = {}
+        self.errors: dict = {}
+
+    def item(self, key: str, fn, *a, store: bool = True, **kw):
+        group, name = key.split(".", 1)
+        t0 = time.perf_counter()
+        print(f"[bench] {key} …", file=sys.stderr, flush=True)
+        try:
+            val = fn(*a, **kw)
+        except Exception as e:  # noqa: BLE001  (recorded, reported as ERROR, exit 1)
+            self.errors[key] = f"{type(e).__name__}: {e}"
+            print(f"[bench] {key} FAILED: {self.errors[key]}", file=sys.stderr, flush=True)
+            if os.environ.get("BENCH_DEBUG"):
+                traceback.print_exc()
+            return None
+        if store:
+            self.results.setdefault(group, {})[name] = val
+        print(f"[bench] {key} done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        return val
+
+
+def run_dtype(r: Runner, ctx: measure.Ctx, ck: measure.Ckpt) -> None:
+    d = ck.name
+    local = ctx.workdir / "local" / d
+    r.item(f"{d}.raw", measure.raw_read, ctx, ck)
+    layout = r.item(f"{d}.layout", measure.discover, ctx, ck, local)
+    if layout is None:
+        return
+    r.item(f"{d}.cp_safetensors", measure.cp_weights, ctx, ck, layout, "safetensors", "exact")
+    r.item(f"{d}.cp_bin_exact", measure.cp_weights, ctx, ck, layout, "bins", "exact")
+    r.item(f"{d}.cp_bin_zero", measure.cp_weights, ctx, ck, layout, "bins", "zero")
+    r.item(f"{d}.export", measure.export_weights, ctx, ck, layout, local)
+    how = r.item(f"{d}.local_copy", measure.ensure_local_copy, ctx, ck, layout, local)
+    if how is None:
+        return
+    r.item(f"{d}.export_matches_mount", measure.export_matches_mount, ctx, ck, layout, local)
+    r.item(f"{d}.datacheck", sysutil.probe, "datacheck", ck.path, *[local / n for n in layout["safetensors"]],
+           env=ctx.env)
+    r.item(f"{d}.from_pretrained", measure.from_pretrained, ctx, ck, layout, local)
+    r.item(f"{d}.torch_first_open", measure.torch_first_open, ctx, ck, layout)
+    shutil.rmtree(local, ignore_errors=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    created = not args.workdir.exists()
+    ckpt_root = args.workdir / "ckpt"
+    run_dir = args.workdir / f"run-{os.getpid()}"
+    need = args.size_bytes * len(args.dtypes) * 2.2 + (1 << 30)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(args.workdir).free
+    if free < need:
+        print(f"bench: {args.workdir} has {free / 1e9:.1f} GB free, needs about {need / 1e9:.1f} GB", file=sys.stderr)
+        return 1
+    if not sysutil.is_root():
+        print("bench: not root: page caches cannot be dropped, runs after the first are warm", file=sys.stderr)
+    r = Runner()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(REPO), env.get("PYTHONPATH")) if x)
+    ctx = measure.Ctx(workdir=run_dir, repeat=args.repeat, cache_size=args.cache_size,
+                      max_shard_size=args.max_shard_size, env=env)
+    meta = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "environment": environment(), "checkpoints": {}}
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        cks = {}
+        for d in args.dtypes:
+            dims = gen.dims_for_size(args.size_bytes, d)
+            ck = r.item(f"generate.{d}", generate, d, dims, d, ckpt_root, allocate=True,
+                        reuse=args.reuse, store=False)
+            if ck:
+                cks[d] = ck
+                meta["checkpoints"][d] = ck.info
+        big = r.item("generate.70b", generate, "70b", gen.LLAMA2_70B, "bf16", ckpt_root, allocate=False,
+                     reuse=args.reuse, store=False)
+        if big:
+            meta["checkpoints"]["70b"] = big.info
+        for d in args.dtypes:
+            if d in cks:
+                run_dtype(r, ctx, cks[d])
+        if big:
+            r.item("70b.metadata", measure.metadata_scale, ctx, big)
+    except KeyboardInterrupt:
+        r.errors["interrupted"] = "KeyboardInterrupt"
+    finally:
+        r.results["servers"] = ctx.peaks
+        shutil.rmtree(run_dir, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(ckpt_root, ignore_errors=True)
+            if created:
+                shutil.rmtree(args.workdir, ignore_errors=True)
+    big_results = r.results.get("70b", {}).get("metadata")
+    if big_results is not None:
+        r.results["70b"] = big_results
+    lines = report.target_lines(r.results, r.errors, [d for d in args.dtypes], args.cache_bytes)
+    complete = not r.errors and all(x.result != "ERROR" for x in lines)
+    meta["environment"]["loadavg_end"] = os.getloadavg()
+    meta["seconds"] = round(time.perf_counter() - t_start, 1)
+    out = {**meta, "results": r.results, "errors": r.errors, "targets": report.as_json(lines), "complete": complete}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(out, indent=2, default=str) + "\n")
+    print(report.table(lines))
+    print(f"\n{sum(x.result == 'PASS' for x in lines)} PASS, {sum(x.result == 'FAIL' for x in lines)} FAIL, "
+          f"{sum(x.result == 'ERROR' for x in lines)} ERROR; {meta['seconds']:.0f} s; JSON: {args.json}")
+    return 0 if complete else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,312 @@
+"""The benchmark's measurements. Each returns a JSON-able dict with the per-run numbers and their median.
+
+Rules shared by all of them:
+* every timed run starts cold: page cache dropped (``sync; echo 3 > drop_caches``, when root) and, for anything
+  read through FUSE, a freshly started mount (so the server's block cache is empty too) with its own empty
+  ``CKPTFS_CACHE_DIR`` (so the torch-zip CRC store is cold) unless the measurement is about a warm CRC store;
+* ``cp`` copies to /dev/null, so the numbers are about producing the bytes, not about the destination disk;
+* interpreters are started before the clock (see ``probes.py``), except for ``ckptfs export`` and ``ckptfs mount``,
+  whose wall time is what a user waits for.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import noread, sysutil
+from .mount import Mount, ckptfs_argv
+from .sysutil import StepError, drop_caches, median, probe
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class Ctx:
+    """Settings and shared state of one benchmark run."""
+
+    workdir: Path
+    repeat: int = 3
+    cache_size: str = "256MiB"
+    max_shard_size: str | None = None
+    env: dict = field(default_factory=lambda: dict(os.environ))
+    peaks: list = field(default_factory=list)  # [{"label", "peak_rss"}] of every server, filled on unmount
+
+    def mount(self, ck, label: str, *, zip_crc: str = "exact", cache_dir: Path | None = None) -> Mount:
+        """A new (not yet started) mount of checkpoint ``ck`` on a fresh mount point."""
+        n = next(_ids)
+        if cache_dir is None:
+            cache_dir = self.workdir / "ckptfs-cache" / f"{n:03d}"
+        return Mount(ck.path, self.workdir / "mnt" / f"{n:03d}", config=ck.params, zip_crc=zip_crc,
+                     cache_size=self.cache_size, max_shard_size=self.max_shard_size, cache_dir=cache_dir,
+                     label=f"{ck.name}:{label}", env=self.env, on_stop=self._record)
+
+    def _record(self, m: Mount) -> None:
+        self.peaks.append({"label": m.label, "pid": m.pid, "peak_rss": m.peak_rss})
+
+
+@dataclass
+class Ckpt:
+    """A generated checkpoint: name ("bf16", "fp32", "70b"), .mdl path, params YAML, generator summary."""
+
+    name: str
+    path: Path
+    params: Path
+    info: dict
+
+
+def _summary(runs: list, nbytes: int | None = None, **extra) -> dict:
+    out = {"runs_s": [round(r, 4) for r in runs], "median_s": round(median(runs), 4), **extra}
+    if nbytes is not None:
+        out["bytes"] = nbytes
+        out["mb_s"] = round(sysutil.mb_per_s(nbytes, median(runs)), 1)
+    return out
+
+
+def raw_read(ctx: Ctx, ck: Ckpt) -> dict:
+    """Baseline: h5py reads every dataset, cold page cache."""
+    runs, nbytes = [], None
+    for _ in range(ctx.repeat):
+        drop_caches()
+        r = probe("raw", ck.path, env=ctx.env)
+        runs.append(r["seconds"])
+        nbytes = r["bytes"]
+    return _summary(runs, nbytes)
+
+
+def hf_dir(mnt: Path) -> Path:
+    """Where the HF files are inside a mount (``hf/`` when views are in subdirectories)."""
+    return mnt / "hf" if (mnt / "hf").is_dir() else mnt
+
+
+def discover(ctx: Ctx, ck: Ckpt, local: Path) -> dict:
+    """One fresh mount: the no-data-read check first (before anything else touches it), then list the HF files and
+    copy the small ones (config, index) into ``local``, the pre-converted copy used as the from_pretrained baseline."""
+    m = ctx.mount(ck, "discover")
+    m.start()
+    try:
+        check = stat_and_index_check(ctx, ck, m)
+        hf = hf_dir(m.mountpoint)
+        names = sorted(os.listdir(hf))
+        sizes = {n: os.stat(hf / n).st_size for n in names}
+        local.mkdir(parents=True, exist_ok=True)
+        small = [n for n in names if n.endswith(".json")]
+        for n in small:
+            shutil.copyfile(hf / n, local / n)
+        rel = str(hf.relative_to(m.mountpoint)) if hf != m.mountpoint else ""
+    finally:
+        m.stop()
+    st = [n for n in names if n.startswith("model") and n.endswith(".safetensors")]
+    bins = [n for n in names if n.startswith("pytorch_model") and n.endswith(".bin")]
+    if not st or not bins:
+        raise StepError(f"HF view has no weights (files: {names})")
+    return {"hf_rel": rel, "files": names, "sizes": sizes, "safetensors": st, "bins": bins, "small": small,
+            "no_data_read": check}
+
+
+def stat_and_index_check(ctx: Ctx, ck: Ckpt, m: Mount) -> dict:
+    """``ls -lR`` of the whole mount plus reading every ``*.index.json`` must not read tensor data (see noread)."""
+    ranges = noread.chunk_ranges(ck.path)
+    out: dict = {"chunks": len(ranges), "method": "strace" if noread.strace_available() else "rchar"}
+    trace = ctx.workdir / f"server-{m.pid}.strace"
+    drop_caches()
+    io0 = m.io()
+    tracer = noread.Tracer(m.pid, trace) if out["method"] == "strace" else None
+    with tracer or contextlib.nullcontext():
+        sysutil.run(["ls", "-lR", m.mountpoint], stdout=subprocess.DEVNULL, timeout=120)
+        index_bytes = sum(len(p.read_bytes()) for p in sorted(m.mountpoint.rglob("*.index.json")))
+    io1 = m.io()
+    if tracer:  # positive control: the same tracer set-up must see chunk reads when weight bytes are read
+        ctl = ctx.workdir / f"server-{m.pid}-control.strace"
+        weights = sorted(hf_dir(m.mountpoint).glob("*.safetensors"))[0]
+        with noread.Tracer(m.pid, ctl) as t2:
+            with open(weights, "rb") as f:
+                f.seek(os.path.getsize(weights) // 2)
+                f.read(1 << 20)
+        preads2, unknown2 = noread.parse_trace(t2.text(), ck.path)
+        ctl.unlink(missing_ok=True)
+        out["server_control"] = {**noread.classify(preads2, ranges), "unknown_reads": unknown2,
+                                 "what": f"1 MiB from the middle of {weights.name}"}
+    out["index_bytes"] = index_bytes
+    out["rchar_delta"] = io1["rchar"] - io0["rchar"]
+    out["read_bytes_delta"] = io1["read_bytes"] - io0["read_bytes"]
+    if tracer:
+        preads, unknown = noread.parse_trace(tracer.text(), ck.path)
+        trace.unlink(missing_ok=True)
+        out.update(noread.classify(preads, ranges), unknown_reads=unknown)
+        out["controls"] = noread.controls(ck.path, ctx.workdir, ranges)
+        out["ok"] = (out["data_reads"] == 0 and out["unknown_reads"] == 0 and out["controls"]["discriminates"]
+                     and out["server_control"]["data_reads"] > 0)
+    else:
+        # without strace: a data read pulls at least one whole stored chunk, so fewer bytes read in total than the
+        # smallest stored chunk means no chunk was read (rchar also counts metadata and FUSE requests: cautious)
+        smallest = min(b - a for a, b in ranges)
+        out["smallest_chunk"] = smallest
+        out["ok"] = out["rchar_delta"] < smallest
+    return out
+
+
+def cp_weights(ctx: Ctx, ck: Ckpt, layout: dict, kind: str, zip_crc: str) -> dict:
+    """``cp`` every weight shard of ``kind`` ("safetensors"/"bins") out of a fresh mount to /dev/null."""
+    names = layout[kind]
+    nbytes = sum(layout["sizes"][n] for n in names)
+    runs, cpu = [], []
+    for _ in range(ctx.repeat):
+        with ctx.mount(ck, f"cp-{kind}-{zip_crc}", zip_crc=zip_crc) as m:
+            src = m.mountpoint / layout["hf_rel"]
+            drop_caches()
+            c0 = m.cpu()
+            t = 0.0
+            for n in names:
+                dt, _ = sysutil.timed(["cp", src / n, "/dev/null"])
+                t += dt
+            runs.append(t)
+            cpu.append(m.cpu() - c0)
+    return _summary(runs, nbytes, files=names, zip_crc=zip_crc, server_cpu_s=[round(c, 2) for c in cpu],
+                    server_cpu_s_per_gb=round(median(cpu) / (nbytes / 1e9), 2))
+
+
+def export_weights(ctx: Ctx, ck: Ckpt, layout: dict, local: Path) -> dict:
+    """``ckptfs export`` of every safetensors shard into ``local`` (no FUSE); wall time incl. interpreter start."""
+    names = layout["safetensors"]
+    nbytes = sum(layout["sizes"][n] for n in names)
+    runs = []
+    for _ in range(ctx.repeat):
+        for n in names:
+            (local / n).unlink(missing_ok=True)
+        drop_caches()
+        t = 0.0
+        for n in names:
+            vpath = f"{layout['hf_rel']}/{n}" if layout["hf_rel"] else n
+            argv = ckptfs_argv("export", ck.path, vpath, local / n, "--config", ck.params)
+            if ctx.max_shard_size:
+                argv += ["--max-shard-size", ctx.max_shard_size]
+            dt, _ = sysutil.timed(argv, env=_env_with_cache(ctx, "export"))
+            t += dt
+        runs.append(t)
+    sizes_ok = all((local / n).stat().st_size == layout["sizes"][n] for n in names)
+    return _summary(runs, nbytes, files=names, sizes_match_mount=sizes_ok, includes_startup=True)
+
+
+def _env_with_cache(ctx: Ctx, tag: str) -> dict:
+    env = dict(ctx.env)
+    env["CKPTFS_CACHE_DIR"] = str(ctx.workdir / "ckptfs-cache" / f"{tag}-{next(_ids):03d}")
+    return env
+
+
+def ensure_local_copy(ctx: Ctx, ck: Ckpt, layout: dict, local: Path) -> str:
+    """Make sure ``local`` holds every safetensors shard (from export; else copied from a mount). Returns how."""
+    missing = [n for n in layout["safetensors"]
+               if not (local / n).exists() or (local / n).stat().st_size != layout["sizes"][n]]
+    if not missing:
+        return "ckptfs export"
+    with ctx.mount(ck, "local-copy") as m:
+        for n in missing:
+            shutil.copyfile(m.mountpoint / layout["hf_rel"] / n, local / n)
+    return "cp from the mount"
+
+
+def same_bytes(a: Path, b: Path, block: int = 8 << 20) -> bool:
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        while True:
+            x, y = fa.read(block), fb.read(block)
+            if x != y:
+                return False
+            if not x:
+                return True
+
+
+def export_matches_mount(ctx: Ctx, ck: Ckpt, layout: dict, local: Path) -> bool:
+    """The exported/copied local shards are byte-identical to what a fresh mount serves."""
+    with ctx.mount(ck, "compare") as m:
+        return all(same_bytes(m.mountpoint / layout["hf_rel"] / n, local / n) for n in layout["safetensors"])
+
+
+def from_pretrained(ctx: Ctx, ck: Ckpt, layout: dict, local: Path) -> dict:
+    """``from_pretrained`` + touching every weight page: through a fresh mount vs the local copy, interleaved."""
+    runs: dict = {"mount": [], "local": []}
+    server_cpu = []
+    for _ in range(ctx.repeat):
+        with ctx.mount(ck, "from_pretrained") as m:
+            drop_caches()
+            c0 = m.cpu()
+            runs["mount"].append(probe("from_pretrained", m.mountpoint / layout["hf_rel"], env=_hf_env(ctx)))
+            server_cpu.append(round(m.cpu() - c0, 2))
+        drop_caches()
+        runs["local"].append(probe("from_pretrained", local, env=_hf_env(ctx)))
+    out = {}
+    for side, rs in runs.items():
+        out[side] = {**_summary([r["seconds"] for r in rs]),
+                     "load_s": [round(r["load_seconds"], 3) for r in rs],
+                     "touch_s": [round(r["touch_seconds"], 3) for r in rs],
+                     "model": {k: rs[-1][k] for k in ("class", "dtype", "bytes")}}
+    out["mount"]["server_cpu_s"] = server_cpu
+    out["ratio"] = round(out["mount"]["median_s"] / out["local"]["median_s"], 3)
+    return out
+
+
+def _hf_env(ctx: Ctx) -> dict:
+    env = dict(ctx.env)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def torch_first_open(ctx: Ctx, ck: Ckpt, layout: dict) -> dict:
+    """``torch.load(mmap=True, weights_only=True)`` of the first .bin shard on a fresh mount (exact CRC): with an
+    empty CRC store (cold) and, on a new mount, with the store the cold run left behind (warm)."""
+    name = layout["bins"][0]
+    dirs = [ctx.workdir / "ckptfs-cache" / f"crc-{next(_ids):03d}" for _ in range(ctx.repeat)]
+    out = {"file": name, "bytes": layout["sizes"][name]}
+    for phase in ("cold", "warm"):  # warm reuses the CRC store each cold run left behind
+        secs, cpu, rchar = [], [], []
+        for cache_dir in dirs:
+            with ctx.mount(ck, f"torch.load-{phase}", cache_dir=cache_dir) as m:
+                drop_caches()
+                c0, r0 = m.cpu(), m.io()["rchar"]
+                secs.append(probe("torchload", m.mountpoint / layout["hf_rel"] / name, env=ctx.env)["seconds"])
+                cpu.append(round(m.cpu() - c0, 2))
+                rchar.append(m.io()["rchar"] - r0)
+        out[phase] = {**_summary(secs), "server_cpu_s": cpu, "server_rchar": rchar}
+    return out
+
+
+def metadata_scale(ctx: Ctx, ck: Ckpt) -> dict:
+    """70B-shaped (unallocated) checkpoint: mount wall time (cold page cache, and warm), ``ls -lR`` time right after
+    mounting, index read time, server read bytes; plus where the mount time goes (``probes.mount_breakdown``)."""
+    mounts, lss, idx, rchar, nfiles = [], [], [], [], None
+    for _ in range(ctx.repeat):
+        m = ctx.mount(ck, "70b")
+        drop_caches()
+        mounts.append(m.start())
+        try:
+            io0 = m.io()
+            t0 = time.perf_counter()
+            r = sysutil.run(["ls", "-lR", m.mountpoint], timeout=120)
+            lss.append(time.perf_counter() - t0)
+            nfiles = sum(1 for ln in r.stdout.decode(errors="replace").splitlines() if ln.startswith("-"))
+            index = m.mountpoint / ("hf" if (m.mountpoint / "hf").is_dir() else "") / "model.safetensors.index.json"
+            t0 = time.perf_counter()
+            with open(index, "rb") as f:
+                data = f.read()
+            idx.append(time.perf_counter() - t0)
+            rchar.append(m.io()["rchar"] - io0["rchar"])
+        finally:
+            m.stop()
+    warm = []  # the same mount with the page cache left warm (Python modules, checkpoint metadata)
+    for _ in range(ctx.repeat):
+        m = ctx.mount(ck, "70b-warm")
+        warm.append(m.start())
+        m.stop()
+    t_python, _ = sysutil.timed([sys.executable, "-c", "pass"])
+    breakdown = probe("mount_breakdown", ck.path, ck.params, env=ctx.env)
+    breakdown["python_startup_s"] = t_python
+    return {"mount": _summary(mounts), "mount_warm_cache": _summary(warm), "mount_breakdown": breakdown, "ls_lR": _summary(lss, files=nfiles),
+            "index_read": _summary(idx, index_bytes=len(data)),
+            "server_rchar_during_ls_and_index": rchar,
+            "note": "datasets are unallocated, so no tensor bytes exist on disk; rchar is metadata + FUSE requests"}

@@ -1,0 +1,123 @@
+"""Measurements that must run in a fresh interpreter (cold Python-side state); each prints one JSON line.
+
+Usage: ``python probes.py NAME ARGS…``. Imports happen before the clock starts, so the timings cover only the
+work itself:
+
+* ``raw CKPT``: h5py reads every dataset of a checkpoint in full (the baseline);
+* ``from_pretrained DIR``: ``AutoModelForCausalLM.from_pretrained(DIR, dtype="auto")``, then one byte of every
+  4 KiB page of every parameter is touched, so lazily mapped weights are really read;
+* ``torchload FILE``: ``torch.load(FILE, mmap=True, weights_only=True)`` (the first-open latency);
+* ``mount_breakdown CKPT PARAMS``: import time of the ckptfs mount modules and one ``build_tree``;
+* ``datacheck CKPT SAFETENSORS…``: HF tensors that are plain copies (embeddings, lm_head, a down_proj, the final
+  norm) hold exactly the CS datasets' bytes.
+"""
+from __future__ import annotations
+
+import json
+import struct
+import sys
+import time
+
+
+def raw(ckpt: str) -> dict:
+    import h5py
+    import hdf5plugin  # noqa: F401  (registers the LZ4 filter)
+
+    t0 = time.perf_counter()
+    nbytes = count = 0
+    with h5py.File(ckpt, "r") as f:
+        names: list = []
+        f.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
+        for name in names:
+            d = f[name]
+            if d.shape is None:
+                continue
+            a = d[()]
+            nbytes += a.nbytes
+            count += 1
+    return {"seconds": time.perf_counter() - t0, "bytes": nbytes, "datasets": count}
+
+
+def from_pretrained(path: str) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
+    t1 = time.perf_counter()
+    touched = 0
+    nbytes = 0
+    for t in model.state_dict().values():
+        b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        touched += int(b[::4096].sum())
+        nbytes += b.numel()
+    t2 = time.perf_counter()
+    return {"seconds": t2 - t0, "load_seconds": t1 - t0, "touch_seconds": t2 - t1, "bytes": nbytes,
+            "class": type(model).__name__, "dtype": str(next(model.parameters()).dtype)}
+
+
+def torchload(path: str) -> dict:
+    import torch
+
+    t0 = time.perf_counter()
+    sd = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+    return {"seconds": time.perf_counter() - t0, "tensors": len(sd)}
+
+
+def _safetensors_header(path: str) -> tuple:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n)), 8 + n
+
+
+def datacheck(ckpt: str, *st_paths: str) -> dict:
+    """HF tensors that are plain copies of CS tensors must hold exactly the CS bytes."""
+    import h5py
+    import hdf5plugin  # noqa: F401
+
+    pairs = {"model.embed_tokens.weight": "model.embedding_layer.word_embeddings.weight",
+             "lm_head.weight": "model.lm_head.weight",
+             "model.layers.0.mlp.down_proj.weight": "model.transformer_decoder.layers.0.ffn.ffn.1.linear_layer.weight",
+             "model.norm.weight": "model.transformer_decoder.norm.weight"}
+    checked, bad = [], []
+    with h5py.File(ckpt, "r") as f:
+        for st_path in st_paths:
+            header, base = _safetensors_header(st_path)
+            with open(st_path, "rb") as st:
+                for hf_name, cs_key in pairs.items():
+                    if hf_name not in header:
+                        continue
+                    a, b = header[hf_name]["data_offsets"]
+                    st.seek(base + a)
+                    got = st.read(b - a)
+                    want = f[cs_key][()].astype(f[cs_key].dtype.newbyteorder("<"), copy=False).tobytes()
+                    checked.append(hf_name)
+                    if got != want:
+                        bad.append(hf_name)
+    return {"checked": checked, "mismatched": bad, "ok": len(checked) == len(pairs) and not bad}
+
+
+def mount_breakdown(ckpt: str, params: str) -> dict:
+    """Where ``ckptfs mount`` time goes: importing ckptfs (CLI, mount, FUSE modules) and building the tree once per view
+    set. The background mount builds the tree twice (validation in the CLI, then in the server) and starts two
+    interpreters."""
+    t0 = time.perf_counter()
+    import ckptfs.cli  # noqa: F401
+    import ckptfs.commands.mount  # noqa: F401
+    import ckptfs.mountproc  # noqa: F401
+    from ckptfs.vfs import build_tree
+    from ckptfs.views.base import MountOptions
+
+    t1 = time.perf_counter()
+    tree = build_tree(ckpt, MountOptions(config=params))
+    t2 = time.perf_counter()
+    tree.close()
+    modules = sorted({m.split(".")[0] for m in sys.modules})
+    heavy = [m for m in ("torch", "transformers", "safetensors", "h5py", "numpy", "yaml", "mfusepy") if m in modules]
+    return {"imports_s": t1 - t0, "build_tree_s": t2 - t1, "heavy_modules_loaded": heavy}
+
+
+PROBES = {"mount_breakdown": mount_breakdown, "raw": raw, "from_pretrained": from_pretrained, "torchload": torchload, "datacheck": datacheck}
+
+if __name__ == "__main__":
+    print(json.dumps(PROBES[sys.argv[1]](*sys.argv[2:])))

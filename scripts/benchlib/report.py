@@ -1,0 +1,154 @@
+"""Turn the benchmark's measurements into target lines (PASS / FAIL / INFO / ERROR), a table and the JSON report.
+
+PASS/FAIL lines are the issue #7 targets; INFO lines are reported numbers without a target (and unmet stretch
+goals); ERROR means the item could not be measured, which makes the whole run incomplete (exit 1).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+CP_TARGET = 0.7  # cp of converted weights ≥ 0.7 × raw h5py read throughput
+CP_STRETCH = 1.0
+FROM_PRETRAINED_TARGET = 1.3  # via the mount ≤ 1.3 × the local pre-converted copy
+MOUNT_70B_TARGET_S = 1.0
+LS_70B_TARGET_S = 1.0
+RSS_BASE_BYTES = 300 * 10**6  # peak server RSS ≤ 300 MB + --cache-size
+
+
+@dataclass
+class Line:
+    target: str
+    measured: str
+    limit: str
+    result: str  # PASS | FAIL | INFO | ERROR
+
+
+def _err(name: str, errors: dict, keys) -> Line | None:
+    for k in keys:
+        if k in errors:
+            msg = f"not measured: {errors[k]}"
+            return Line(name, msg if len(msg) <= 60 else msg[:57] + "...", "", "ERROR")
+    return None
+
+
+def _ratio_lines(d: str, label: str, item: dict | None, raw: dict | None, key: str, errors: dict,
+                 stretch: bool = True) -> list:
+    name = f"{d}: {label} vs raw h5py"
+    e = _err(name, errors, [f"{d}.raw", f"{d}.{key}", f"{d}.layout"])
+    if e or item is None or raw is None:
+        return [e or Line(name, "not measured", "", "ERROR")]
+    ratio = item["mb_s"] / raw["mb_s"]
+    measured = f"{ratio:.2f}x ({item['mb_s']:.0f} vs {raw['mb_s']:.0f} MB/s"
+    if "server_cpu_s_per_gb" in item:
+        measured += f"; server {item['server_cpu_s_per_gb']:.1f} CPU-s/GB"
+    measured += ")"
+    out = [Line(name, measured, f">= {CP_TARGET:.2f}x", "PASS" if ratio >= CP_TARGET else "FAIL")]
+    if stretch:
+        out.append(Line(f"{d}: {label} stretch", f"{ratio:.2f}x", f">= {CP_STRETCH:.2f}x",
+                        "PASS" if ratio >= CP_STRETCH else "INFO"))
+    return out
+
+
+def target_lines(results: dict, errors: dict, dtypes: list, cache_bytes: int) -> list:
+    lines: list = []
+    for d in dtypes:
+        r = results.get(d, {})
+        raw = r.get("raw")
+        if raw is None:
+            lines.append(_err(f"{d}: raw h5py read (baseline)", errors, [f"{d}.raw"])
+                         or Line(f"{d}: raw h5py read (baseline)", "not measured", "", "ERROR"))
+        else:
+            lines.append(Line(f"{d}: raw h5py read (baseline)", f"{raw['mb_s']:.0f} MB/s, {raw['median_s']:.2f} s",
+                              "", "INFO"))
+        lines += _ratio_lines(d, "cp safetensors", r.get("cp_safetensors"), raw, "cp_safetensors", errors)
+        lines += _ratio_lines(d, "cp .bin (crc exact, cold)", r.get("cp_bin_exact"), raw, "cp_bin_exact", errors)
+        lines += _ratio_lines(d, "cp .bin (crc zero)", r.get("cp_bin_zero"), raw, "cp_bin_zero", errors)
+        exp = r.get("export")
+        e = _err(f"{d}: ckptfs export safetensors", errors, [f"{d}.export", f"{d}.raw"])
+        if e:
+            lines.append(e)
+        elif exp and raw:
+            lines.append(Line(f"{d}: ckptfs export safetensors (no FUSE)",
+                              f"{exp['mb_s'] / raw['mb_s']:.2f}x ({exp['mb_s']:.0f} MB/s incl. startup)", "", "INFO"))
+        fp = r.get("from_pretrained")
+        name = f"{d}: from_pretrained mount / local"
+        e = _err(name, errors, [f"{d}.from_pretrained", f"{d}.layout"])
+        if e or fp is None:
+            lines.append(e or Line(name, "not measured", "", "ERROR"))
+        else:
+            lines.append(Line(name, f"{fp['ratio']:.2f}x ({fp['mount']['median_s']:.2f} vs {fp['local']['median_s']:.2f} s)",
+                              f"<= {FROM_PRETRAINED_TARGET:.2f}x", "PASS" if fp["ratio"] <= FROM_PRETRAINED_TARGET else "FAIL"))
+        tl = r.get("torch_first_open")
+        e = _err(f"{d}: torch.load(mmap) first open", errors, [f"{d}.torch_first_open", f"{d}.layout"])
+        if e or tl is None:
+            lines.append(e or Line(f"{d}: torch.load(mmap) first open", "not measured", "", "ERROR"))
+        else:
+            for phase in ("cold", "warm"):
+                x = tl[phase]
+                read = sorted(x.get("server_rchar", [0]))[len(x.get("server_rchar", [0])) // 2]
+                lines.append(Line(f"{d}: torch.load(mmap) first open, CRC {phase}",
+                                  f"{x['median_s']:.3f} s (server read {read / 1e6:.0f} MB)", "", "INFO"))
+        nd = (r.get("layout") or {}).get("no_data_read")
+        name = f"{d}: no tensor data read for stat/index"
+        e = _err(name, errors, [f"{d}.layout"])
+        if e or nd is None:
+            lines.append(e or Line(name, "not measured", "", "ERROR"))
+        elif nd["method"] == "strace":
+            ctl_ok = nd["controls"]["discriminates"] and nd["server_control"]["data_reads"] > 0
+            lines.append(Line(name, f"{nd['data_reads']} chunk reads in {nd['preads']} preads "
+                                    f"(controls {'ok' if ctl_ok else 'BAD'})",
+                              "0 reads", "PASS" if nd["ok"] else "FAIL"))
+        else:
+            lines.append(Line(name, f"rchar +{nd['rchar_delta']} B", f"< {nd['smallest_chunk']} B",
+                              "PASS" if nd["ok"] else "FAIL"))
+        dc = r.get("datacheck")
+        name = f"{d}: HF bytes equal CS tensors (sanity)"
+        e = _err(name, errors, [f"{d}.datacheck"])
+        if e:
+            lines.append(e)
+        elif dc is not None:
+            same = r.get("export_matches_mount")
+            ok = dc["ok"] and same is not False
+            lines.append(Line(name, f"{len(dc['checked'])} tensors, export==mount: {same}", "equal",
+                              "PASS" if ok else "FAIL"))
+    big = results.get("70b")
+    e = _err("70B: mount", errors, ["70b.metadata"])
+    if e or big is None:
+        lines.append(e or Line("70B: mount", "not measured", "", "ERROR"))
+    else:
+        lines.append(Line("70B: mount (ckptfs mount wall, cold cache)", f"{big['mount']['median_s']:.2f} s",
+                          f"<= {MOUNT_70B_TARGET_S:.1f} s", "PASS" if big["mount"]["median_s"] <= MOUNT_70B_TARGET_S else "FAIL"))
+        if big.get("mount_warm_cache"):
+            lines.append(Line("70B: mount, warm page cache", f"{big['mount_warm_cache']['median_s']:.2f} s", "", "INFO"))
+        b = big.get("mount_breakdown")
+        if b:
+            lines.append(Line("70B: mount breakdown (one interpreter)",
+                              f"python {b['python_startup_s']:.2f} + imports {b['imports_s']:.2f} "
+                              f"+ build_tree {b['build_tree_s']:.2f} s", "", "INFO"))
+        lines.append(Line(f"70B: ls -lR ({big['ls_lR'].get('files')} files)", f"{big['ls_lR']['median_s']:.2f} s",
+                          f"<= {LS_70B_TARGET_S:.1f} s", "PASS" if big["ls_lR"]["median_s"] <= LS_70B_TARGET_S else "FAIL"))
+        lines.append(Line("70B: read model.safetensors.index.json",
+                          f"{big['index_read']['median_s'] * 1000:.1f} ms, server rchar "
+                          f"+{max(big['server_rchar_during_ls_and_index']) // 1024} KiB", "", "INFO"))
+    peaks = [p["peak_rss"] for p in results.get("servers", []) if p.get("peak_rss")]
+    limit = RSS_BASE_BYTES + cache_bytes
+    if not peaks:
+        lines.append(Line("server peak RSS (VmHWM)", "not measured", "", "ERROR"))
+    else:
+        lines.append(Line(f"server peak RSS (VmHWM, {len(peaks)} mounts)", f"{max(peaks) / 1e6:.0f} MB",
+                          f"<= {limit / 1e6:.0f} MB", "PASS" if max(peaks) <= limit else "FAIL"))
+    return lines
+
+
+def table(lines: list) -> str:
+    w0 = max(len(x.target) for x in lines)
+    w1 = max(len(x.measured) for x in lines)
+    w2 = max(len(x.limit) for x in lines)
+    head = f"{'TARGET':<{w0}}  {'MEASURED':<{w1}}  {'LIMIT':<{w2}}  RESULT"
+    rows = [head, "-" * len(head)]
+    rows += [f"{x.target:<{w0}}  {x.measured:<{w1}}  {x.limit:<{w2}}  {x.result}" for x in lines]
+    return "\n".join(rows)
+
+
+def as_json(lines: list) -> list:
+    return [asdict(x) for x in lines]

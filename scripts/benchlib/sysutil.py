@@ -1,0 +1,128 @@
+"""Process, page-cache and timing helpers for the benchmark (Linux only: /proc and /proc/sys/vm/drop_caches)."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+#: seconds any single benchmark subprocess may take before it counts as hung
+STEP_TIMEOUT = 900
+
+
+class StepError(RuntimeError):
+    """A benchmark step failed (non-zero exit, timeout, missing output); the message says which and why."""
+
+
+def is_root() -> bool:
+    return os.geteuid() == 0
+
+
+def drop_caches() -> bool:
+    """``sync; echo 3 > /proc/sys/vm/drop_caches`` (clean page cache, dentries, inodes). False when not root."""
+    os.sync()
+    if not is_root():
+        return False
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+    return True
+
+
+def median(xs) -> float:
+    return float(statistics.median(xs))
+
+
+def _tail(text: str | bytes | None, n: int = 6) -> str:
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    lines = [ln for ln in (text or "").strip().splitlines() if ln.strip()]
+    return " | ".join(lines[-n:])
+
+
+def run(argv: list, *, env: dict | None = None, timeout: float = STEP_TIMEOUT, stdout=subprocess.PIPE,
+        cwd=None) -> subprocess.CompletedProcess:
+    """Run ``argv``; raise StepError (with the stderr tail) on a non-zero exit or timeout."""
+    try:
+        r = subprocess.run([str(a) for a in argv], env=env, stdout=stdout, stderr=subprocess.PIPE,
+                           timeout=timeout, cwd=cwd)
+    except subprocess.TimeoutExpired:
+        raise StepError(f"{' '.join(map(str, argv[:4]))} …: timed out after {timeout:.0f} s") from None
+    if r.returncode != 0:
+        raise StepError(f"{' '.join(map(str, argv[:6]))}: exit {r.returncode}: {_tail(r.stderr)}")
+    return r
+
+
+def timed(argv: list, **kw) -> tuple:
+    """(wall seconds, CompletedProcess) of one command."""
+    t0 = time.perf_counter()
+    r = run(argv, **kw)
+    return time.perf_counter() - t0, r
+
+
+def probe(name: str, *args, env: dict | None = None, timeout: float = STEP_TIMEOUT) -> dict:
+    """Run ``benchlib/probes.py NAME ARGS…`` in a fresh interpreter; return the JSON it prints last."""
+    script = Path(__file__).with_name("probes.py")
+    r = run([sys.executable, str(script), name, *args], env=env, timeout=timeout)
+    out = r.stdout.decode(errors="replace").strip().splitlines()
+    if not out:
+        raise StepError(f"probe {name}: no output; stderr: {_tail(r.stderr)}")
+    return json.loads(out[-1])
+
+
+def proc_status(pid: int) -> dict:
+    """VmRSS / VmHWM (bytes) of a live process."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                k, v = line.split(":", 1)
+                out[k] = int(v.split()[0]) * 1024
+    return out
+
+
+def proc_io(pid: int) -> dict:
+    """/proc/<pid>/io counters (rchar: bytes returned by read-like syscalls; read_bytes: fetched from storage)."""
+    out = {}
+    with open(f"/proc/{pid}/io") as f:
+        for line in f:
+            k, v = line.split(":", 1)
+            out[k.strip()] = int(v)
+    return out
+
+
+def proc_cpu(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pid: int, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not pid_alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def mb_per_s(nbytes: int, seconds: float) -> float:
+    """Throughput in MB/s (10^6 bytes per second, as in the docs)."""
+    return nbytes / seconds / 1e6 if seconds > 0 else float("inf")

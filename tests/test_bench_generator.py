@@ -1,0 +1,132 @@
+"""The benchmark's checkpoint generator (scripts/benchlib/gen.py) writes files in the real cstorch 0.5 layout that
+h5py, ckptfs's source reader and ``ckptfs info`` accept. Tiny sizes only; no timing assertions."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import hdf5plugin  # noqa: F401
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+from benchlib import gen, noread  # noqa: E402
+
+FIXTURE_DIMS = gen.LlamaDims(hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, vocab=128, max_positions=64, tied=True)
+TINY = gen.LlamaDims(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=96)
+
+
+def _attr_type(obj, name):
+    a = obj.attrs.get_id(name)
+    return a.dtype, a.shape, a.get_type().get_class()
+
+
+def test_matches_real_fixture_layout(tmp_path, fixtures):
+    """Same dims as the llama fixture → identical attributes, metadata strings, chunking, filters and params YAML."""
+    out = tmp_path / "checkpoint.mdl"
+    gen.write_checkpoint(out, FIXTURE_DIMS, "fp32")
+    ref_dir = fixtures / "llama" / "cs"
+    with h5py.File(out, "r") as a, h5py.File(ref_dir / "checkpoint.mdl", "r") as b:
+        assert sorted(a.attrs) == sorted(b.attrs)
+        for name in b.attrs:
+            assert a.attrs[name] == b.attrs[name], name
+            assert _attr_type(a, name) == _attr_type(b, name), name
+        assert sorted(a) == sorted(b)
+        for key in b:
+            da, db = a[key], b[key]
+            assert (da.shape, da.dtype, da.chunks, da._filters) == (db.shape, db.dtype, db.chunks, db._filters), key
+            assert sorted(da.attrs) == sorted(db.attrs)
+            for n in db.attrs:
+                assert np.array_equal(da.attrs[n], db.attrs[n]), (key, n)
+                assert _attr_type(da, n) == _attr_type(db, n), (key, n)
+    assert gen.write_params(tmp_path / "params.yaml", FIXTURE_DIMS).read_text() == (ref_dir / "params.yaml").read_text()
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_data_round_trips_through_h5py_and_source_reader(tmp_path, dtype):
+    from ckptfs.source import open_checkpoint
+
+    out = tmp_path / "checkpoint_0.mdl"
+    info = gen.write_checkpoint(out, TINY, dtype, seed=7)
+    keys = ["model." + k for k, _ in gen.cs_tensors(TINY)]
+    assert info["keys"] == len(keys) == 9 * TINY.layers + 4
+    assert not list(tmp_path.glob("*.tmp"))
+    rng = np.random.default_rng(7)
+    with h5py.File(out, "r") as f:
+        assert f.attrs["__version__"] == 0.5 and bool(f.attrs["__SUCCESS__"])
+        for key, (_, shape) in zip(keys, gen.cs_tensors(TINY)):
+            want = gen.random_tensor(rng, shape, dtype, norm=len(shape) == 1)
+            got = f[key][()]
+            assert got.dtype == (np.int16 if dtype == "bf16" else np.float32)
+            assert np.array_equal(got, want), key
+            meta = json.loads(f.attrs[key + ".__metadata__"])
+            assert meta["__objects__"] == [key]
+            assert meta[key + ".__metadata__"]["shapes"] == [list(shape)]
+    with open_checkpoint(out) as ck:
+        assert ck.format_version == 0.5 and ck.success and ck.release == "2.10.0"
+        tensors = ck.tensors()
+        assert list(tensors) == keys
+        emb = tensors["model.embedding_layer.word_embeddings.weight"].tensor
+        assert tuple(emb.shape) == (TINY.vocab, TINY.hidden)
+        assert emb.dtype.name == ("bfloat16" if dtype == "bf16" else "float32")
+
+
+def test_unallocated_checkpoint_is_metadata_only(tmp_path):
+    from ckptfs.source import open_checkpoint
+
+    dims = gen.LlamaDims(hidden=1024, layers=3, heads=8, kv_heads=2, ffn=2816, vocab=32000)
+    out = tmp_path / "big.mdl"
+    info = gen.write_checkpoint(out, dims, "bf16", allocate=False)
+    assert info["tensor_bytes"] == dims.params() * 2 > 50 * info["disk_bytes"]
+    with h5py.File(out, "r") as f:
+        d = f["model.lm_head.weight"]
+        assert d.id.get_storage_size() == 0 and d.chunks is not None and "32004" in d._filters
+        assert not d[:2, :3].any()  # fill value
+    with open_checkpoint(out) as ck:
+        assert len(ck.tensors()) == info["keys"]
+
+
+def test_ckptfs_info_accepts_generated_checkpoint(tmp_path):
+    if not (REPO / "ckptfs" / "commands" / "info.py").exists():
+        pytest.skip("ckptfs info not built yet")
+    out = tmp_path / "checkpoint_0.mdl"
+    gen.write_checkpoint(out, TINY, "bf16")
+    gen.write_params(tmp_path / "params.yaml", TINY)
+    r = subprocess.run([sys.executable, "-m", "ckptfs", "info", str(out)], capture_output=True, text=True,
+                       cwd=REPO, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+
+
+@pytest.mark.parametrize("target", ["8MB", "100MB", "768MB", "1.5GiB"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_dims_for_size_is_close(target, dtype):
+    from ckptfs.layouts.units import parse_size
+
+    n = parse_size(target)
+    d = gen.dims_for_size(n, dtype)
+    assert d.layers >= 4 and d.hidden % d.heads == 0 and d.heads % d.kv_heads == 0
+    assert abs(d.params() * (2 if dtype == "bf16" else 4) / n - 1) < 0.3
+
+
+def test_noread_classification():
+    ranges = [(100, 2100), (5000, 9000)]
+    r = noread.classify([(0, 100), (2100, 512), (90, 40), (5000, 4000), (4000, 6000)], ranges)
+    assert r == {"preads": 5, "data_reads": 2, "data_read_bytes": 10000, "partial_overlaps": 1}
+    trace = (f"12 pread64(3</x/c.mdl>, \"\"..., 4000, 5000) = 4000\n"
+             f"12 pread64(4</x/other>, \"\"..., 10, 0) = 10\n12 read(3</x/c.mdl>, \"\"..., 8) = 8\n")
+    assert noread.parse_trace(trace, "/x/c.mdl") == ([(5000, 4000)], 1)
+
+
+def test_report_marks_unmeasured_items_as_errors():
+    from benchlib import report
+
+    lines = report.target_lines({}, {"bf16.raw": "StepError: boom"}, ["bf16"], 256 << 20)
+    assert lines and all(x.result == "ERROR" for x in lines)
+    assert "boom" in lines[0].measured
+    assert "RESULT" in report.table(lines).splitlines()[0]
