@@ -219,8 +219,11 @@ class Started:
 
 
 def start_background(ckpt, mountpoint, options: MountOptions, *, allow_other: bool = False,
-                     debug: bool = False, timeout: float = READY_TIMEOUT) -> Started:
-    """Run the server as a new ``python -m ckptfs mount … --foreground`` process and wait until it answers."""
+                     debug: bool = False, timeout: float = READY_TIMEOUT, check=None) -> Started:
+    """Run the server as a new ``python -m ckptfs mount … --foreground`` process and wait until it answers.
+
+    ``check()``, if given, runs while the server starts (validation in parallel with its start-up); if it raises,
+    the server is stopped, nothing stays mounted, and the error propagates."""
     d = log_dir()
     d.mkdir(parents=True, exist_ok=True)
     log_path = d / f"mount-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
@@ -232,8 +235,10 @@ def start_background(ckpt, mountpoint, options: MountOptions, *, allow_other: bo
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, cwd="/",
                                 env=env, start_new_session=True, close_fds=True)
     try:
+        if check is not None:
+            check()
         wait_until_mounted(proc, mountpoint, timeout=timeout, log_path=log_path)
-    except KeyboardInterrupt:  # the user gave up waiting: leave nothing behind
+    except (KeyboardInterrupt, CkptfsError):  # invalid, or the user gave up waiting: leave nothing behind
         proc.terminate()
         try:
             proc.wait(10)
@@ -274,11 +279,12 @@ def mount(ckpt, mountpoint, options: MountOptions | None = None, *, foreground: 
 
     load_mfusepy()  # a missing libfuse is reported before anything is built or started
     if not foreground:
-        # Check the checkpoint here (a bad one: one line, exit 2, nothing started); the server process builds the
-        # tree itself before mounting, and a failure there is reported from its log, so it is built only once.
-        check_source(ckpt, options)
-        return start_background(ckpt, mp, options, allow_other=allow_other, debug=debug)
+        # The checkpoint is checked here, while the server starts (a bad one: one line, exit 2, nothing left
+        # mounted); the server builds the tree itself, so it is built only once.
+        return start_background(ckpt, mp, options, allow_other=allow_other, debug=debug,
+                                check=lambda: check_source(ckpt, options))
     tree = build_tree(ckpt, options)
+    tree.warm()  # expensive layouts (the cs view's HDF5 skeleton) build while the mount already answers
     setup_logging(debug)
     log.info("mounting %s at %s (%d files)", ckpt, mp, tree.file_count)
     try:

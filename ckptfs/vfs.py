@@ -55,18 +55,26 @@ def split_path(path: str) -> tuple:
 
 @dataclass(frozen=True, eq=False)
 class Entry:
-    """One node of the tree: a directory (``file is None``) or a file with its size fixed at construction."""
+    """One node of the tree: a directory (``file is None``) or a file (its size is the file's, fixed once known)."""
 
     path: str  # "" for the root, else "a/b/c"
     ino: int
     file: Any = None  # VFile, or None for a directory
-    size: int = 0
     children: tuple = ()  # sorted child names (directories only)
     nsubdirs: int = 0
+    _size: list = field(default_factory=list, repr=False)  # [size] once known; fixed from then on
 
     @property
     def is_dir(self) -> bool:
         return self.file is None
+
+    @property
+    def size(self) -> int:
+        if self.file is None:
+            return 0
+        if not self._size:
+            self._size.append(self.file.size)  # a deferred file is sized here, on first use
+        return self._size[0]
 
     @property
     def name(self) -> str:
@@ -96,12 +104,13 @@ class VirtualTree:
                  closers: Iterable = ()):
         self.mtime_ns = int(time.time_ns() if mtime_ns is None else mtime_ns)
         self._closers = list(closers)
+        self._warmers: list = []
         file_parts: dict = {}
         for raw, vf in files.items():
             parts = _checked_parts(raw)
             if not parts:
                 raise CkptfsError(raw, "a file cannot be the root directory")
-            size = getattr(vf, "size", None)
+            size = 0 if getattr(vf, "deferred", False) else getattr(vf, "size", None)  # deferred: sized on first use
             if not isinstance(size, int) or isinstance(size, bool) or size < 0 or not callable(getattr(vf, "read", None)):
                 raise CkptfsError(raw, f"not a virtual file (size={size!r})")
             if parts in file_parts:
@@ -126,15 +135,16 @@ class VirtualTree:
             path = "/".join(parts)
             if parts in file_parts:
                 vf = file_parts[parts]
-                e = Entry(path, ino, vf, vf.size)
+                e = Entry(path, ino, vf)
+                if not getattr(vf, "deferred", False):
+                    e.size  # fix the size now
             else:
                 kids = tuple(sorted(children[parts]))
                 nsub = sum(1 for k in kids if parts + (k,) in dir_parts)
-                e = Entry(path, ino, None, 0, kids, nsub)
+                e = Entry(path, ino, None, kids, nsub)
             self._entries[path] = e
             self._by_ino.append(e)
         self._nfiles = len(file_parts)
-        self._total = sum(vf.size for vf in file_parts.values())
 
     # -- lookups -----------------------------------------------------------------------------------
     def lookup(self, path: str) -> Entry:
@@ -175,7 +185,7 @@ class VirtualTree:
 
     @property
     def total_size(self) -> int:
-        return self._total
+        return sum(e.size for e in self._by_ino[1:] if not e.is_dir)
 
     def __contains__(self, path) -> bool:
         return "/".join(split_path(path)) in self._entries
@@ -204,7 +214,16 @@ class VirtualTree:
         for off in range(0, e.size, block):
             yield self.read(e, off, block)
 
+    def warm(self) -> None:
+        """Start building every deferred file in the background (the mount server does this before serving)."""
+        for e in self._by_ino[1:]:
+            if not e.is_dir and getattr(e.file, "deferred", False):
+                self._warmers.append(e.file.start())
+
     def close(self) -> None:
+        for th in self._warmers:  # never close sources under a build still running
+            th.join()
+        self._warmers = []
         for c in self._closers:
             try:
                 c()
@@ -343,8 +362,10 @@ def readme_text(info: SourceInfo, outcomes: list) -> str:
     lines += ["", "views:"]
     for o in outcomes:
         if o.present:
-            size = sum(f.size for f in o.files.values())
-            status = f"{len(o.files)} file{'' if len(o.files) == 1 else 's'}, {_human(size)}"
+            ready = [f for f in o.files.values() if not getattr(f, "deferred", False)]
+            status = f"{len(o.files)} file{'' if len(o.files) == 1 else 's'}, {_human(sum(f.size for f in ready))}"
+            if len(ready) < len(o.files):
+                status += f" (+ {len(o.files) - len(ready)} sized on first access)"
             if o.missing:
                 status += f"; partly missing: {o.missing}"
         else:

@@ -214,3 +214,33 @@ def test_content_identity_names_the_file_and_the_options_that_shape_content(tmp_
     assert content_identity(tmp_path / "missing.mdl", MountOptions()) is None
     ck.write_bytes(b"xy")  # a rewritten checkpoint never reuses old CRCs
     assert content_identity(ck, MountOptions()) != base
+
+
+def test_deferred_files_are_sized_on_first_use_and_warmed_in_the_background():
+    import threading
+
+    from ckptfs.views.base import DeferredFile
+
+    built = threading.Event()
+    release = threading.Event()
+
+    def factory():
+        release.wait(10)
+        built.set()
+        return BytesFile(b"0123456789")
+
+    def broken():
+        raise TensorReadError("/x.mdl", "cannot lay out")
+
+    t = VirtualTree({"a/slow.bin": DeferredFile(factory), "bad.bin": DeferredFile(broken), "c": BytesFile(b"c")})
+    assert t.file_count == 3 and not built.is_set()  # building the tree sized nothing deferred
+    t.warm()
+    release.set()
+    assert t.attr("a/slow.bin").size == 10 and built.is_set()
+    assert t.read("a/slow.bin", 3, 4) == b"3456"
+    with pytest.raises(TensorReadError):  # a failed build is reported on every use, never as a wrong size
+        t.attr("bad.bin")
+    with pytest.raises(TensorReadError):
+        t.read("bad.bin", 0, 1)
+    t.close()  # joins the warm-up threads before closing sources
+    assert all(not th.is_alive() for th in t._warmers) if t._warmers else True

@@ -6,6 +6,7 @@ zip, npy, hdf5) already have that shape; ``BytesFile`` wraps small generated tex
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -30,6 +31,51 @@ class BytesFile:
 
     def read(self, offset: int, n: int) -> bytes:
         return self.data[offset:offset + n]
+
+
+class DeferredFile:
+    """A file whose layout is built on first use (``size`` or ``read``) — or earlier by ``start()`` in a background
+    thread — so that a mount answers before an expensive layout (the cs view's HDF5 skeleton) is ready. Its size is
+    exact from the first ``stat``: that call waits for the build. A build error is raised on every use."""
+
+    deferred = True
+
+    def __init__(self, factory):
+        self._factory = factory
+        self._lock = threading.Lock()
+        self._file = None
+        self._error: BaseException | None = None
+
+    def resolve(self):
+        with self._lock:
+            if self._file is None and self._error is None:
+                try:
+                    self._file = self._factory()
+                except BaseException as e:  # kept and re-raised to every caller
+                    self._error = e
+                self._factory = None
+        if self._error is not None:
+            raise self._error
+        return self._file
+
+    def start(self) -> threading.Thread:
+        """Build in a background thread (the caller joins it before closing the sources it reads)."""
+        def warm():
+            try:
+                self.resolve()
+            except BaseException:
+                pass  # reported when the file is used
+
+        th = threading.Thread(target=warm, name="ckptfs-deferred-layout", daemon=True)
+        th.start()
+        return th
+
+    @property
+    def size(self) -> int:
+        return self.resolve().size
+
+    def read(self, offset: int, n: int) -> bytes:
+        return self.resolve().read(offset, n)
 
 
 @dataclass
