@@ -1,7 +1,9 @@
 """The source tensors of a checkpoint: VirtualTensors whose ``read(box)`` reads only that box.
 
-* ``H5DatasetTensor``: a dataset of the checkpoint (or of an external .mdl), read by an h5py
-  hyperslab selection of exactly the box, so only the chunks it touches are decompressed.
+* ``H5DatasetTensor``: a dataset of the checkpoint (or of an external .mdl); only the chunks under the
+  box are decompressed. LZ4-only chunked datasets (every Cerebras tensor) are decoded by
+  ``lz4chunks.LZ4ChunkReader`` (chunks in parallel, outside HDF5's serial filter pipeline); anything
+  else is an h5py hyperslab selection of exactly the box. Its cache blocks are aligned to chunk rows.
 * ``FullTensor``: a constant-fill tensor (DeferredFullTensor) with no data on disk.
 * ``FileRegionTensor``: raw little-endian C-order elements at an offset of a plain file
   (a .safetensors data block, a legacy DeferredFileTensor file), read run by run.
@@ -18,7 +20,8 @@ import numpy as np
 
 from ..dtypes import BFLOAT16, DType
 from ..errors import TensorReadError
-from ..tensor import Box, VirtualTensor, box_shape
+from ..tensor import BLOCK_BYTES, Box, VirtualTensor, box_shape
+from . import lz4chunks
 from .h5store import H5Store, one_line
 
 
@@ -35,6 +38,8 @@ class H5DatasetTensor(VirtualTensor):
         self.name = name  # dataset path inside the file (h5py follows '/' as groups)
         self.key = key  # flat key, for messages
         self._dset = None
+        self._lz4 = (None, None)  # (dataset, LZ4ChunkReader | None) planned for that dataset object
+        self._block_elems = None
 
     def describe(self) -> str:
         where = "" if self.store.path == self.store.checkpoint_path else f" of {self.store.path.name}"
@@ -66,6 +71,29 @@ class H5DatasetTensor(VirtualTensor):
         self._dset = d
         return d
 
+    def _chunk_reader(self, d):
+        """The LZ4 chunk reader planned for dataset object ``d`` (None: plain h5py reads)."""
+        planned_for, reader = self._lz4
+        if planned_for is not d:
+            reader = lz4chunks.plan(d) if self.ndim else None
+            self._lz4 = (d, reader)
+        return reader
+
+    def block_elems(self) -> int:
+        """The default block size rounded to whole chunk rows (``lz4chunks.aligned_block_elems``), so that
+        consecutive cache blocks never decode the same chunk. Computed once: block keys must stay stable."""
+        be = self._block_elems
+        if be is None:
+            be = base = super().block_elems()
+            try:
+                chunks = self.dataset().chunks
+            except TensorReadError:
+                chunks = None
+            if chunks:
+                be = lz4chunks.aligned_block_elems(self.shape, chunks, self.dtype.itemsize, base, 4 * BLOCK_BYTES)
+            self._block_elems = be
+        return be
+
     def read(self, box: Box) -> np.ndarray:
         shape = box_shape(box)
         st = self.dtype.storage
@@ -76,7 +104,12 @@ class H5DatasetTensor(VirtualTensor):
             if self.ndim == 0:
                 arr = np.asarray(d[()])
             else:
-                arr = d[tuple(slice(a, b) for a, b in box)]
+                reader = self._chunk_reader(d)
+                arr = reader.read(box) if reader is not None else None
+                if arr is None:
+                    arr = d[tuple(slice(a, b) for a, b in box)]
+        except lz4chunks.CorruptChunkError as e:
+            raise self._fail(f"corrupt LZ4 chunk at {e.coords}") from e
         except (OSError, KeyError, ValueError, RuntimeError, TypeError) as e:
             raise self._fail(e) from e
         return _to_storage(np.asarray(arr), st).reshape(shape)

@@ -1,0 +1,708 @@
+"""Chunk-parallel reads of HDF5 datasets compressed with the LZ4 filter (id 32004), bypassing HDF5's filter pipeline.
+
+HDF5 decodes chunks one at a time, with per-chunk overhead, under h5py's global lock. For a chunked dataset whose
+*only* filter is LZ4 (every Cerebras tensor), ``LZ4ChunkReader.read(box)`` does the work itself:
+
+1. the chunks under the box come from a per-dataset index built once with ``chunk_iter`` (file offset, stored size,
+   filter mask of every allocated chunk; ``_IndexLRU`` bounds the memory of all indexes together);
+2. the stored bytes are fetched into a thread-local buffer: with ``os.preadv`` over coalesced file ranges when the
+   file is a plain (sec2) file whose chunk addresses were checked against ``read_direct_chunk`` once per open
+   file (our own read-only handle, shared by the file's readers and closed with the last of them), otherwise
+   chunk by chunk with ``dset.id.read_direct_chunk`` (no filter applied);
+3. the HDF5-LZ4 framing is checked and decoded here: a run of neighbouring chunks stored raw (incompressible
+   data, i.e. most real weights) is copied into the output with one strided numpy copy; other chunks are decoded
+   with ``LZ4_decompress_safe`` from hdf5plugin's own ``libh5lz4.so`` through ctypes (which releases the GIL);
+4. unallocated chunks give the dataset's fill value.
+
+The chunks of one read are split over a small shared thread pool (the calling thread takes one share) when the
+read has enough compressed chunks to decode; chunks stored raw are memory copies and stay in the calling thread.
+
+Framing (hdf5plugin ``src/LZ4/H5Zlz4.c``): 8-byte big-endian total uncompressed size, 4-byte big-endian block size
+(clamped to the total), then per block a 4-byte big-endian stored size and the block; a block whose stored size
+equals its uncompressed size is stored raw. A chunk whose filter mask has bit 0 set skipped the (optional) filter
+and is stored raw. Anything that does not decode to exactly the chunk's size raises ``CorruptChunkError`` — never
+wrong bytes. Trailing bytes after the last block are ignored, as HDF5's own filter does.
+
+``plan(dset)`` returns a reader, or None when the plain h5py hyperslab read must be used (not an h5py Dataset,
+contiguous, 0-d, other or extra filters, compound/string/complex types, a file type that h5py would convert, or
+the LZ4 library cannot be loaded). ``read`` returns None (the caller then uses h5py, so errors stay the same) for
+a box out of range, a closed dataset, or a box touching an unallocated chunk of a dataset whose fill value HDF5
+would not apply (fill time "never" / undefined fill value).
+
+Block alignment: ``aligned_block_elems`` rounds a tensor's cache-block size to whole chunk rows (``chunks[0]`` rows
+of all trailing dimensions), so consecutive blocks never decode the same chunk (``H5DatasetTensor.block_elems``).
+
+Threads: ``CKPTFS_DECODE_THREADS`` (default ``os.cpu_count()``; 1 = serial, in the calling thread) or
+``set_decode_threads(n)``.
+
+Limitation: a file written with ``H5Pset_chunk_opts(H5D_CHUNK_DONT_FILTER_PARTIAL_CHUNKS)`` (never done by h5py or
+cstorch) stores partial edge chunks unfiltered without saying so in the filter mask; h5py cannot query that flag,
+so such edge chunks fail to decode and raise ``CorruptChunkError`` (an error, not wrong data).
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import math
+import os
+import struct
+import threading
+import weakref
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+LZ4_FILTER_ID = 32004
+ENV_THREADS = "CKPTFS_DECODE_THREADS"
+#: total chunk-index entries (20 bytes each) kept across all readers before the least recently used are dropped
+INDEX_BUDGET_ENTRIES = 1_000_000
+#: chunks further apart than this in the file are fetched by separate reads
+_MAX_GAP = 64 << 10
+#: thread-local scratch buffers larger than this are not kept between reads
+_KEEP_SCRATCH_BYTES = 64 << 20
+#: split a read over threads only when it has at least this many bytes to decode (compressed chunks)
+_MIN_PARALLEL_BYTES = 256 << 10
+#: stored bytes fetched and placed at a time by one thread
+_BATCH_BYTES = 4 << 20
+#: reads over at most this many chunks go chunk by chunk in plain Python (numpy set-up costs more)
+_FEW_CHUNKS = 4
+
+_HEADER = struct.Struct(">QI")
+_BLOCK = struct.Struct(">I")
+_RAW_HEAD = _HEADER.size + _BLOCK.size  # a one-block frame stored raw: 16 header bytes, then the data
+_HEAD = struct.Struct(">QII")  # total size, block size, first block's stored size
+_HEAD_DTYPE = np.dtype([("total", ">u8"), ("block", ">u4"), ("stored", ">u4")])
+
+
+class CorruptChunkError(Exception):
+    """A stored chunk that does not decode to exactly its expected bytes; ``coords`` is its dataset offset."""
+
+    def __init__(self, coords: tuple, detail: str):
+        self.coords = tuple(int(c) for c in coords)
+        self.detail = detail
+        super().__init__(f"chunk at {self.coords}: {detail}")
+
+
+# -- the LZ4 library -----------------------------------------------------------------------------------------------
+_lib_lock = threading.Lock()
+_lib_state: list = []  # [] = not tried; [fn] = loaded; [None] = unavailable
+
+
+def lz4_decompress_safe():
+    """``LZ4_decompress_safe(src, dst, compressed_size, capacity) -> int`` from hdf5plugin's libh5lz4.so, or None."""
+    if _lib_state:
+        return _lib_state[0]
+    with _lib_lock:
+        if not _lib_state:
+            fn = None
+            try:
+                import hdf5plugin
+
+                lib = ctypes.CDLL(str(Path(hdf5plugin.PLUGIN_PATH) / "libh5lz4.so"))
+                fn = lib.LZ4_decompress_safe
+                fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int)
+                fn.restype = ctypes.c_int
+            except (ImportError, OSError, AttributeError):
+                fn = None
+            _lib_state.append(fn)
+    return _lib_state[0]
+
+
+def _addr(buf) -> int:
+    """Address of a writable buffer (bytearray / numpy array)."""
+    if isinstance(buf, np.ndarray):
+        return buf.__array_interface__["data"][0]
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+def decode_frame(raw, raw_addr: int, nbytes: int, dst_addr: int, coords: tuple = ()) -> None:
+    """Decode one HDF5-LZ4 framed chunk (``raw``, a bytes-like at ``raw_addr``) into ``nbytes`` at ``dst_addr``.
+
+    Raises ``CorruptChunkError`` unless the frame decodes to exactly ``nbytes``.
+    """
+    fn = lz4_decompress_safe()
+    if fn is None:
+        raise CorruptChunkError(coords, "LZ4 library unavailable")
+    size = len(raw)
+    if size < _HEADER.size:
+        raise CorruptChunkError(coords, f"{size}-byte chunk is shorter than the LZ4 header")
+    total, block = _HEADER.unpack_from(raw, 0)
+    if total != nbytes:
+        raise CorruptChunkError(coords, f"header says {total} bytes, chunk holds {nbytes}")
+    if block > total:
+        block = total
+    if block == 0 and total:
+        raise CorruptChunkError(coords, "block size 0")
+    pos, done = _HEADER.size, 0
+    while done < total:
+        n = min(block, total - done)
+        if pos + 4 > size:
+            raise CorruptChunkError(coords, f"truncated at block {done // block}")
+        (stored,) = _BLOCK.unpack_from(raw, pos)
+        pos += 4
+        if pos + stored > size:
+            raise CorruptChunkError(coords, f"block {done // block} runs past the chunk's end")
+        if stored == n:
+            ctypes.memmove(dst_addr + done, raw_addr + pos, n)
+        else:
+            try:
+                got = fn(raw_addr + pos, dst_addr + done, stored, n)
+            except (ctypes.ArgumentError, OSError) as e:
+                raise CorruptChunkError(coords, f"LZ4 call failed: {e}") from e
+            if got != n:
+                raise CorruptChunkError(coords, f"block {done // block} decodes to {got} bytes, not {n}")
+        pos += stored
+        done += n
+
+
+# -- threads -------------------------------------------------------------------------------------------------------
+_pool_lock = threading.Lock()
+_threads: int | None = None
+_pool: ThreadPoolExecutor | None = None
+_local = threading.local()
+
+
+def _env_threads() -> int:
+    v = os.environ.get(ENV_THREADS, "").strip()
+    try:
+        n = int(v) if v else (os.cpu_count() or 1)
+    except ValueError:
+        n = os.cpu_count() or 1
+    return max(1, n)
+
+
+def decode_threads() -> int:
+    """Threads used per read (the caller included): ``set_decode_threads`` or ``$CKPTFS_DECODE_THREADS`` or cores."""
+    return _threads if _threads is not None else _env_threads()
+
+
+def set_decode_threads(n: int | None) -> None:
+    """Use ``n`` threads per read (1 = serial; None = back to the environment/default). Replaces the shared pool."""
+    global _threads, _pool
+    with _pool_lock:
+        _threads = None if n is None else max(1, int(n))
+        old, _pool = _pool, None
+    if old is not None:
+        old.shutdown(wait=False)
+
+
+def _executor(workers: int) -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers < workers:  # noqa: SLF001 (grow on demand)
+            old, _pool = _pool, ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfs-lz4")
+            if old is not None:
+                old.shutdown(wait=False)
+        return _pool
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has none of the parent's pool threads: start a fresh pool on next use."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _scratch(name: str, n: int) -> bytearray:
+    """A thread-local scratch buffer of at least ``n`` bytes (big ones are not kept)."""
+    buf = getattr(_local, name, None)
+    if buf is not None and len(buf) >= n:
+        return buf
+    buf = bytearray(n)
+    if n <= _KEEP_SCRATCH_BYTES:
+        setattr(_local, name, buf)
+    return buf
+
+
+# -- chunk indexes -------------------------------------------------------------------------------------------------
+class _IndexLRU:
+    """Bounds the memory of all readers' chunk indexes: least recently used ones are dropped (and rebuilt on use).
+
+    Readers are held weakly, so a reader (its dataset handle and direct file handle) dies with its tensor.
+    """
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self._readers: "OrderedDict[int, tuple]" = OrderedDict()  # id -> (weakref, entries)
+        self._entries = 0
+        self._lock = threading.RLock()  # a reader's weakref callback may run while the lock is held
+
+    def touch(self, reader: "LZ4ChunkReader") -> None:
+        key = id(reader)
+        with self._lock:
+            if key in self._readers:
+                self._readers.move_to_end(key)
+                return
+            self._readers[key] = (weakref.ref(reader, lambda _r, key=key: self._drop(key)), reader.nchunks)
+            self._entries += reader.nchunks
+            while self._entries > self.budget and len(self._readers) > 1:
+                _, (ref, n) = self._readers.popitem(last=False)
+                self._entries -= n
+                old = ref()
+                if old is not None:
+                    old._index = None  # noqa: SLF001
+
+    def _drop(self, key: int) -> None:
+        with self._lock:
+            item = self._readers.pop(key, None)
+            if item is not None:
+                self._entries -= item[1]
+
+    def forget(self, reader: "LZ4ChunkReader") -> None:
+        self._drop(id(reader))
+
+
+_indexes = _IndexLRU(INDEX_BUDGET_ENTRIES)
+
+
+# -- direct file access ---------------------------------------------------------------------------------------------
+class _RawFile:
+    """An unbuffered read-only handle on an HDF5 file, shared by the readers of its datasets (closed when unused)."""
+
+    def __init__(self, path: str):
+        self.file = open(path, "rb", buffering=0)  # noqa: SIM115 (lives as long as its readers)
+        self.fd = self.file.fileno()
+
+    def __del__(self):
+        f = getattr(self, "file", None)
+        if f is not None:
+            f.close()
+
+
+_raw_lock = threading.Lock()
+_raw_files: "weakref.WeakValueDictionary[tuple, _RawFile]" = weakref.WeakValueDictionary()
+_raw_refused: set = set()
+
+
+def _raw_file(dset, coords: tuple, offset: int, size: int) -> "_RawFile | None":
+    """A direct handle on the file holding ``dset``, if it is a plain file (sec2 driver) whose chunk addresses are
+    file offsets: checked once per open file by reading one chunk (``coords``, at ``offset``) both ways."""
+    from h5py import h5fd, h5i
+
+    if not hasattr(os, "preadv"):
+        return None
+    try:
+        fid = h5i.get_file_id(dset.id)
+        st = os.fstat(fid.get_vfd_handle())
+        key = (fid.fileno, st.st_dev, st.st_ino)
+        with _raw_lock:
+            rf = _raw_files.get(key)
+            if rf is not None or key in _raw_refused:
+                return rf
+            if fid.get_access_plist().get_driver() == h5fd.SEC2:
+                rf = _RawFile(os.fsdecode(fid.name))
+                mine = os.fstat(rf.fd)
+                _, want = dset.id.read_direct_chunk(coords)
+                if (mine.st_dev, mine.st_ino) == key[1:] and os.pread(rf.fd, size, offset) == bytes(want):
+                    _raw_files[key] = rf
+                    return rf
+            _raw_refused.add(key)
+            return None
+    except (OSError, ValueError, RuntimeError, TypeError, AttributeError):
+        return None
+
+
+def why_not(dset) -> str | None:
+    """Why ``dset`` cannot use the chunk reader (None if it can)."""
+    import h5py
+    from h5py import h5d, h5t
+
+    if not isinstance(dset, h5py.Dataset):
+        return "not an h5py Dataset"
+    if dset.chunks is None or not dset.shape:
+        return "not chunked"
+    dt = dset.dtype
+    if dt.kind not in "biuf" or dt.itemsize not in (1, 2, 4, 8) or dt.fields is not None or dt.subdtype is not None:
+        return f"element type {dt}"
+    dcpl = dset.id.get_create_plist()
+    if dcpl.get_layout() != h5d.CHUNKED:
+        return "not chunked"
+    if dcpl.get_nfilters() != 1 or dcpl.get_filter(0)[0] != LZ4_FILTER_ID:
+        return "filters other than LZ4 alone"
+    try:
+        if not dset.id.get_type() == h5t.py_create(dt):
+            return "file type needs conversion"
+    except (TypeError, ValueError):
+        return "file type needs conversion"
+    if not hasattr(dset.id, "read_direct_chunk") or not (hasattr(dset.id, "chunk_iter")
+                                                         or hasattr(dset.id, "get_chunk_info")):
+        return "h5py without direct chunk access"
+    if lz4_decompress_safe() is None:
+        return "LZ4 library unavailable"
+    return None
+
+
+def plan(dset) -> "LZ4ChunkReader | None":
+    """A chunk reader for ``dset``, or None when the plain h5py read must be used (also if HDF5 cannot say)."""
+    try:
+        return LZ4ChunkReader(dset) if why_not(dset) is None else None
+    except (OSError, RuntimeError, ValueError, TypeError, KeyError):
+        return None
+
+
+def aligned_block_elems(shape, chunks, itemsize: int, base: int, max_bytes: int) -> int:
+    """A cache-block size (elements) that starts every block on a chunk-row boundary, or ``base`` when not cheap.
+
+    A "chunk row" is ``chunks[0]`` whole rows (all trailing dimensions), so a block of k chunk rows decodes exactly
+    the chunks under it and consecutive blocks never share a chunk. The result is the largest multiple of one
+    chunk row not above ``base`` (at least one chunk row, if that fits in ``max_bytes``). ``base`` is kept when it
+    is already aligned, when the tensor fits in one block, or when one chunk row exceeds ``max_bytes``.
+    """
+    shape = tuple(int(n) for n in shape)
+    if not chunks or not shape or len(chunks) != len(shape):
+        return base
+    numel = math.prod(shape)
+    row = math.prod(shape[1:])
+    if numel == 0 or row == 0 or numel <= base:
+        return base
+    unit = min(int(chunks[0]), shape[0]) * row
+    if base % unit == 0:
+        return base
+    if unit * itemsize > max_bytes:
+        return base
+    return max(1, base // unit) * unit
+
+
+
+
+class LZ4ChunkReader:
+    """Reads boxes of one LZ4-only chunked dataset by decoding its chunks itself (see the module docstring)."""
+
+    def __init__(self, dset):
+        from h5py import h5d
+
+        self.dset = dset
+        self.shape = tuple(int(n) for n in dset.shape)
+        self.chunks = tuple(int(c) for c in dset.chunks)
+        self.dtype = dset.dtype  # what h5py returns: the output's dtype
+        self.udtype = np.dtype(f"u{self.dtype.itemsize}")  # bytes are copied as unsigned ints: bit-exact
+        self.chunk_nbytes = math.prod(self.chunks) * self.dtype.itemsize
+        self.grid = tuple(-(-n // c) for n, c in zip(self.shape, self.chunks))
+        self.nchunks = math.prod(self.grid)
+        self._gstride = tuple(math.prod(self.grid[i + 1:]) for i in range(len(self.grid)))
+        self._cstrides = tuple(math.prod(self.chunks[i + 1:]) * self.dtype.itemsize for i in range(len(self.chunks)))
+        nd = len(self.chunks)
+        self._run_axes = tuple(range(1, nd)) + (0, nd)  # (run, *chunk) -> (*chunk[:-1], run, chunk[-1])
+        dcpl = dset.id.get_create_plist()
+        self.fill_ok = (dcpl.get_fill_time() != h5d.FILL_TIME_NEVER
+                        and dcpl.fill_value_defined() != h5d.FILL_VALUE_UNDEFINED)
+        self.fill = np.array(dset.fillvalue, dtype=self.dtype).view(self.udtype)[()] if self.fill_ok else None
+        self._index = None
+        self._lock = threading.Lock()
+        self._raw: "_RawFile | bool | None" = None  # None: not yet checked; False: use read_direct_chunk
+
+    # -- index -------------------------------------------------------------------------------------------------
+    def index(self):
+        """``(offsets, sizes, masks)`` arrays over the chunk grid in C order; size -1 = unallocated."""
+        idx = self._index
+        if idx is None:
+            with self._lock:
+                idx = self._index
+                if idx is None:
+                    idx = self._index = self._build_index()
+        _indexes.touch(self)
+        return idx
+
+    def _build_index(self):
+        offs = np.zeros(self.nchunks, dtype=np.int64)
+        sizes = np.full(self.nchunks, -1, dtype=np.int64)
+        masks = np.zeros(self.nchunks, dtype=np.uint32)
+        did = self.dset.id
+        infos: list = []
+        if hasattr(did, "chunk_iter"):
+            did.chunk_iter(infos.append)
+        else:
+            infos = [did.get_chunk_info(i) for i in range(did.get_num_chunks())]
+        infos = [i for i in infos if i.chunk_offset is not None and i.byte_offset is not None]
+        if infos:
+            n = len(infos)
+            co = np.array([i.chunk_offset for i in infos], dtype=np.int64).reshape(n, -1)
+            li = (co // np.array(self.chunks)) @ np.array(self._gstride, dtype=np.int64)
+            offs[li] = np.fromiter((i.byte_offset for i in infos), np.int64, n)
+            sizes[li] = np.fromiter((i.size for i in infos), np.int64, n)
+            masks[li] = np.fromiter((i.filter_mask for i in infos), np.int64, n)
+        return offs, sizes, masks
+
+    def _direct(self, offs, sizes) -> "_RawFile | None":
+        """The direct file handle (None: use ``read_direct_chunk``), looked up once per reader."""
+        raw = self._raw
+        if raw is None:
+            hit = np.flatnonzero(sizes >= 0)
+            if not hit.size:
+                return None  # nothing stored yet to check the handle with; ask again next time
+            li = int(hit[0])
+            coords = tuple(i * c for i, c in zip(self._chunk_idx(li), self.chunks))
+            raw = self._raw = _raw_file(self.dset, coords, int(offs[li]), int(sizes[li])) or False
+        return raw or None
+
+    # -- reading -----------------------------------------------------------------------------------------------
+    def read(self, box) -> np.ndarray | None:
+        """The box as a C-contiguous array of ``dset.dtype``; None if the caller must use h5py for this box."""
+        box = tuple((int(a), int(b)) for a, b in box)
+        if len(box) != len(self.shape) or any(not 0 <= a <= b <= n for (a, b), n in zip(box, self.shape)):
+            return None  # out of range: h5py reports it exactly as before
+        if not self.dset.id.valid:
+            return None  # closed: h5py raises as before
+        out = np.empty(tuple(b - a for a, b in box), self.udtype)
+        if out.size == 0:
+            return out.view(self.dtype)
+        offs, sizes, masks = self.index()
+        direct = self._direct(offs, sizes)
+        ranges = [range(a // c, (b - 1) // c + 1) for (a, b), c in zip(box, self.chunks)]
+        if math.prod(len(r) for r in ranges) <= _FEW_CHUNKS:  # small read: plain Python is cheaper than numpy
+            return self._read_few(box, out, ranges, offs, sizes, masks, direct)
+        # every chunk under the box, in C order of the chunk grid
+        li = np.zeros([len(r) for r in ranges], np.int64)
+        for d, (r, s) in enumerate(zip(ranges, self._gstride)):
+            li += (np.arange(r.start, r.stop) * s).reshape([-1 if i == d else 1 for i in range(len(ranges))])
+        li = li.reshape(-1)
+        csize = sizes[li]
+        hole = csize < 0
+        if hole.any():
+            if not self.fill_ok:
+                return None
+            for k in np.flatnonzero(hole).tolist():
+                out[self._slices(box, self._chunk_idx(int(li[k])))[1]] = self.fill
+            li, csize = li[~hole], csize[~hole]
+            if not li.size:
+                return out.view(self.dtype)
+        job = _Job(self, box, out, li, offs[li], csize, masks[li], direct)
+        # only LZ4 decoding gains from threads: chunks stored raw (incompressible weights) are plain memory
+        # copies, which a second thread slowed down in measurements (memory-bound), so they stay serial
+        work = int((csize < self.chunk_nbytes).sum()) * self.chunk_nbytes
+        threads = 1 if work < _MIN_PARALLEL_BYTES else min(decode_threads(), li.size)
+        bounds = [li.size * t // threads for t in range(threads + 1)]
+        parts = [(bounds[t], bounds[t + 1]) for t in range(threads) if bounds[t + 1] > bounds[t]]
+        if len(parts) == 1:
+            job.run(*parts[0])
+        else:
+            _in_parallel(job.run, parts)
+        return out.view(self.dtype)
+
+    def _read_few(self, box, out, ranges, offs, sizes, masks, direct):
+        """``read`` for a box over a handful of chunks, one chunk at a time."""
+        job = _Job(self, box, out, None, None, None, None, direct)
+        for idx in itertools.product(*ranges):
+            li = sum(i * s for i, s in zip(idx, self._gstride))
+            size = int(sizes[li])
+            if size < 0:
+                if not self.fill_ok:
+                    return None
+                out[self._slices(box, idx)[1]] = self.fill
+                continue
+            mask = int(masks[li])
+            buf = _scratch("raw", size)
+            if direct is not None:
+                got = os.preadv(direct.fd, [memoryview(buf)[:size]], int(offs[li]))
+            else:
+                got = len(self.dset.id.read_direct_chunk(job.coords(idx), out=memoryview(buf)[:size])[1])
+            if got != size:
+                raise CorruptChunkError(job.coords(idx), f"chunk read returned {got} of {size} bytes")
+            raw1 = False
+            if not mask & 1 and size == self.chunk_nbytes + _RAW_HEAD:
+                total, block, stored = _HEAD.unpack_from(buf, 0)
+                raw1 = total == stored == self.chunk_nbytes and block >= total
+            job.one(buf, 0, size, mask, idx, raw1)
+        return out.view(self.dtype)
+
+    def _chunk_idx(self, li: int) -> tuple:
+        """Grid indices of the chunk with linear index ``li``."""
+        idx = []
+        for g in reversed(self.grid):
+            li, i = divmod(li, g)
+            idx.append(i)
+        return tuple(reversed(idx))
+
+    def _slices(self, box, idx) -> tuple:
+        """``(chunk-relative, box-relative)`` slices of the overlap of chunk ``idx`` (grid indices) with ``box``."""
+        src, dst = [], []
+        for (a, b), c, i in zip(box, self.chunks, idx):
+            lo, hi = max(a, i * c), min(b, i * c + c)
+            src.append(slice(lo - i * c, hi - i * c))
+            dst.append(slice(lo - a, hi - a))
+        return tuple(src), tuple(dst)
+
+    def close(self) -> None:
+        """Drop the index and the direct file handle (the dataset belongs to the caller)."""
+        _indexes.forget(self)
+        self._index = None
+        self._raw = None
+
+
+def _in_parallel(fn, parts: list) -> None:
+    """``fn(*part)`` for every part: the first in the calling thread, the others in the shared pool."""
+    pool = _executor(len(parts) - 1)
+    futs = [pool.submit(fn, *p) for p in parts[1:]]
+    err = None
+    try:
+        fn(*parts[0])
+    except BaseException as e:  # noqa: BLE001 (wait for the others before raising)
+        err = e
+    for f in futs:
+        try:
+            f.result()
+        except BaseException as e:  # noqa: BLE001
+            err = err or e
+    if err is not None:
+        raise err
+
+
+class _Job:
+    """One ``read``: the chunks under the box (C order) and where they go; ``run(i, j)`` does chunks i..j-1."""
+
+    def __init__(self, reader: LZ4ChunkReader, box, out, li, offs, sizes, masks, direct):
+        self.r, self.box, self.out = reader, box, out
+        self.li, self.offs, self.sizes, self.masks, self.direct = li, offs, sizes, masks, direct
+
+    def run(self, i: int, j: int) -> None:
+        """Chunks ``i..j-1`` of the job, in batches of about ``_BATCH_BYTES`` stored bytes (bounded memory)."""
+        ends = np.searchsorted(np.cumsum(self.sizes[i:j]), np.arange(_BATCH_BYTES, int(self.sizes[i:j].sum()),
+                                                                     _BATCH_BYTES), side="right")
+        for lo, hi in zip([0, *ends.tolist()], [*ends.tolist(), j - i]):
+            if hi > lo:
+                self._batch(i + lo, i + hi)
+
+    def _batch(self, i: int, j: int) -> None:
+        """Fetch chunks ``i..j-1``, check their framing at once, then place them run by run."""
+        r = self.r
+        li, sizes, masks = self.li[i:j], self.sizes[i:j], self.masks[i:j]
+        buf, pos = (self._fetch_direct(self.offs[i:j], sizes, li) if self.direct is not None
+                    else self._fetch_chunks(sizes, li))
+        nbytes, c, g = r.chunk_nbytes, r.chunks[-1], r.grid[-1]
+        a, b = self.box[-1]
+        head = np.zeros(len(li), _HEAD_DTYPE)
+        ok = (sizes >= _RAW_HEAD) & ((masks & 1) == 0)
+        if ok.any():
+            ab = np.frombuffer(buf, np.uint8)
+            head[ok] = ab[pos[ok, None] + np.arange(_RAW_HEAD)].view(_HEAD_DTYPE)[:, 0]
+        stored = head["stored"].astype(np.int64)
+        # one-block frames (every chunk under the 1 GiB default block size); raw when stored size == chunk size
+        single = ok & (head["total"] == nbytes) & (head["block"] >= nbytes) & (stored + _RAW_HEAD <= sizes)
+        raw1 = single & (stored == nbytes)
+        ci = li % g  # chunk index along the last dimension
+        cand = single & (ci * c >= a) & (ci * c + c <= b)  # not cut by the box along the last dimension
+        # runs: neighbours along the last dimension, placed with one strided copy each
+        nxt = cand[:-1] & cand[1:] & (np.diff(li) == 1) & (ci[1:] != 0)
+        starts = np.flatnonzero(cand & ~np.concatenate(([False], nxt)))
+        ends = np.flatnonzero(cand & ~np.concatenate((nxt, [False]))) + 1
+        step = nbytes + _RAW_HEAD
+        for s0, e0 in zip(starts.tolist(), ends.tolist()):
+            if raw1[s0:e0].all() and (e0 - s0 == 1 or (np.diff(pos[s0:e0]) == step).all()):
+                self._place_run(buf, int(pos[s0]) + _RAW_HEAD, step, int(li[s0]), e0 - s0)  # stored raw, back to back
+            else:
+                self._decode_run(buf, pos[s0:e0], stored[s0:e0], raw1[s0:e0], int(li[s0]))
+        for k in np.flatnonzero(~cand).tolist():
+            idx = r._chunk_idx(int(li[k]))  # noqa: SLF001
+            self.one(buf, int(pos[k]), int(sizes[k]), int(masks[k]), idx, bool(raw1[k]))
+
+    def _decode_run(self, buf, pos, stored, raw1, li0: int) -> None:
+        """Decode a run of one-block chunks back to back into scratch (1-d: straight into the output), then place it."""
+        r = self.r
+        nbytes, nrun = r.chunk_nbytes, len(pos)
+        fn = lz4_decompress_safe()
+        if len(r.chunks) == 1:  # the run's output is one contiguous range
+            tmp = None
+            dst = self.out.__array_interface__["data"][0] + \
+                (li0 * r.chunks[0] - self.box[0][0]) * r.udtype.itemsize
+        else:
+            tmp = _scratch("dec", nrun * nbytes)
+            dst = _addr(tmp)
+        src = _addr(buf) + _RAW_HEAD
+        for k, (p, n, raw) in enumerate(zip(pos.tolist(), stored.tolist(), raw1.tolist())):
+            if raw:
+                ctypes.memmove(dst + k * nbytes, src + p, nbytes)
+            elif fn(src + p, dst + k * nbytes, n, nbytes) != nbytes:
+                raise CorruptChunkError(self._coords(li0 + k), "block 0 does not decode to the chunk's size")
+        if tmp is not None:
+            self._place_run(tmp, 0, nbytes, li0, nrun)
+
+    def coords(self, idx: tuple) -> tuple:
+        """Dataset offset of the chunk with grid indices ``idx``."""
+        return tuple(i * c for i, c in zip(idx, self.r.chunks))
+
+    def _coords(self, li: int) -> tuple:
+        return self.coords(self.r._chunk_idx(li))  # noqa: SLF001
+
+    def _fetch_direct(self, offs, sizes, li):
+        """Read the chunks with one ``preadv`` per group of neighbouring chunks; their positions in the buffer."""
+        order = np.argsort(offs, kind="stable") if (np.diff(offs) < 0).any() else None
+        o = offs if order is None else offs[order]
+        sz = sizes if order is None else sizes[order]
+        ends = o + sz
+        breaks = np.flatnonzero((o[1:] - ends[:-1] > _MAX_GAP) | (o[1:] < ends[:-1])) + 1
+        starts = np.concatenate(([0], breaks))
+        span_lo = o[starts]
+        span_len = np.maximum.reduceat(ends, starts) - span_lo
+        span_at = np.concatenate(([0], np.cumsum(span_len)[:-1]))
+        buf = _scratch("raw", int(span_len.sum()))
+        mv = memoryview(buf)
+        for k, (at, n, lo) in enumerate(zip(span_at.tolist(), span_len.tolist(), span_lo.tolist())):
+            got = os.preadv(self.direct.fd, [mv[at:at + n]], lo)
+            if got != n:
+                first = int(starts[k]) if order is None else int(order[starts[k]])
+                raise CorruptChunkError(self._coords(int(li[first])),
+                                        f"file ends inside the chunk ({got} of {n} bytes)")
+        pos_sorted = np.repeat(span_at - span_lo, np.diff(np.concatenate((starts, [len(o)])))) + o
+        if order is None:
+            return buf, pos_sorted
+        pos = np.empty_like(pos_sorted)
+        pos[order] = pos_sorted
+        return buf, pos
+
+    def _fetch_chunks(self, sizes, li):
+        """Read the chunks one by one with ``read_direct_chunk``, back to back in the buffer."""
+        pos = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        buf = _scratch("raw", int(sizes.sum()))
+        mv = memoryview(buf)
+        did = self.r.dset.id
+        for k, p, n in zip(li.tolist(), pos.tolist(), sizes.tolist()):
+            _, got = did.read_direct_chunk(self._coords(k), out=mv[p:p + n])
+            if len(got) != n:
+                raise CorruptChunkError(self._coords(k), f"chunk read returned {len(got)} of {n} bytes")
+        return buf, pos
+
+    def _place_run(self, buf, offset: int, step: int, li0: int, nrun: int) -> None:
+        """Copy ``nrun`` decoded chunks, neighbours along the last dimension found every ``step`` bytes from
+        ``buf[offset]``, into the output with one strided copy."""
+        r, out = self.r, self.out
+        nd, c, item = len(r.chunks), r.chunks[-1], r.udtype.itemsize
+        idx = r._chunk_idx(li0)  # noqa: SLF001
+        src_sel, dst_off, dst_shape = [slice(None)], (idx[-1] * c - self.box[-1][0]) * item, []
+        for d in range(nd - 1):
+            (a, b), cd, i = self.box[d], r.chunks[d], idx[d]
+            lo, hi = max(a, i * cd), min(b, i * cd + cd)
+            src_sel.append(slice(lo - i * cd, hi - i * cd))
+            dst_off += (lo - a) * out.strides[d]
+            dst_shape.append(hi - lo)
+        src = np.ndarray((nrun,) + r.chunks, r.udtype, buf, offset, (step,) + r._cstrides)  # noqa: SLF001
+        src = src[tuple(src_sel)]
+        dst = np.ndarray(tuple(dst_shape) + (nrun, c), r.udtype, out, dst_off, out.strides[:-1] + (c * item, item))
+        np.copyto(dst, src.transpose(r._run_axes), casting="no")  # noqa: SLF001
+
+    def one(self, buf, p: int, size: int, mask: int, idx: tuple, raw1: bool) -> None:
+        """One chunk (grid indices ``idx``) stored at ``buf[p:p+size]``, copied or decoded into the output."""
+        r = self.r
+        nbytes, ud = r.chunk_nbytes, r.udtype
+        src, dst_sl = r._slices(self.box, idx)  # noqa: SLF001
+        dst = self.out[dst_sl]
+        if mask & 1:  # the optional LZ4 filter was skipped: stored as is
+            if size != nbytes:
+                raise CorruptChunkError(self.coords(idx), f"unfiltered chunk has {size} bytes, expected {nbytes}")
+            chunk = np.ndarray(r.chunks, ud, buf, p)
+        elif raw1:
+            chunk = np.ndarray(r.chunks, ud, buf, p + _RAW_HEAD)
+        else:
+            frame = memoryview(buf)[p:p + size]
+            whole = all(s.start == 0 and s.stop == n for s, n in zip(src, r.chunks))
+            if whole and dst.flags.c_contiguous:  # decode straight into the output
+                decode_frame(frame, _addr(buf) + p, nbytes, dst.__array_interface__["data"][0], self.coords(idx))
+                return
+            tmp = _scratch("dec", nbytes)
+            decode_frame(frame, _addr(buf) + p, nbytes, _addr(tmp), self.coords(idx))
+            chunk = np.ndarray(r.chunks, ud, tmp)
+        dst[...] = chunk[src]

@@ -1,0 +1,351 @@
+"""The chunk-parallel LZ4 reader (ckptfs/source/lz4chunks.py) returns exactly h5py's bytes for every box, raises
+TensorReadError on a chunk that does not decode, and leaves everything else to the plain h5py read. No timing."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import h5py
+import hdf5plugin
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ckptfs.cache import BlockCache
+from ckptfs.dtypes import BFLOAT16, BOOL, from_numpy
+from ckptfs.errors import TensorReadError
+from ckptfs.source import lz4chunks
+from ckptfs.source.h5store import H5Store
+from ckptfs.source.tensors import H5DatasetTensor, _to_storage
+from ckptfs.tensor import BLOCK_BYTES
+
+DTYPES = ["<f4", "<f8", "<i2", "<u2", "<f2", "|u1", "|b1", "<i8", ">f4", ">i2"]
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    small, batch = lz4chunks._MIN_PARALLEL_BYTES, lz4chunks._BATCH_BYTES
+    lz4chunks._MIN_PARALLEL_BYTES = 0  # split even tiny reads over threads, so the tests exercise it
+    lz4chunks._BATCH_BYTES = 5000  # and over several fetch batches
+    yield
+    lz4chunks._MIN_PARALLEL_BYTES, lz4chunks._BATCH_BYTES = small, batch
+    lz4chunks.set_decode_threads(None)
+
+
+def _data(rng, shape, dtype, kind):
+    dt = np.dtype(dtype)
+    n = int(np.prod(shape))
+    if dt.kind == "b":
+        a = rng.integers(0, 2, n).astype(bool)
+    elif kind == "random":  # incompressible: LZ4 stores the blocks raw
+        a = np.frombuffer(rng.bytes(n * dt.itemsize), dt).copy()
+        if dt.kind == "f":
+            a[~np.isfinite(a)] = 0
+    elif kind == "smooth":  # compressible
+        a = (np.arange(n) % 7).astype(dt)
+    else:  # mixed: some LZ4 blocks compressed, some stored raw
+        a = np.frombuffer(rng.bytes(n * dt.itemsize), dt).copy()
+        a[: n // 2] = 0
+    return a.reshape(shape)
+
+
+def _reader_read(d, box, threads, fetch="direct"):
+    """Read ``box`` with a fresh reader; ``fetch="chunks"`` forces read_direct_chunk instead of direct file reads."""
+    lz4chunks.set_decode_threads(threads)
+    r = lz4chunks.plan(d)
+    assert r is not None, lz4chunks.why_not(d)
+    if fetch == "chunks":
+        r._raw = False
+    out = r.read(box)
+    if fetch == "direct" and out is not None and out.size and (r.index()[1] >= 0).any():
+        assert r._raw, "direct file reads were not used"
+    return out
+
+
+@st.composite
+def cases(draw):
+    ndim = draw(st.integers(1, 3))
+    shape = tuple(draw(st.integers(1, 24 if ndim > 1 else 300)) for _ in range(ndim))
+    chunks = tuple(draw(st.integers(1, n)) for n in shape)
+    dtype = draw(st.sampled_from(DTYPES))
+    kind = draw(st.sampled_from(["random", "smooth", "mixed"]))
+    block = draw(st.sampled_from([0, 0, 8, 100]))  # 0 = default 1 GiB blocks; small = multi-block frames
+    written = draw(st.sampled_from(["all", "all", "part", "none"]))
+    boxes = []
+    for _ in range(4):
+        box = []
+        for n in shape:
+            a = draw(st.integers(0, n))
+            b = draw(st.integers(a, n))
+            box.append((a, b))
+        boxes.append(tuple(box))
+    seed = draw(st.integers(0, 2**31))
+    return shape, chunks, dtype, kind, block, written, boxes, seed
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_random_boxes_match_h5py(case):
+    shape, chunks, dtype, kind, block, written, boxes, seed = case
+    rng = np.random.default_rng(seed)
+    data = _data(rng, shape, dtype, kind)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "t.h5"
+        with h5py.File(path, "w") as f:
+            d = f.create_dataset("x", shape=shape, dtype=data.dtype, chunks=chunks, **hdf5plugin.LZ4(nbytes=block))
+            if written == "all":
+                d[...] = data
+            elif written == "part":  # leave the chunks past the middle of dim 0 unallocated
+                cut = max(1, shape[0] // 2)
+                d[:cut] = data[:cut]
+        with h5py.File(path, "r") as f:
+            d = f["x"]
+            for box in boxes + [tuple((0, n) for n in shape)]:
+                want = d[tuple(slice(a, b) for a, b in box)]
+                for threads, fetch in ((1, "direct"), (3, "direct"), (2, "chunks")):
+                    got = _reader_read(d, box, threads, fetch)
+                    assert got.dtype == want.dtype and got.shape == want.shape
+                    assert got.tobytes() == want.tobytes(), (box, threads, fetch)
+
+
+@pytest.mark.parametrize("dtype,ddt", [(BFLOAT16, "<i2"), (BOOL, "|b1"), (from_numpy("<u2"), "<i2")])
+def test_tensor_views_stay_exact(tmp_path, dtype, ddt):
+    """bf16 as int16 bits, bool enums and same-size integer views: identical to the plain h5py path."""
+    rng = np.random.default_rng(1)
+    data = _data(rng, (300, 70), ddt, "random")
+    path = tmp_path / "v.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("w", data=data, chunks=(32, 16), **hdf5plugin.LZ4())
+    with h5py.File(path, "r") as f:
+        t = H5DatasetTensor(H5Store(path, path, file=f), "w", "model.w", data.shape, dtype)
+        assert t._chunk_reader(t.dataset()) is not None
+        for box in (((0, 300), (0, 70)), ((5, 77), (3, 69)), ((299, 300), (69, 70))):
+            want = _to_storage(f["w"][tuple(slice(a, b) for a, b in box)], dtype.storage)
+            got = t.read(box)
+            assert got.dtype == dtype.storage and got.tobytes() == want.tobytes()
+        assert t.read_bytes(0, t.nbytes, cache=BlockCache(1 << 30)) == _to_storage(data, dtype.storage).tobytes()
+
+
+def test_unfiltered_chunks_and_user_fill_value(tmp_path):
+    """A chunk whose filter mask says LZ4 was skipped is raw; unallocated chunks give the user fill value."""
+    path = tmp_path / "m.h5"
+    raw = np.arange(16, dtype="<f4").reshape(4, 4)
+    with h5py.File(path, "w") as f:
+        d = f.create_dataset("x", shape=(12, 8), dtype="<f4", chunks=(4, 4), fillvalue=7.5, **hdf5plugin.LZ4())
+        d[0:4, 0:4] = 1.0
+        d.id.write_direct_chunk((4, 4), raw.tobytes(), filter_mask=1)
+    with h5py.File(path, "r") as f:
+        d = f["x"]
+        for box in (((0, 12), (0, 8)), ((3, 9), (2, 7))):
+            want = d[tuple(slice(a, b) for a, b in box)]
+            assert _reader_read(d, box, 2).tobytes() == want.tobytes()
+        assert (d[8:12, 0:4] == 7.5).all()
+
+
+def test_chunks_stored_out_of_order_and_apart(tmp_path):
+    """Chunks written in reverse order, with other data in between: reads are regrouped, bytes still exact."""
+    rng = np.random.default_rng(9)
+    data = _data(rng, (40, 90), "<f4", "mixed")
+    path = tmp_path / "r.h5"
+    with h5py.File(path, "w") as f:
+        d = f.create_dataset("x", shape=data.shape, dtype=data.dtype, chunks=(8, 30), **hdf5plugin.LZ4())
+        for i, r0 in enumerate(range(32, -1, -8)):
+            for c0 in (60, 30, 0):
+                d[r0:r0 + 8, c0:c0 + 30] = data[r0:r0 + 8, c0:c0 + 30]
+            f.create_dataset(f"pad{i}", data=np.zeros(25_000 * (i % 2) + 1, "<f4"))  # data between chunks
+    with h5py.File(path, "r") as f:
+        offs = [i.byte_offset for i in (f["x"].id.get_chunk_info(k) for k in range(f["x"].id.get_num_chunks()))]
+        assert offs != sorted(offs)
+        for box in (((0, 40), (0, 90)), ((3, 37), (5, 88)), ((8, 16), (0, 90))):
+            for threads, fetch in ((1, "direct"), (2, "direct"), (1, "chunks")):
+                got = _reader_read(f["x"], box, threads, fetch)
+                assert got.tobytes() == data[tuple(slice(a, b) for a, b in box)].tobytes()
+
+
+def test_fill_time_never_falls_back_for_unallocated_chunks(tmp_path):
+    path = tmp_path / "n.h5"
+    with h5py.File(path, "w") as f:
+        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        dcpl.set_chunk((4,))
+        dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+        dcpl.set_filter(lz4chunks.LZ4_FILTER_ID, 1, (0,))
+        sid = h5py.h5s.create_simple((16,))
+        h5py.h5d.create(f.id, b"x", h5py.h5t.NATIVE_FLOAT, sid, dcpl=dcpl)
+        f["x"][0:4] = 3.0
+    with h5py.File(path, "r") as f:
+        r = lz4chunks.plan(f["x"])
+        assert r is not None and not r.fill_ok
+        assert r.read(((0, 4),)).tobytes() == f["x"][0:4].tobytes()
+        assert r.read(((0, 16),)) is None  # touches unallocated chunks: the caller uses h5py
+
+
+def _corrupt(tmp_path, how):
+    path = tmp_path / f"c_{how}.h5"
+    with h5py.File(path, "w") as f:
+        d = f.create_dataset("x", data=np.zeros((64, 64), "<f4"), chunks=(16, 32), **hdf5plugin.LZ4())
+        mask, raw = d.id.read_direct_chunk((16, 0))
+        raw = bytearray(raw)
+        if how == "truncated":
+            raw = raw[:-3]
+        elif how == "header":
+            raw[7] ^= 1  # total size no longer matches the chunk
+        elif how == "garbage":
+            raw = bytearray(b ^ 0xFF for b in raw)
+        elif how == "payload":
+            raw[16:] = b"\xff" * (len(raw) - 16)  # literal run longer than the output
+        elif how == "unfiltered_size":
+            raw, mask = bytes(100), 1
+        d.id.write_direct_chunk((16, 0), bytes(raw), filter_mask=mask)
+    return path
+
+
+@pytest.mark.parametrize("how", ["truncated", "header", "garbage", "payload", "unfiltered_size"])
+def test_corrupt_chunk_raises_tensor_read_error(tmp_path, how):
+    path = _corrupt(tmp_path, how)
+    with h5py.File(path, "r") as f:
+        t = H5DatasetTensor(H5Store(path, path, file=f), "x", "model.x", (64, 64), from_numpy("<f4"))
+        for threads, box in ((1, ((0, 64), (0, 64))), (2, ((0, 64), (0, 64))), (1, ((20, 30), (5, 40)))):
+            lz4chunks.set_decode_threads(threads)  # 8 chunks: numpy path (1 or 2 threads); 2 chunks: chunk by chunk
+            with pytest.raises(TensorReadError) as ei:
+                t.read(box)
+            assert ei.value.problem == "tensor model.x: corrupt LZ4 chunk at (16, 0)"
+            assert ei.value.path == str(path)
+        assert t.read(((0, 16), (0, 64))).tobytes() == bytes(16 * 64 * 4)  # other chunks still read
+
+
+def test_gzip_and_contiguous_datasets_use_h5py(tmp_path):
+    path = tmp_path / "g.h5"
+    data = np.arange(400, dtype="<f4").reshape(20, 20)
+    with h5py.File(path, "w") as f:
+        f.create_dataset("gz", data=data, chunks=(7, 5), compression="gzip")
+        f.create_dataset("lz4_shuffle", data=data, chunks=(7, 5), shuffle=True, **hdf5plugin.LZ4())
+        f.create_dataset("plain", data=data)
+        f.create_dataset("scalar", data=np.float32(3))
+    with h5py.File(path, "r") as f:
+        assert "filters" in lz4chunks.why_not(f["gz"]) and "filters" in lz4chunks.why_not(f["lz4_shuffle"])
+        assert lz4chunks.why_not(f["plain"]) == lz4chunks.why_not(f["scalar"]) == "not chunked"
+        for name in ("gz", "lz4_shuffle", "plain"):
+            t = H5DatasetTensor(H5Store(path, path, file=f), name, name, data.shape, from_numpy("<f4"))
+            assert t._chunk_reader(t.dataset()) is None
+            assert t.read(((3, 17), (2, 19))).tobytes() == data[3:17, 2:19].tobytes()
+
+
+def test_library_unavailable_falls_back(tmp_path, monkeypatch):
+    path = tmp_path / "l.h5"
+    data = np.arange(100, dtype="<i8")
+    with h5py.File(path, "w") as f:
+        f.create_dataset("x", data=data, chunks=(9,), **hdf5plugin.LZ4())
+    monkeypatch.setattr(lz4chunks, "_lib_state", [None])
+    with h5py.File(path, "r") as f:
+        assert lz4chunks.why_not(f["x"]) == "LZ4 library unavailable"
+        t = H5DatasetTensor(H5Store(path, path, file=f), "x", "x", data.shape, from_numpy("<i8"))
+        assert t.read(((5, 95),)).tobytes() == data[5:95].tobytes()
+
+
+def test_threads_env_and_setting(monkeypatch):
+    monkeypatch.setenv(lz4chunks.ENV_THREADS, "3")
+    assert lz4chunks.decode_threads() == 3
+    monkeypatch.setenv(lz4chunks.ENV_THREADS, "0")
+    assert lz4chunks.decode_threads() == 1
+    monkeypatch.setenv(lz4chunks.ENV_THREADS, "x")
+    assert lz4chunks.decode_threads() == (os.cpu_count() or 1)
+    lz4chunks.set_decode_threads(5)
+    assert lz4chunks.decode_threads() == 5
+
+
+def test_large_read_single_and_multi_thread_equal(tmp_path):
+    """Big enough to be split over threads (and to decode straight into the output for 1-d chunks)."""
+    rng = np.random.default_rng(3)
+    path = tmp_path / "big.h5"
+    a = _data(rng, (512, 384), "<f4", "mixed")
+    b = _data(rng, (300_001,), "<i2", "smooth")
+    with h5py.File(path, "w") as f:
+        f.create_dataset("a", data=a, chunks=(64, 96), **hdf5plugin.LZ4())
+        f.create_dataset("b", data=b, chunks=(7_813,), **hdf5plugin.LZ4())
+    with h5py.File(path, "r") as f:
+        for name, src in (("a", a), ("b", b)):
+            box = tuple((0, n) for n in src.shape)
+            one = _reader_read(f[name], box, 1)
+            two = _reader_read(f[name], box, 2)
+            four = _reader_read(f[name], box, 4)
+            assert one.tobytes() == two.tobytes() == four.tobytes() == src.tobytes()
+
+
+def test_index_budget_drops_and_rebuilds(tmp_path, monkeypatch):
+    path = tmp_path / "i.h5"
+    with h5py.File(path, "w") as f:
+        for k in "abc":
+            f.create_dataset(k, data=np.arange(100, dtype="<f4"), chunks=(10,), **hdf5plugin.LZ4())
+    monkeypatch.setattr(lz4chunks, "_indexes", lz4chunks._IndexLRU(25))
+    with h5py.File(path, "r") as f:
+        rs = [lz4chunks.plan(f[k]) for k in "abc"]
+        for r in rs + rs:
+            assert r.read(((3, 97),)).tobytes() == np.arange(3, 97, dtype="<f4").tobytes()
+        assert rs[0]._index is None and rs[2]._index is not None
+
+
+def test_out_of_range_box_is_left_to_h5py(tmp_path):
+    path = tmp_path / "o.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("x", data=np.arange(40, dtype="<f4").reshape(4, 10), chunks=(2, 5), **hdf5plugin.LZ4())
+    with h5py.File(path, "r") as f:
+        r = lz4chunks.plan(f["x"])
+        assert r.read(((0, 5), (0, 10))) is None and r.read(((0, 4), (0, 11))) is None
+
+
+# -- block alignment ---------------------------------------------------------------------------------------------
+def test_aligned_block_elems():
+    base = BLOCK_BYTES // 4
+    cap = 4 * BLOCK_BYTES
+    # 4096x4096 fp32, chunks 128 rows: the default 256 rows is already 2 chunk rows
+    assert lz4chunks.aligned_block_elems((4096, 4096), (128, 128), 4, base, cap) == base
+    # 11008x4096 bf16, chunks (344, 128): default 512 rows -> 344 rows (one chunk row, not above 4 MiB)
+    assert lz4chunks.aligned_block_elems((11008, 4096), (344, 128), 2, BLOCK_BYTES // 2, cap) == 344 * 4096
+    # 1-d: whole chunks
+    assert lz4chunks.aligned_block_elems((3_000_017,), (7813,), 4, base, cap) == (base // 7813) * 7813
+    # one chunk row bigger than the base but under the cap: one chunk row per block
+    assert lz4chunks.aligned_block_elems((8192, 8192), (256, 64), 4, base, cap) == 256 * 8192
+    # one chunk row above the cap, small tensors and chunkless tensors keep the default
+    assert lz4chunks.aligned_block_elems((100_000, 65536), (100, 8), 4, base, cap) == base
+    assert lz4chunks.aligned_block_elems((10, 10), (3, 3), 4, base, cap) == base
+    assert lz4chunks.aligned_block_elems((10, 10), None, 4, base, cap) == base
+
+
+def test_tensor_blocks_fall_on_chunk_rows_and_bytes_are_exact(tmp_path):
+    rng = np.random.default_rng(5)
+    data = _data(rng, (1100, 1500), "<f4", "mixed")  # 6.6 MB; default block = 699 rows, chunk rows of 100
+    path = tmp_path / "b.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("w", data=data, chunks=(100, 256), **hdf5plugin.LZ4())
+    with h5py.File(path, "r") as f:
+        t = H5DatasetTensor(H5Store(path, path, file=f), "w", "w", data.shape, from_numpy("<f4"))
+        be = t.block_elems()
+        assert be % (100 * 1500) == 0 and be * 4 <= BLOCK_BYTES and be == t.block_elems()
+        cache = BlockCache(64 << 20)
+        img = data.tobytes()
+        for lo, hi in ((0, len(img)), (12345, 4_500_001), (len(img) - 7, len(img))):
+            assert t.read_bytes(lo, hi, cache=cache) == img[lo:hi]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_parallel_reads_work_in_a_forked_child(tmp_path):
+    """The pool's threads do not survive fork: the child must start its own instead of waiting forever."""
+    rng = np.random.default_rng(11)
+    data = _data(rng, (256, 256), "<i2", "smooth")
+    path = tmp_path / "f.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("x", data=data, chunks=(16, 64), **hdf5plugin.LZ4())
+    box = ((0, 256), (0, 256))
+    with h5py.File(path, "r") as f:
+        assert _reader_read(f["x"], box, 2).tobytes() == data.tobytes()  # the parent's pool exists now
+        pid = os.fork()
+        if pid == 0:  # child: exit 0 only if the parallel read works
+            code = 1
+            try:
+                code = 0 if _reader_read(f["x"], box, 2).tobytes() == data.tobytes() else 1
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
