@@ -1,4 +1,5 @@
-"""A bounded, thread-safe LRU cache of byte blocks: the only place tensor data is kept in memory."""
+"""A bounded, thread-safe LRU cache of byte blocks (``bytes`` or read-only byte ``memoryview``s): the only place
+tensor data is kept in memory."""
 from __future__ import annotations
 
 import threading

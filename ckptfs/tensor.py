@@ -24,7 +24,7 @@ Box = tuple  # tuple[tuple[int, int], ...]
 _ids = itertools.count(1)
 
 #: target size of one cached block of a tensor's bytes
-BLOCK_BYTES = 4 << 20
+BLOCK_BYTES = 1 << 20
 
 
 def full_box(shape: Sequence[int]) -> Box:
@@ -111,7 +111,14 @@ class VirtualTensor(ABC):
         return self.read(full_box(self.shape))
 
     def block_elems(self) -> int:
-        """Elements per cache block: whole trailing sub-arrays so that a block is one box if possible."""
+        """Elements per cache block: whole trailing sub-arrays so that a block is one box if possible.
+        Computed once per tensor (block keys must stay stable)."""
+        be = self.__dict__.get("_be")
+        if be is None:
+            be = self.__dict__["_be"] = self._default_block_elems()
+        return be
+
+    def _default_block_elems(self) -> int:
         item = self.dtype.itemsize
         target = max(1, BLOCK_BYTES // item)
         # find the smallest k such that one slab prod(shape[k:]) fits in the target
@@ -146,14 +153,16 @@ class VirtualTensor(ABC):
             data = cache.get_or_compute((self.uid, blk), lambda blk=blk: self._block(blk, be))
             lo = max(start - blk * bb, 0)
             hi = min(stop - blk * bb, len(data))
-            out.append(data[lo:hi])
-        return out[0] if len(out) == 1 else b"".join(out)
+            out.append(data[lo:hi])  # memoryview slices: no copy until the one below
+        return bytes(out[0]) if len(out) == 1 else b"".join(out)
 
-    def _block(self, blk: int, be: int) -> bytes:
+    def _block(self, blk: int, be: int) -> memoryview:
+        """One cache block: a read-only byte view of the block's elements (no copy beyond computing them)."""
         e0 = blk * be
         e1 = min(e0 + be, self.numel)
-        arr = self.read_flat(e0, e1)
-        return np.ascontiguousarray(arr).astype(self.dtype.storage, copy=False).tobytes()
+        arr = np.ascontiguousarray(self.read_flat(e0, e1).reshape(-1)).astype(self.dtype.storage, copy=False)
+        arr.flags.writeable = False
+        return memoryview(arr).cast("B")
 
 
 class ArrayTensor(VirtualTensor):

@@ -297,12 +297,13 @@ def test_out_of_range_box_is_left_to_h5py(tmp_path):
 
 # -- block alignment ---------------------------------------------------------------------------------------------
 def test_aligned_block_elems():
-    base = BLOCK_BYTES // 4
-    cap = 4 * BLOCK_BYTES
+    block_bytes = 4 << 20  # the function is pure: explicit sizes, independent of the current BLOCK_BYTES
+    base = block_bytes // 4
+    cap = 4 * block_bytes
     # 4096x4096 fp32, chunks 128 rows: the default 256 rows is already 2 chunk rows
     assert lz4chunks.aligned_block_elems((4096, 4096), (128, 128), 4, base, cap) == base
     # 11008x4096 bf16, chunks (344, 128): default 512 rows -> 344 rows (one chunk row, not above 4 MiB)
-    assert lz4chunks.aligned_block_elems((11008, 4096), (344, 128), 2, BLOCK_BYTES // 2, cap) == 344 * 4096
+    assert lz4chunks.aligned_block_elems((11008, 4096), (344, 128), 2, block_bytes // 2, cap) == 344 * 4096
     # 1-d: whole chunks
     assert lz4chunks.aligned_block_elems((3_000_017,), (7813,), 4, base, cap) == (base // 7813) * 7813
     # one chunk row bigger than the base but under the cap: one chunk row per block
