@@ -74,49 +74,45 @@ def _read_failed(path: str, off: int, err: Exception) -> CkptfsError:
     return CkptfsError("/" + path, f"read failed at offset {off}: {type(err).__name__}: {err}")
 
 
+def _copy(tree: VirtualTree, e, out, bar, block: int) -> None:
+    """Stream file entry ``e`` into the binary stream ``out``, ``block`` bytes at a time."""
+    for off in range(0, e.size, block):
+        try:
+            data = tree.read(e, off, block)
+        except Exception as err:
+            raise _read_failed(e.path, off, err) from err
+        out.write(data)
+        if bar:
+            bar.update(off + len(data))
+
+
 def export_file(tree: VirtualTree, vpath: str, dest, *, progress: bool = False, block: int = BLOCK) -> int:
-    """Write the virtual file ``vpath`` to ``dest`` (a path, an existing directory, or ``"-"``); returns its size."""
+    """Write the virtual file ``vpath`` to ``dest`` (a path, an existing directory, or ``"-"``); returns its size.
+    A file destination is written as ``DEST.tmp`` and renamed, so a failed export leaves nothing behind."""
     e = resolve_file(tree, vpath)
     bar = _Progress(e.name, e.size) if progress else None
     if str(dest) == "-":
-        out = sys.stdout.buffer
-        for off in range(0, e.size, block):
-            try:
-                data = tree.read(e, off, block)
-            except Exception as err:
-                raise _read_failed(e.path, off, err) from err
-            out.write(data)
-            if bar:
-                bar.update(off + len(data))
-        out.flush()
-        if bar:
-            bar.update(e.size, final=True)
-        return e.size
-    target = Path(dest)
-    if target.is_dir():
-        target = target / e.name
-    tmp = target.with_name(target.name + ".tmp")
-    ok = False
-    try:
-        with open(tmp, "wb") as f:
-            for off in range(0, e.size, block):
+        _copy(tree, e, sys.stdout.buffer, bar, block)
+        sys.stdout.buffer.flush()
+    else:
+        target = Path(dest)
+        if target.is_dir():
+            target = target / e.name
+        tmp = target.with_name(target.name + ".tmp")
+        ok = False
+        try:
+            with open(tmp, "wb") as f:
+                _copy(tree, e, f, bar, block)
+            os.replace(tmp, target)
+            ok = True
+        except OSError as err:
+            raise CkptfsError(target, f"cannot write: {err.strerror or err}") from err
+        finally:
+            if not ok:
                 try:
-                    data = tree.read(e, off, block)
-                except Exception as err:
-                    raise _read_failed(e.path, off, err) from err
-                f.write(data)
-                if bar:
-                    bar.update(off + len(data))
-        os.replace(tmp, target)
-        ok = True
-    except OSError as err:
-        raise CkptfsError(target, f"cannot write: {err.strerror or err}") from err
-    finally:
-        if not ok:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+                    os.unlink(tmp)
+                except OSError:
+                    pass
     if bar:
         bar.update(e.size, final=True)
     return e.size
