@@ -363,9 +363,11 @@ def readme_text(info: SourceInfo, outcomes: list) -> str:
     for o in outcomes:
         if o.present:
             ready = [f for f in o.files.values() if not getattr(f, "deferred", False)]
-            status = f"{len(o.files)} file{'' if len(o.files) == 1 else 's'}, {_human(sum(f.size for f in ready))}"
+            status = f"{len(o.files)} file{'' if len(o.files) == 1 else 's'}"
+            if ready:
+                status += f", {_human(sum(f.size for f in ready))}"
             if len(ready) < len(o.files):
-                status += f" (+ {len(o.files) - len(ready)} sized on first access)"
+                status += f" ({len(o.files) - len(ready)} sized on first access)"
             if o.missing:
                 status += f"; partly missing: {o.missing}"
         else:
