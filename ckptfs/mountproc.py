@@ -175,6 +175,21 @@ def _last_line(path: Path) -> str:
     return lines[-1] if lines else ""
 
 
+def stop_server(proc: subprocess.Popen, mountpoint) -> None:
+    """Stop a server process (terminate, then kill) and leave nothing mounted at ``mountpoint``."""
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if mount_state(mountpoint) != "none":
+        try:
+            unmount(mountpoint)
+        except CkptfsError:
+            pass
+
+
 def wait_until_mounted(proc: subprocess.Popen, mountpoint, *, timeout: float = READY_TIMEOUT,
                        log_path: Path | None = None) -> None:
     """Poll until ``mountpoint`` is a mount whose README.txt can be stat'ed; fail early if ``proc`` exits."""
@@ -193,17 +208,7 @@ def wait_until_mounted(proc: subprocess.Popen, mountpoint, *, timeout: float = R
             except OSError:
                 pass
         if time.monotonic() > deadline:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            if mount_state(p) != "none":
-                try:
-                    unmount(p)
-                except CkptfsError:
-                    pass
+            stop_server(proc, p)
             where = f" (log: {log_path})" if log_path else ""
             raise MountError(p, f"server did not answer within {timeout:.0f} s{where}")
         time.sleep(0.05)
@@ -239,16 +244,7 @@ def start_background(ckpt, mountpoint, options: MountOptions, *, allow_other: bo
             check()
         wait_until_mounted(proc, mountpoint, timeout=timeout, log_path=log_path)
     except (KeyboardInterrupt, CkptfsError):  # invalid, or the user gave up waiting: leave nothing behind
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        if mount_state(mountpoint) != "none":
-            try:
-                unmount(mountpoint)
-            except CkptfsError:
-                pass
+        stop_server(proc, mountpoint)
         raise
     return Started(proc.pid, Path(os.path.abspath(str(mountpoint))), log_path)
 

@@ -234,3 +234,42 @@ def mounted(ckpt, *args, env=None, timeout: float = 60):
     """``with mounted(ckpt, "--views", "hf") as mnt:`` — the mount point as a Path."""
     with mounted_server(ckpt, *args, env=env, timeout=timeout) as srv:
         yield srv.mnt
+
+
+def concurrent_random_reads(mnt: Path, expected: dict, *, threads: int = 8, seconds: float = 4) -> tuple:
+    """``threads`` readers pread random ranges of every file in ``expected`` ({relative path: bytes}) for about
+    ``seconds``; returns (mismatches and errors, reads done per thread)."""
+    import random
+    import threading
+
+    paths = sorted(expected)
+    errors: list = []
+    counts = [0] * threads
+
+    def worker(k):
+        rnd = random.Random(k)
+        fds = {p: os.open(mnt / p, os.O_RDONLY) for p in paths}
+        p = None
+        try:
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline and not errors:
+                p = rnd.choice(paths)
+                want = expected[p]
+                off = rnd.randrange(0, len(want) + 1)
+                n = rnd.choice([1, 7, 4096, 65536, 1 << 20, 3 << 20, rnd.randrange(1, 300000)])
+                got = os.pread(fds[p], n, off)
+                if got != want[off:off + n]:
+                    errors.append(f"{p} [{off}+{n}]: {len(got)} bytes differ")
+                counts[k] += 1
+        except Exception as e:  # reported by the caller
+            errors.append(f"{p}: {e!r}")
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    workers = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return errors, counts

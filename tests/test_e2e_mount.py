@@ -6,12 +6,9 @@ from __future__ import annotations
 import errno
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import h5py
@@ -19,7 +16,7 @@ import hdf5plugin  # noqa: F401  (LZ4 filter for the independent h5py reads belo
 import numpy as np
 import pytest
 
-from fusehelp import fake_env, mounted, needs_fuse
+from fusehelp import concurrent_random_reads, fake_env, mounted, needs_fuse
 
 pytestmark = [needs_fuse, pytest.mark.timeout(900)]
 
@@ -133,29 +130,7 @@ def test_eight_threads_random_ranges_of_every_real_file_equal_export(tmp_path):
             out = tmp_path / "x"
             ckptfs("export", ckpt, p, out)
             exported[p] = out.read_bytes()
-        errors: list = []
-
-        def worker(k):
-            rnd = random.Random(k)
-            fds = {p: os.open(mnt / p, os.O_RDONLY) for p in paths}
-            try:
-                deadline = time.monotonic() + 3
-                while time.monotonic() < deadline and not errors:
-                    p = rnd.choice(paths)
-                    want = exported[p]
-                    off = rnd.randrange(0, len(want) + 1)
-                    n = rnd.choice([1, 100, 4096, 65536, rnd.randrange(1, 200000)])
-                    if os.pread(fds[p], n, off) != want[off:off + n]:
-                        errors.append(f"{p}[{off}+{n}]")
-            finally:
-                for fd in fds.values():
-                    os.close(fd)
-
-        threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        errors, _ = concurrent_random_reads(mnt, exported, threads=8, seconds=3)
         assert not errors, errors[:5]
 
 

@@ -3,15 +3,12 @@ from __future__ import annotations
 
 import errno
 import os
-import random
 import subprocess
-import threading
-import time
 
 import numpy as np
 import pytest
 
-from fusehelp import FAIL_FROM, FAILING, ckptfs, fake_tree, mounted_server, needs_fuse
+from fusehelp import FAIL_FROM, FAILING, ckptfs, concurrent_random_reads, fake_tree, mounted_server, needs_fuse
 
 pytestmark = [needs_fuse, pytest.mark.timeout(300)]
 
@@ -100,35 +97,7 @@ def test_numpy_memmap_of_a_file_works(srv, exported):
 
 
 def test_eight_threads_reading_random_ranges_get_export_bytes(srv, exported):
-    paths = sorted(exported)
-    errors: list = []
-    counts = [0] * 8
-
-    def worker(k):
-        rnd = random.Random(k)
-        fds = {p: os.open(srv.mnt / p, os.O_RDONLY) for p in paths}
-        try:
-            deadline = time.monotonic() + 4
-            while time.monotonic() < deadline and not errors:
-                p = rnd.choice(paths)
-                want = exported[p]
-                off = rnd.randrange(0, len(want) + 1)
-                n = rnd.choice([1, 7, 4096, 65536, 1 << 20, 3 << 20, rnd.randrange(1, 300000)])
-                got = os.pread(fds[p], n, off)
-                if got != want[off:off + n]:
-                    errors.append(f"{p} [{off}+{n}]: {len(got)} bytes differ")
-                counts[k] += 1
-        except Exception as e:  # reported below
-            errors.append(f"{p}: {e!r}")
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors, counts = concurrent_random_reads(srv.mnt, exported, threads=8, seconds=4)
     assert not errors, errors[:5]
     assert all(c > 0 for c in counts)
 
