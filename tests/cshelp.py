@@ -7,6 +7,9 @@ import io
 import pickletools
 import shutil
 import struct
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -142,3 +145,28 @@ def h5_bytes_file(data: bytes):
     import h5py
 
     return h5py.File(io.BytesIO(data), "r")
+
+
+def copy_view_file_in_subprocess(view: str, src: Path, name: str, dest: Path, cache_bytes: int = 8 << 20) -> tuple:
+    """In a fresh process with a ``cache_bytes`` block cache, build view ``ckptfs.views.<view>`` of checkpoint
+    ``src`` and copy its file ``name`` to ``dest`` 1 MiB at a time; returns (file size, tracemalloc peak bytes)."""
+    script = textwrap.dedent("""
+        import tracemalloc
+        from pathlib import Path
+        from ckptfs.cache import set_default_cache_size
+        from ckptfs.source import open_checkpoint
+        from ckptfs.views import %s as view
+        from ckptfs.views.base import MountOptions, ViewContext
+        set_default_cache_size(%d)
+        p = Path(%r)
+        tracemalloc.start()
+        ck = open_checkpoint(p)
+        vf = view.build(ViewContext(ck, p, p.stem, MountOptions())).files[%r]
+        with open(%r, "wb") as f:
+            for off in range(0, vf.size, 1 << 20):
+                f.write(vf.read(off, 1 << 20))
+        print(vf.size, tracemalloc.get_traced_memory()[1])
+    """) % (view, cache_bytes, str(src), name, str(dest))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    size, peak = map(int, out.split())
+    return size, peak

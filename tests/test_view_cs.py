@@ -3,8 +3,6 @@ files written by cerebras-pytorch 2.10, legacy upgrades, cs/<stem>.yaml, bounded
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -13,8 +11,8 @@ import hdf5plugin  # noqa: F401  (the fixtures' datasets are LZ4-filtered)
 import pytest
 import yaml
 
-from cshelp import (FIXTURES, RampTensor, h5_bytes_file, link_groups, read_all, renamed_legacy_copy, tree_sig,
-                    write_out)
+from cshelp import (FIXTURES, RampTensor, copy_view_file_in_subprocess, h5_bytes_file, link_groups, read_all,
+                    renamed_legacy_copy, tree_sig, write_out)
 from ckptfs.layouts.hdf5 import Hdf5Layout, TensorEntry
 from ckptfs.source import open_checkpoint
 from ckptfs.source.catalog import Container
@@ -214,26 +212,7 @@ def test_memory_bounded_copy_of_a_checkpoint_larger_than_the_cache(tmp_path):
         Container("dict", [f"w{i}" for i in range(4)], [TensorEntry(RampTensor(4 << 20, 1000 * i)) for i in range(4)]),
         TensorEntry(RampTensor(1))])
     src = write_out(Hdf5Layout(root), tmp_path / "big.mdl")
-    script = textwrap.dedent("""
-        import sys, tracemalloc, hashlib
-        from pathlib import Path
-        from ckptfs.cache import set_default_cache_size
-        from ckptfs.source import open_checkpoint
-        from ckptfs.views import cs
-        from ckptfs.views.base import MountOptions, ViewContext
-        set_default_cache_size(8 << 20)
-        p = Path(%r)
-        tracemalloc.start()
-        ck = open_checkpoint(p)
-        r = cs.build(ViewContext(ck, p, p.stem, MountOptions()))
-        vf = r.files["big.mdl"]
-        with open(%r, "wb") as f:
-            for off in range(0, vf.size, 1 << 20):
-                f.write(vf.read(off, 1 << 20))
-        print(vf.size, tracemalloc.get_traced_memory()[1])
-    """) % (str(src), str(tmp_path / "copy.mdl"))
-    size, peak = map(int, subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                                         check=True).stdout.split())
+    size, peak = copy_view_file_in_subprocess("cs", src, "big.mdl", tmp_path / "copy.mdl")
     assert size > 64 << 20
     assert peak < 24 << 20, f"peak {peak / 2**20:.1f} MiB"
     out = open_checkpoint(tmp_path / "copy.mdl")

@@ -2,16 +2,13 @@
 the fixtures' ref.pt (values, dtypes, containers, ties as shared storage); bounded memory."""
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
 from collections import OrderedDict
 from pathlib import Path
 
 import pytest
 import torch
 
-from cshelp import FIXTURES, RampTensor, write_out
+from cshelp import FIXTURES, RampTensor, copy_view_file_in_subprocess, write_out
 from ckptfs.layouts.hdf5 import Hdf5Layout, TensorEntry
 from ckptfs.source import open_checkpoint
 from ckptfs.source.catalog import Container, TensorLeaf
@@ -203,26 +200,7 @@ def test_memory_bounded_copy_of_a_checkpoint_larger_than_the_cache(tmp_path):
         Container("dict", ["state"], [Container("dict", [0, 1], [TensorEntry(RampTensor(4 << 20, 7 + i))
                                                                  for i in range(2)])])])
     src = write_out(Hdf5Layout(root), tmp_path / "big.mdl")
-    script = textwrap.dedent("""
-        import tracemalloc
-        from pathlib import Path
-        from ckptfs.cache import set_default_cache_size
-        from ckptfs.source import open_checkpoint
-        from ckptfs.views import torch as tview
-        from ckptfs.views.base import MountOptions, ViewContext
-        set_default_cache_size(8 << 20)
-        p = Path(%r)
-        tracemalloc.start()
-        ck = open_checkpoint(p)
-        r = tview.build(ViewContext(ck, p, p.stem, MountOptions()))
-        vf = r.files["big.pt"]
-        with open(%r, "wb") as f:
-            for off in range(0, vf.size, 1 << 20):
-                f.write(vf.read(off, 1 << 20))
-        print(vf.size, tracemalloc.get_traced_memory()[1])
-    """) % (str(src), str(tmp_path / "big.pt"))
-    size, peak = map(int, subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                                         check=True).stdout.split())
+    size, peak = copy_view_file_in_subprocess("torch", src, "big.pt", tmp_path / "big.pt")
     assert size > 64 << 20
     assert peak < 24 << 20, f"peak {peak / 2**20:.1f} MiB"
     got = torch.load(tmp_path / "big.pt", weights_only=True, mmap=True)
