@@ -31,6 +31,16 @@ class HFModel:
     generation_config: dict | None
     warnings: list = field(default_factory=list)
     params_path: Path | None = None
+    # multi-component checkpoints (DPO reference model, DPR towers, LLaVA parts): [(sub-folder, HFModel)],
+    # each a complete HF model directory of its own beside (or instead of) the root model
+    components: list = field(default_factory=list)
+
+    def folders(self) -> dict:
+        """{sub-folder ('' = the mount root): HFModel} for every HF model directory this checkpoint gives."""
+        out = {"": self} if self.tensors else {}
+        for folder, sub in self.components:
+            out.update({f"{folder}/{k}".rstrip("/"): v for k, v in sub.folders().items()})
+        return out
 
 
 def weights_dtype(tensors) -> str | None:

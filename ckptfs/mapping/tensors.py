@@ -80,6 +80,19 @@ TENSOR_FUNCTIONS: dict[str, Callable] = {
 }
 
 
+def _with_family_transforms(base: dict) -> dict:
+    from .transforms import collect
+
+    extra = collect()
+    clash = sorted(set(extra) & set(base))
+    if clash:
+        raise ValueError(f"family transforms redefine generic tensor functions: {clash}")
+    return {**base, **extra}
+
+
+TENSOR_FUNCTIONS = _with_family_transforms(TENSOR_FUNCTIONS)
+
+
 class RuleEngine:
     """Evaluates one family's rules against one checkpoint's CS model tensors."""
 

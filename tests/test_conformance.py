@@ -1,0 +1,321 @@
+"""Conformance of every converter case under tests/fixtures: the test that cannot be forgotten.
+
+Every fixture case that went through Cerebras' converter (its MANIFEST names ``converter_model`` and it has
+``expected_hf/``) is converted here with the mapping core, and for every HF model folder it gives:
+
+- every tensor ckptfs writes is bit-identical to the converter's output (``expected_hf/**/keys.json``: shape,
+  dtype, sha256) or, where the converter is lossy and ckptfs is not, to the original HF model (``hf/``);
+- the tensor names are those ``save_pretrained`` of the original model writes: none missing (unless the CS file
+  cannot hold it), no tied copy or legacy buffer added (exceptions listed per case with their reason in
+  ``tests/conformance/<case>.yaml``);
+- ``config.json`` agrees with the converter's, key for key, apart from documented deliberate fixes (each with
+  its reason in the case file);
+- where transformers ships the HF class, the model built from ckptfs' config and tensors gives outputs equal
+  to the original HF model's.
+
+A case without a mapping fails here; so does a family without a case, and a converter name of the fixtures'
+list that ``ckptfs models`` does not know. Per-case facts live in ``tests/conformance/<case>.yaml``:
+
+```yaml
+model: NAME                 # --model to use (default: the MANIFEST's converter_model)
+pending: "issue N: why"     # the case is not covered yet: an expected failure until the issue lands
+config_differences: {key: reason}       # keys whose value deliberately differs from the converter's
+not_in_checkpoint: {hf tensor: reason}  # original HF tensors the CS file does not hold
+extra_tensors: {hf tensor: reason}      # tensors written although save_pretrained of the original leaves them out
+outputs: {skip: reason} | {atol: 1e-6, reason: ...}   # output comparison settings
+```
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from ckptfs.mapping.convert import to_hf
+from ckptfs.mapping.registry import default_registry, list_models
+from ckptfs.source import open_checkpoint
+
+FIXTURES = Path(__file__).parent / "fixtures"
+CASE_FILES = Path(__file__).parent / "conformance"
+# config keys of the converter that are machine-specific and not a conversion result
+IGNORED_CONFIG_KEYS = {"mm_vision_tower"}  # LLaVA: the converter writes its own output path (stored as ../image_model)
+
+
+def _manifest(case: str) -> dict:
+    return json.loads((FIXTURES / case / "MANIFEST.json").read_text())
+
+
+def converter_cases() -> list:
+    out = []
+    for d in sorted(FIXTURES.iterdir()):
+        if (d / "MANIFEST.json").is_file() and (d / "expected_hf").is_dir() and (d / "cs" / "checkpoint.mdl").is_file():
+            if _manifest(d.name).get("converter_model"):
+                out.append(d.name)
+    return out
+
+
+CASES = converter_cases()
+
+
+@lru_cache(maxsize=None)
+def case_facts(case: str) -> dict:
+    path = CASE_FILES / f"{case}.yaml"
+    facts = yaml.safe_load(path.read_text()) if path.is_file() else {}
+    return facts or {}
+
+
+def case_model(case: str) -> str:
+    return case_facts(case).get("model") or _manifest(case)["converter_model"]
+
+
+def _param(case: str):
+    pending = case_facts(case).get("pending")
+    marks = [pytest.mark.xfail(reason=pending, strict=False)] if pending else []
+    return pytest.param(case, marks=marks, id=case)
+
+
+PARAMS = [_param(c) for c in CASES]
+
+
+@lru_cache(maxsize=None)
+def converted(case: str):
+    ckpt = open_checkpoint(FIXTURES / case / "cs" / "checkpoint.mdl")
+    return to_hf(ckpt, model=case_model(case))
+
+
+def expected_folders(case: str) -> list:
+    """HF model folders of the converter's output, relative to expected_hf ('' = the root)."""
+    root = FIXTURES / case / "expected_hf"
+    return sorted(str(p.parent.relative_to(root)).replace(".", "") for p in root.rglob("keys.json"))
+
+
+def raw_bytes(t) -> bytes:
+    return t.read_all().tobytes()
+
+
+def sha256(t) -> str:
+    return hashlib.sha256(raw_bytes(t)).hexdigest()
+
+
+def original_tensors(case: str, folder: str) -> dict | None:
+    from safetensors.numpy import load_file
+
+    path = FIXTURES / case / "hf" / folder / "model.safetensors"
+    if not path.is_file():
+        return None
+    from safetensors import safe_open
+
+    out = {}
+    with safe_open(str(path), "pt") as f:
+        for k in f.keys():
+            out[k] = f.get_tensor(k)
+    return out
+
+
+def torch_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+# -- the case tests ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", PARAMS)
+def test_folders_match_converter_layout(case):
+    hf = converted(case)
+    assert set(expected_folders(case)) <= set(hf.folders()), "every HF folder the converter writes is served"
+
+
+@pytest.mark.parametrize("case", PARAMS)
+def test_every_tensor_bit_identical(case):
+    hf = converted(case)
+    folders = hf.folders()
+    for folder in expected_folders(case):
+        model = folders[folder]
+        expected = json.loads((FIXTURES / case / "expected_hf" / folder / "keys.json").read_text())["tensors"]
+        original = original_tensors(case, folder) or {}
+        names = [n for n, _ in model.tensors]
+        assert len(names) == len(set(names)), f"{folder}: a tensor name is written twice"
+        for name, t in model.tensors:
+            if name in expected:
+                e = expected[name]
+                assert list(t.shape) == e["shape"], f"{folder}/{name} shape"
+                assert t.dtype.name == e["dtype"], f"{folder}/{name} dtype"
+                assert sha256(t) == e["sha256"], f"{folder}/{name} differs from the converter's bytes"
+            elif name in original:
+                ref = original[name]
+                assert list(t.shape) == list(ref.shape), f"{folder}/{name} shape"
+                assert raw_bytes(t) == torch_bytes(ref), f"{folder}/{name} differs from the original HF tensor"
+            else:
+                pytest.fail(f"{folder}/{name}: written by ckptfs but neither the converter nor the original has it")
+
+
+@pytest.mark.parametrize("case", PARAMS)
+def test_tensor_names_as_save_pretrained_writes_them(case):
+    hf = converted(case)
+    folders = hf.folders()
+    allowed = case_facts(case).get("not_in_checkpoint") or {}
+    extras = case_facts(case).get("extra_tensors") or {}
+    checked = 0
+    for folder in expected_folders(case):
+        original = original_tensors(case, folder)
+        if original is None:
+            continue  # trained on CS (LoRA cases): no original HF model
+        ours = {n for n, _ in folders[folder].tensors}
+        missing = sorted(n for n in original if n not in ours and f"{folder}/{n}".lstrip("/") not in allowed)
+        assert not missing, f"{folder}: tensors of the original HF model not written: {missing}"
+        extra = sorted(n for n in ours - set(original) if f"{folder}/{n}".lstrip("/") not in extras)
+        assert not extra, (f"{folder}: tensors save_pretrained of the original model leaves out (tied copies, "
+                           f"buffers) are written: {extra}")
+        checked += 1
+    assert checked or not (FIXTURES / case / "hf").exists()
+
+
+@pytest.mark.parametrize("case", PARAMS)
+def test_config_agrees_with_converter(case):
+    hf = converted(case)
+    folders = hf.folders()
+    differences = case_facts(case).get("config_differences") or {}
+    for folder in expected_folders(case):
+        expected = json.loads((FIXTURES / case / "expected_hf" / folder / "config.json").read_text())
+        ours = folders[folder].config
+        for key, value in expected.items():
+            label = f"{folder}/{key}".lstrip("/")
+            if key in IGNORED_CONFIG_KEYS or label in differences or key in differences:
+                continue
+            assert key in ours, f"config.json of {folder or 'the root'} lacks {key!r} (converter: {value!r})"
+            assert ours[key] == value, f"config.json {label}: ckptfs {ours[key]!r}, converter {value!r}"
+        assert ours.get("architectures") == [folders[folder].hf_class]
+        assert ours.get("model_type"), "config.json names its model_type"
+
+
+# -- outputs equal to the original model -----------------------------------------------------------------------
+
+
+def _transformers_class(name: str):
+    import transformers
+
+    return getattr(transformers, name, None)
+
+
+def output_cases() -> list:
+    out = []
+    for case in CASES:
+        if case_facts(case).get("pending") or (case_facts(case).get("outputs") or {}).get("skip"):
+            continue
+        if not (FIXTURES / case / "hf").is_dir():
+            continue
+        out.append(case)
+    return out
+
+
+def _inputs(model, config) -> dict:
+    g = torch.Generator().manual_seed(7)
+    name = getattr(model, "main_input_name", "input_ids")
+    if name == "pixel_values":
+        size = config.image_size if isinstance(config.image_size, int) else config.image_size[0]
+        return {"pixel_values": torch.randn(2, getattr(config, "num_channels", 3), size, size, generator=g)}
+    vocab = getattr(config, "vocab_size", 128)
+    ids = torch.randint(3, vocab, (2, 11), generator=g)
+    out = {name: ids}
+    if getattr(config, "is_encoder_decoder", False):
+        out["decoder_input_ids"] = torch.randint(3, vocab, (2, 7), generator=g)
+    return out
+
+
+def _outputs(model, inputs) -> list:
+    model.eval()
+    with torch.no_grad():
+        out = model(**inputs)
+    tensors = []
+    for v in out.to_tuple() if hasattr(out, "to_tuple") else [out]:
+        if isinstance(v, torch.Tensor):
+            tensors.append(v)
+    return tensors
+
+
+@pytest.mark.parametrize("case", output_cases())
+def test_outputs_equal_original_model(case, tmp_path):
+    from safetensors.torch import save_file
+
+    hf = converted(case)
+    atol = (case_facts(case).get("outputs") or {}).get("atol")
+    compared = 0
+    for folder, model in hf.folders().items():
+        src = FIXTURES / case / "hf" / folder
+        cls = _transformers_class(model.hf_class)
+        if cls is None or not (src / "config.json").is_file():
+            continue  # remote code (btlm, jais, santacoder) or a component without an original
+        out = tmp_path / (folder or "root")
+        out.mkdir(parents=True)
+        (out / "config.json").write_text(json.dumps(model.config))
+        weights = {}
+        for name, t in model.tensors:
+            raw = t.read_all()
+            weights[name] = torch.frombuffer(bytearray(raw.tobytes()) or bytearray(1), dtype=getattr(torch, t.dtype.name))[
+                :t.numel].reshape(t.shape).clone()
+        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+        kw = {"attn_implementation": "eager"}
+        original = cls.from_pretrained(src, **kw)
+        ours = cls.from_pretrained(out, **kw)
+        inputs = _inputs(original, original.config)
+        for a, b in zip(_outputs(ours, inputs), _outputs(original, inputs), strict=True):
+            if atol:
+                assert torch.allclose(a, b, rtol=0, atol=atol), folder
+            else:
+                assert torch.equal(a, b), f"{case}/{folder}: outputs differ from the original model"
+        compared += 1
+    assert compared, f"{case}: no folder with a transformers class to compare (say why with outputs.skip)"
+
+
+# -- nothing can be left uncovered ---------------------------------------------------------------------------
+
+
+def test_every_case_has_facts_only_when_needed():
+    """Case files name existing cases only (a typo would silently cover nothing)."""
+    for f in CASE_FILES.glob("*.yaml"):
+        assert f.stem in CASES, f"{f.name} names no converter case under tests/fixtures"
+
+
+def test_every_family_has_a_conformance_case():
+    registry = default_registry()
+    covered = set()
+    for case in CASES:
+        if case_facts(case).get("pending"):
+            continue
+        spec = registry.for_model(case_model(case))
+        assert spec is not None, f"{case}: model {case_model(case)!r} is not a known model name"
+        covered.add(spec.family)
+    assert set(registry.families) <= covered, f"families without a conformance case: {set(registry.families) - covered}"
+
+
+def converter_names() -> list:
+    """Every converter name of the fixtures README's "Every converter name -> case" table, plus the seed names."""
+    text = (FIXTURES / "README.md").read_text()
+    names = []
+    for title in ("### Every converter name", "Names from the seed documentation"):
+        section = text[text.index(title):]
+        rows = [ln for ln in section.splitlines()[1:] if ln.startswith("| ")]
+        end = section.index("\n\n", section.index("| "))
+        for ln in section[:end].splitlines():
+            if not ln.startswith("| ") or ln.startswith("| converter name") or ln.startswith("| seed name"):
+                continue
+            cells = [c.strip() for c in ln.strip("|").split("|")]
+            if "not possible" in cells[-1]:
+                continue
+            names += [n.strip() for n in re.split(r"[/,]", cells[0]) if n.strip()]
+        del rows
+    return names
+
+
+def test_models_lists_every_converter_name():
+    known = {m.name for m in list_models()}
+    names = converter_names()
+    assert len(names) > 50
+    missing = sorted(n for n in names if n not in known)
+    assert not missing, f"converter names `ckptfs models` does not know: {missing}"
