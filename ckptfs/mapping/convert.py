@@ -81,6 +81,9 @@ def to_hf(checkpoint: Checkpoint, *, config=None, model: str | None = None, trai
     if dtype is not None:
         cfg.hf["torch_dtype"] = dtype
         cfg.hf["dtype"] = dtype
+    if variant.remote_code:
+        warnings.append(f"HF class {variant.hf_class} is not part of transformers: load it with "
+                        f"trust_remote_code=True; its modeling code comes from {variant.remote_code}")
     warnings += cfg.warnings
     warnings += unused_key_warnings(cfg.cs_scope, spec, variant)
     warnings += [f"CS tensor model.{key} not converted: {reason}" for key, reason in mapping.dropped]

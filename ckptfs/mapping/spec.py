@@ -27,6 +27,8 @@ class ModelVariant:
     aliases: tuple = ()
     vars: dict = field(default_factory=dict)
     notes: str = ""
+    # where the HF class's modeling code lives when transformers does not ship it (trust_remote_code)
+    remote_code: str | None = None
 
 
 @dataclass(frozen=True)
@@ -243,7 +245,7 @@ class _Validator:
         out, seen = [], set()
         for n, item in enumerate(items):
             where = f"models[{n}]"
-            self.keys(item, {"name", "hf_class", "headless", "aliases", "vars", "notes"}, where)
+            self.keys(item, {"name", "hf_class", "headless", "aliases", "vars", "notes", "remote_code"}, where)
             aliases = item.get("aliases") or []
             if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
                 self.fail(f"{where}.aliases: must be a list of names")
@@ -253,7 +255,9 @@ class _Validator:
             m = ModelVariant(self.string(item.get("name"), f"{where}.name"),
                              self.string(item.get("hf_class"), f"{where}.hf_class"),
                              bool(item.get("headless", False)), tuple(aliases), dict(vars_),
-                             str(item.get("notes") or ""))
+                             str(item.get("notes") or ""),
+                             None if item.get("remote_code") is None
+                             else self.string(item.get("remote_code"), f"{where}.remote_code"))
             for name in (m.name, *m.aliases):
                 if name in seen:
                     self.fail(f"{where}: model name {name!r} listed twice")
