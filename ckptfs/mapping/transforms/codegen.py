@@ -1,0 +1,21 @@
+"""CodeGen fused ``qkv_proj``: four model-parallel row blocks, each holding q, then v, then k.
+
+HF CodeGen splits its fused projection into ``mp_num = 4`` blocks (a fixed TPU layout of the original
+checkpoints) and each block into q, v, k parts of ``hidden / 4`` rows, in that order. From the separate
+CS q, k, v: block ``b`` = rows ``b`` quarter of q, then of v, then of k.
+"""
+from __future__ import annotations
+
+from ...tensor import VirtualTensor
+from .gpt_neox import interleave_blocks
+
+# HF CodeGenAttention hard-codes this block count
+CODEGEN_MP_NUM = 4
+
+
+def codegen_fused_qkv(q: VirtualTensor, k: VirtualTensor, v: VirtualTensor) -> VirtualTensor:
+    """HF ``attn.qkv_proj.weight`` from CS q, k, v (CodeGen's RoPE is interleaved like CS: no row permutation)."""
+    return interleave_blocks([q, v, k], CODEGEN_MP_NUM)
+
+
+FUNCTIONS = {"codegen_fused_qkv": codegen_fused_qkv}
