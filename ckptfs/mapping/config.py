@@ -32,6 +32,10 @@ class ConfigScope(Scope):
     def path_lookup(self, path):
         value = self.cs
         for i, part in enumerate(path):
+            if isinstance(value, (list, tuple)) and isinstance(part, int) and -len(value) <= part < len(value):
+                self.used.add(tuple(path[:i]))  # an item of a list setting (image_size[0]): the list is read
+                value = value[part]
+                continue
             if not isinstance(value, Mapping) or part not in value:
                 raise MissingName(".".join(map(str, path[:i + 1])))
             value = value[part]
@@ -100,7 +104,18 @@ def config_functions(cs: ConfigScope, where: str, path) -> dict:
         return cs.get(key, default)
 
     return {**BASE_FUNCTIONS, "lookup": lookup, "error": fail, "has": has, "get": get,
-            "keys_with_prefix": keys_with_prefix}
+            "keys_with_prefix": keys_with_prefix, "default_id2label": default_id2label,
+            "default_label2id": default_label2id}
+
+
+def default_id2label(count: int) -> dict:
+    """The label names transformers gives ``count`` unnamed classes (``id2label`` as config.json stores it)."""
+    return {str(i): f"LABEL_{i}" for i in range(int(count))}
+
+
+def default_label2id(count: int) -> dict:
+    """The inverse of ``default_id2label`` (``label2id``)."""
+    return {f"LABEL_{i}": i for i in range(int(count))}
 
 
 def evaluate_config_expr(text: str, scope: Scope, functions: dict, params_path, spec_path, where: str):

@@ -83,7 +83,16 @@ def detect_family(checkpoint: Checkpoint, config=None, model: str | None = None,
 
     name = params.model.get("name") if params else None
     if isinstance(name, str) and name:
-        spec = registry.for_cs_name(name)
+        claims = registry.families_for_cs_name(name)
+        spec = claims[0] if len(claims) == 1 else None
+        if len(claims) > 1:
+            fitting = [s for s in claims if _matches_config(s, params)]
+            if len(fitting) != 1:
+                names = ", ".join(s.family for s in claims)
+                return FamilyDetection(None, None, f"params name {name!r} ({where}) is shared by the families {names} "
+                                                   f"and the params fit {len(fitting)} of them; pass --model",
+                                       params_path)
+            spec = fitting[0]
         if spec is None:
             known = ", ".join(sorted(registry.families))
             return FamilyDetection(None, None, f"params name {name!r} ({where}) is not a supported model family "

@@ -61,6 +61,9 @@ class Registry:
         self.families: dict[str, FamilySpec] = {}
         self.by_model: dict[str, FamilySpec] = {}
         self.by_cs_name: dict[str, FamilySpec] = {}
+        # CS names several families share (the Model Zoo's one `vision_transformer` class serves both HF ViT
+        # and CLIP): each sharing family tells its checkpoints apart with detect.config
+        self.shared_cs_names: dict[str, list] = {}
         for path, data in raw.values():
             if "fragment" in data:
                 continue
@@ -74,9 +77,15 @@ class Registry:
                                              f"{self.by_model[name].family!r} ({self.by_model[name].path.name})")
                 self.by_model[name] = spec
             for name in spec.cs_names:
-                if name in self.by_cs_name:
-                    raise MappingError(path, f"CS model name {name!r} also claimed by {self.by_cs_name[name].path.name}")
-                self.by_cs_name[name] = spec
+                claims = self.shared_cs_names.get(name) or ([self.by_cs_name[name]] if name in self.by_cs_name else [])
+                if claims and not (spec.detect.config and all(c.detect.config for c in claims)):
+                    raise MappingError(path, f"CS model name {name!r} also claimed by {claims[0].path.name} (families "
+                                             f"sharing a CS name each need detect.config to tell them apart)")
+                if claims:
+                    self.shared_cs_names[name] = claims + [spec]
+                    self.by_cs_name.pop(name, None)
+                else:
+                    self.by_cs_name[name] = spec
 
     def family(self, name: str) -> FamilySpec:
         try:
@@ -88,8 +97,18 @@ class Registry:
         return self.by_model.get(name)
 
     def for_cs_name(self, name: str) -> FamilySpec | None:
-        """The family for a CS params ``name:`` (a ModelZoo name, or any CLI model name)."""
+        """The family for a CS params ``name:`` (a ModelZoo name, or any CLI model name); None when unknown or
+        shared by several families (``families_for_cs_name`` lists those)."""
+        if name in self.shared_cs_names:
+            return None
         return self.by_cs_name.get(name) or self.by_model.get(name)
+
+    def families_for_cs_name(self, name: str) -> list:
+        """Every family a CS params ``name:`` may mean (several when it is shared), highest detect priority first."""
+        if name in self.shared_cs_names:
+            return sorted(self.shared_cs_names[name], key=lambda s: (-s.detect.priority, s.family))
+        spec = self.for_cs_name(name)
+        return [spec] if spec is not None else []
 
     def models(self) -> list:
         out = []
