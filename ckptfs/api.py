@@ -9,33 +9,16 @@
 """
 from __future__ import annotations
 
-from dataclasses import fields
 from pathlib import Path
 
-from .views.base import MountOptions
-
-
-def _options(**kw) -> MountOptions:
-    known = {f.name for f in fields(MountOptions)}
-    bad = set(kw) - known
-    if bad:
-        raise TypeError(f"unknown option(s) {sorted(bad)}; known: {sorted(known)}")
-    if isinstance(kw.get("max_shard_size"), str) or isinstance(kw.get("cache_size"), str):
-        from .layouts.units import parse_size
-
-        for k in ("max_shard_size", "cache_size"):
-            if isinstance(kw.get(k), str):
-                kw[k] = parse_size(kw[k])
-    if isinstance(kw.get("views"), str):
-        kw["views"] = tuple(v.strip() for v in kw["views"].split(",") if v.strip())
-    return MountOptions(**kw)
+from .options import from_kwargs as _options
 
 
 def open(ckpt, **options):  # noqa: A001 - mirrors the file-system verb
     """The virtual tree of a checkpoint (a .mdl file or a model_dir): ``listdir``, ``attr``, ``read``, ``iter_blocks``.
 
-    Options are MountOptions fields: config, model, trainer_index, views, max_shard_size ("5GB"), zip_crc,
-    cache_size ("256MiB"), allow_partial, data_iter_dir, shuffle_seed.
+    Options are the fields of ``ckptfs.options.MountOptions`` (config, model, views, max_shard_size, zip_crc,
+    cache_size, …); a text is parsed as its command-line flag's value (``max_shard_size="5GB"``, ``views="hf,cs"``).
     """
     from .cache import set_default_cache_size
     from .vfs import build_tree

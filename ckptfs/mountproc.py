@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .cache import set_default_cache_size
 from .errors import CkptfsError
-from .views.base import MountOptions
+from .options import MountOptions, cache_dir, to_argv
 from .vfs import README_NAME, build_tree, check_source
 
 log = logging.getLogger("ckptfs.mount")
@@ -136,30 +136,13 @@ def unmount(mountpoint) -> str:
 
 
 def log_dir() -> Path:
-    base = os.environ.get("CKPTFS_CACHE_DIR")
-    if base:
-        return Path(base) / "logs"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "ckptfs" / "logs"
+    return cache_dir() / "logs"
 
 
 def server_argv(ckpt, mountpoint, options: MountOptions, *, allow_other: bool = False, debug: bool = False) -> list:
     """The ``ckptfs`` arguments that run this mount in the foreground (what the background process executes)."""
     argv = ["mount", os.path.abspath(str(ckpt)), os.path.abspath(str(mountpoint)), "--foreground",
-            "--views", ",".join(options.views), "--max-shard-size", str(options.max_shard_size),
-            "--zip-crc", options.zip_crc, "--cache-size", str(options.cache_size)]
-    if options.config is not None:
-        argv += ["--config", os.path.abspath(str(options.config))]
-    if options.model is not None:
-        argv += ["--model", options.model]
-    if options.trainer_index is not None:
-        argv += ["--trainer-index", str(options.trainer_index)]
-    if options.data_iter_dir is not None:
-        argv += ["--data-iter-dir", os.path.abspath(str(options.data_iter_dir))]
-    if options.shuffle_seed is not None:
-        argv += ["--shuffle-seed", str(options.shuffle_seed)]
-    if options.allow_partial:
-        argv.append("--allow-partial")
+            *to_argv(options)]
     if allow_other:
         argv.append("--allow-other")
     if debug:

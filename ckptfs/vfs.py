@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
 from .errors import CheckpointError, CkptfsError, TensorReadError
-from .views.base import ALL_VIEWS, BytesFile, MountOptions, ViewContext, ViewResult
+from .options import MountOptions
+from .views.base import ALL_VIEWS, BytesFile, ViewContext, ViewResult
 
 log = logging.getLogger("ckptfs.vfs")
 
@@ -426,18 +427,19 @@ def _file_identity(path) -> str | None:
 
 
 def content_identity(path, options: MountOptions) -> str | None:
-    """Names what the generated files are computed from: the checkpoint file and the options that change their
-    content (params YAML, model, trainer index). Keys persisted caches (zip CRCs); None if it cannot be stat'ed."""
+    """Names what the generated files are computed from: the checkpoint file and every option declared as changing
+    content (``ckptfs.options``: params YAML, model, trainer index…) that is not at its default; a path option
+    counts by its file's identity. Keys persisted caches (zip CRCs); None if the checkpoint cannot be stat'ed."""
+    from .options import content_options
+
     ident = _file_identity(path)
     if ident is None:
         return None
     parts = [ident]
-    if options.config is not None:
-        parts.append(f"config={_file_identity(options.config) or options.config}")
-    if options.model is not None:
-        parts.append(f"model={options.model}")
-    if options.trainer_index is not None:
-        parts.append(f"trainer={options.trainer_index}")
+    for opt, value in content_options(options):
+        values = value if opt.repeat else (value,)
+        text = ",".join((_file_identity(v) or str(v)) if opt.kind.path else opt.kind.text(v) for v in values)
+        parts.append(f"{opt.name}={text}")
     return "|".join(parts)
 
 

@@ -1,8 +1,9 @@
 """Every file of a set of fixture mounts, as ``export`` writes it, keeps the sha256 recorded in
 tests/export_sha256.json (recorded from the code before the pieces engine replaced the four read loops).
 
-A mount is (checkpoint, options). README.txt names the checkpoint by its absolute path; that path is replaced by
-``<CKPT>`` before hashing, so the record does not depend on where the repository lives.
+A mount is (checkpoint, options). README.txt names the checkpoint and its params file by absolute paths; the
+fixtures folder's path is replaced by ``<FIXTURES>`` before hashing, so the record does not depend on where the
+repository lives.
 
 To re-record after a deliberate change of output (say so in the commit message):
     .venv/bin/python tests/test_export_bytes.py --record
@@ -58,7 +59,7 @@ def mount_hashes(name: str, tmp: Path) -> dict:
             export_file(tree, path, dest)
             data = dest.read_bytes()
             if path.rsplit("/", 1)[-1] == "README.txt":
-                data = data.replace(str(ckpt.resolve()).encode(), b"<CKPT>")
+                data = data.replace(str(FIXTURES.resolve()).encode(), b"<FIXTURES>")
             out[path] = hashlib.sha256(data).hexdigest()
     finally:
         tree.close()

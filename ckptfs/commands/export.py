@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..errors import CkptfsError, UsageError
 from ..vfs import VirtualPathError, VirtualTree, split_path
-from .mount import add_tree_arguments, options_from_args
+from .. import options as mount_options
 
 BLOCK = 8 << 20
 
@@ -27,7 +27,7 @@ def add_parser(subparsers):
     p.add_argument("ckpt", metavar="CKPT", help="checkpoint .mdl file or model_dir")
     p.add_argument("virtual_path", metavar="VIRTUAL_PATH", help="path inside the mount (see README.txt)")
     p.add_argument("dest", metavar="DEST", help="output file, existing directory, or - for stdout")
-    add_tree_arguments(p)
+    mount_options.add_arguments(p)
     return p
 
 
@@ -122,7 +122,7 @@ def run(args) -> int:
     from ..cache import set_default_cache_size
     from ..vfs import build_tree
 
-    options = options_from_args(args)
+    options = mount_options.from_args(args)
     set_default_cache_size(options.cache_size)
     tree = build_tree(args.ckpt, options)
     try:

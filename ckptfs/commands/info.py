@@ -9,6 +9,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from ..errors import CkptfsError
+from .. import options as mount_options
 from ..source import open_checkpoint
 from ..source.catalog import Checkpoint, Container, OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
 
@@ -20,8 +21,7 @@ def add_parser(subparsers):
                     "whether the save completed, tensors and bytes by dtype, top-level keys and the model family.")
     p.add_argument("ckpt", metavar="CKPT", help="checkpoint .mdl file, or a model_dir (its latest checkpoint)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.add_argument("--allow-partial", action="store_true",
-                   help="open a partially written checkpoint, salvaging what its datasets describe")
+    mount_options.add_arguments(p, only=("allow_partial",))
     return p
 
 

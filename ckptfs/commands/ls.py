@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 
+from .. import options as mount_options
 from ..source import open_checkpoint
 from ..source.catalog import Container, OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
 from ..source.walk import Entry, walk
@@ -18,8 +19,7 @@ def add_parser(subparsers):
                                           "'-> key' marks an alias of another key).")
     p.add_argument("ckpt", metavar="CKPT", help="checkpoint .mdl file, or a model_dir (its latest checkpoint)")
     p.add_argument("-l", "--long", action="store_true", help="also show shapes, dtypes and values")
-    p.add_argument("--allow-partial", action="store_true",
-                   help="open a partially written checkpoint, salvaging what its datasets describe")
+    mount_options.add_arguments(p, only=("allow_partial",))
     return p
 
 

@@ -22,12 +22,10 @@ _FORMAT = 1
 
 
 def default_crc_dir() -> Path:
-    """``$CKPTFS_CACHE_DIR/crc`` if set, else ``$XDG_CACHE_HOME/ckptfs/crc`` (default ``~/.cache/ckptfs/crc``)."""
-    env = os.environ.get("CKPTFS_CACHE_DIR")
-    if env:
-        return Path(env) / "crc"
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "ckptfs" / "crc"
+    """``crc/`` under ckptfs's cache directory (``ckptfs.options.cache_dir``)."""
+    from ..options import cache_dir
+
+    return cache_dir() / "crc"
 
 
 class CrcStore:

@@ -26,6 +26,14 @@ UNITS: dict[str, int] = {
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
 
 
+def format_size(n: int) -> str:
+    """The shortest exact text ``parse_size`` reads back: 5_000_000_000 → ``"5GB"``, 2**28 → ``"256MiB"``."""
+    n = int(n)
+    texts = [f"{n // f}{u if u != 'B' else ''}".replace("IB", "iB") for u, f in UNITS.items()
+             if u and n and n % f == 0]
+    return min(texts, key=len) if texts else str(n)
+
+
 def parse_size(size: int | str) -> int:
     """``"5GB"`` → 5_000_000_000, ``"2GiB"`` → 2**31, ``"300B"``/``"300"``/``300`` → 300."""
     if isinstance(size, bool):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..cache import DEFAULT_CACHE_BYTES
+from ..options import MountOptions  # noqa: F401 - views read ctx.options; declared in ckptfs.options
 
 ALL_VIEWS = ("hf", "cs", "torch", "tensors")
 
@@ -76,20 +76,6 @@ class DeferredFile:
 
     def read(self, offset: int, n: int) -> bytes:
         return self.resolve().read(offset, n)
-
-
-@dataclass
-class MountOptions:
-    config: Path | None = None  # --config: Cerebras params YAML
-    model: str | None = None  # --model: model name overriding detection
-    trainer_index: int | None = None  # --trainer-index for a list of trainers
-    views: tuple = ALL_VIEWS
-    max_shard_size: int = 5 * 10**9  # bytes (HF "5GB")
-    zip_crc: str = "exact"  # "exact" | "zero"
-    cache_size: int = DEFAULT_CACHE_BYTES
-    allow_partial: bool = False
-    data_iter_dir: Path | None = None  # --data-iter-dir (cs view dataloader state)
-    shuffle_seed: int | None = None
 
 
 @dataclass

@@ -1,0 +1,259 @@
+"""Mount options, declared once — and the one place the environment (``CKPTFS_CACHE_DIR``) is read.
+
+Every option that shapes a mount is one field of ``MountOptions``, declared with ``option(...)``: its default, its
+command-line flag, the kind of value (how a text is parsed and written back), its help, and whether it changes
+the content of generated files. Everything else derives from these declarations:
+
+* ``add_arguments(parser)`` — the flags of ``ckptfs mount`` and ``ckptfs export`` (argparse, help with defaults);
+* ``from_args(args)`` — ``MountOptions`` from parsed arguments;
+* ``to_argv(options)`` — the flags that reproduce ``options`` (the background server's argv,
+  ``mountproc.server_argv``);
+* ``from_kwargs(**kw)`` — the Python API (``ckptfs.open(ckpt, max_shard_size="5GB", …)``): texts are parsed as on
+  the command line, other values are taken as they are;
+* ``content_options(options)`` — the options that change file content and differ from their default, for
+  ``vfs.content_identity`` (which keys persisted zip CRCs).
+
+Adding an option is a one-place change. Add a field here, for example a repeatable path::
+
+    allow_external: tuple = option((), "--allow-external", PATH, repeat=True, content=True,
+                                   help="a directory external tensor files may be read from (repeatable)")
+
+and read ``ctx.options.allow_external`` where it takes effect; the flag, the server's argv, the API keyword and
+the content identity follow. A new kind of value is a ``Kind`` (``parse`` a text, ``text`` back for argv,
+``show`` for help); ``parse`` raises ``ValueError`` with a message that names the bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import MISSING, dataclass, field, fields, replace
+from functools import cache
+from pathlib import Path
+from typing import Any, Callable
+
+from .cache import DEFAULT_CACHE_BYTES
+from .layouts.units import format_size, parse_size
+
+
+def cache_dir() -> Path:
+    """Where ckptfs keeps state between runs (persisted zip CRCs under ``crc/``, server logs under ``logs/``):
+    ``$CKPTFS_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/ckptfs`` (default ``~/.cache/ckptfs``)."""
+    env = os.environ.get("CKPTFS_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ckptfs"
+
+
+# ---- kinds of values ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Kind:
+    """How one kind of option value is read from text, written back as text, and shown in help."""
+
+    parse: Callable[[str], Any]
+    text: Callable[[Any], str] = str
+    show: Callable[[Any], str] = str
+    metavar: str | None = None
+    flag: bool = False  # a switch (``--allow-partial``): no argument, True when given
+    path: bool = False  # a file-system path: absolute in the server's argv, its file identity in content identity
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"invalid integer {text!r}") from None
+
+
+def _abspath(p) -> str:
+    return os.path.abspath(str(p))
+
+
+def parse_views(text: str) -> tuple:
+    """``"hf,cs"`` → ``("hf", "cs")``; an unknown name or an empty list → ``ValueError``."""
+    from .views.base import ALL_VIEWS
+
+    names = []
+    for n in (x.strip() for x in str(text).split(",")):
+        if not n:
+            continue
+        if n not in ALL_VIEWS:
+            raise ValueError(f"unknown view {n!r} (choose from {', '.join(ALL_VIEWS)})")
+        if n not in names:
+            names.append(n)
+    if not names:
+        raise ValueError("no view named")
+    return tuple(names)
+
+
+def choice(*values: str) -> Kind:
+    def parse(text: str) -> str:
+        if text not in values:
+            raise ValueError(f"invalid choice {text!r} (choose from {', '.join(values)})")
+        return text
+
+    return Kind(parse, metavar="{" + ",".join(values) + "}")
+
+
+TEXT = Kind(str)
+INT = Kind(_int, metavar="N")
+SIZE = Kind(parse_size, show=format_size, metavar="SIZE")
+PATH = Kind(Path, text=_abspath, metavar="PATH", path=True)
+FLAG = Kind(bool, flag=True)
+VIEWS = Kind(parse_views, text=",".join, show=",".join, metavar="VIEWS")
+
+
+# ---- the declaration ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Option:
+    """One declared option (``name`` and ``default`` come from its ``MountOptions`` field)."""
+
+    flag: str
+    kind: Kind
+    help: str
+    content: bool = False  # changes the bytes of generated files (part of the content identity)
+    repeat: bool = False  # the flag may be given several times; the value is a tuple
+    name: str = ""
+    default: Any = None
+
+    def parse(self, value):
+        """A value from a text (or, for ``repeat``, from a text or a sequence of texts); non-texts pass through."""
+        if self.repeat:
+            items = (value,) if isinstance(value, (str, os.PathLike)) else tuple(value)
+            return tuple(self.kind.parse(v) if isinstance(v, str) else v for v in items)
+        return self.kind.parse(value) if isinstance(value, str) and not self.kind.flag else value
+
+    def argv(self, value) -> list:
+        """The flags that give ``value`` (nothing for the default)."""
+        if value == self.default:
+            return []
+        if self.kind.flag:
+            return [self.flag] if value else []
+        values = value if self.repeat else (value,)
+        return [a for v in values for a in (self.flag, self.kind.text(v))]
+
+    def help_text(self) -> str:
+        if self.kind.flag or self.default in (None, ()):
+            return self.help
+        return f"{self.help} (default: {self.kind.show(self.default)})"
+
+
+def option(default, flag: str, kind: Kind, *, help: str, content: bool = False, repeat: bool = False,  # noqa: A002
+           factory: Callable[[], Any] | None = None):
+    """A ``MountOptions`` field declared as a mount option (see the module docstring); ``factory`` computes a
+    default that is not known at import time (``default`` is then ``None``)."""
+    meta = {"option": Option(flag, kind, help, content, repeat)}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _all_views() -> tuple:
+    from .views.base import ALL_VIEWS
+
+    return ALL_VIEWS
+
+
+@dataclass
+class MountOptions:
+    """What a mount (or an export, or ``ckptfs.open``) is built with. One field per option, each declared once."""
+
+    config: Path | None = option(None, "--config", PATH, content=True,
+                                 help="Cerebras params YAML (default: found next to the checkpoint)")
+    model: str | None = option(None, "--model", TEXT, content=True,
+                               help="model name, overriding detection from the params YAML")
+    trainer_index: int | None = option(None, "--trainer-index", INT, content=True,
+                                       help="which trainer of a params YAML that lists several")
+    views: tuple = option(None, "--views", VIEWS, factory=_all_views, help="comma-separated views to generate")
+    max_shard_size: int = option(5 * 10**9, "--max-shard-size", SIZE, content=True,
+                                 help="largest HF weight shard, e.g. 5GB, 500MB, 2GiB")
+    zip_crc: str = option("exact", "--zip-crc", choice("exact", "zero"), content=True,
+                          help="CRC-32 of torch zip records: exact (computed) or zero (faster; torch does not check)")
+    cache_size: int = option(DEFAULT_CACHE_BYTES, "--cache-size", SIZE,
+                             help="memory for converted tensor blocks, e.g. 256MiB")
+    allow_partial: bool = option(False, "--allow-partial", FLAG,
+                                 help="open a partially written checkpoint (no __SUCCESS__ marker), salvaging what its "
+                                      "datasets describe")
+    data_iter_dir: Path | None = option(None, "--data-iter-dir", PATH, content=True,
+                                        help="dataloader state directory for the cs view")
+    shuffle_seed: int | None = option(None, "--shuffle-seed", INT, content=True,
+                                      help="dataloader shuffle seed for the cs view")
+
+
+@cache
+def declared() -> tuple:
+    """Every option, in declaration order, with its field's name and default (built on first use, so that a
+    default computed by a factory — the registered views — is read once everything is imported)."""
+    out = []
+    for f in fields(MountOptions):
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        out.append(replace(f.metadata["option"], name=f.name, default=default))
+    return tuple(out)
+
+
+def by_name(name: str) -> Option:
+    for o in declared():
+        if o.name == name:
+            return o
+    raise KeyError(name)
+
+
+# ---- what derives from it -------------------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser, only: tuple | None = None) -> None:
+    """Every option (or those named in ``only``) as a command-line flag (argparse ``dest`` = the field name)."""
+    for o in declared():
+        if only is not None and o.name not in only:
+            continue
+        if o.kind.flag:
+            p.add_argument(o.flag, dest=o.name, action="store_true", help=o.help_text())
+            continue
+        p.add_argument(o.flag, dest=o.name, type=_argparse_type(o), metavar=o.kind.metavar,
+                       action="append" if o.repeat else "store", default=None, help=o.help_text())
+
+
+def _argparse_type(o: Option):
+    def convert(text: str):
+        try:
+            return o.kind.parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    convert.__name__ = o.flag.lstrip("-")  # what argparse names in "invalid <name> value"
+    return convert
+
+
+def from_args(args) -> MountOptions:
+    """``MountOptions`` from parsed arguments (a flag not given keeps the field's default)."""
+    kw = {}
+    for o in declared():
+        v = getattr(args, o.name, None)
+        if v is None or (o.kind.flag and not v):
+            continue
+        kw[o.name] = tuple(v) if o.repeat else v
+    return MountOptions(**kw)
+
+
+def to_argv(options: MountOptions) -> list:
+    """Command-line flags that make ``from_args`` give back ``options`` (defaults are left out)."""
+    return [a for o in declared() for a in o.argv(getattr(options, o.name))]
+
+
+def from_kwargs(**kw) -> MountOptions:
+    """The Python API's options: field names as keywords; texts parsed as on the command line."""
+    known = {o.name: o for o in declared()}
+    bad = sorted(set(kw) - known.keys())
+    if bad:
+        raise TypeError(f"unknown option(s) {bad}; known: {sorted(known)}")
+    return MountOptions(**{k: known[k].parse(v) for k, v in kw.items()})
+
+
+def content_options(options: MountOptions) -> list:
+    """``[(Option, value)]`` of the options that change file content and differ from their default."""
+    return [(o, getattr(options, o.name)) for o in declared()
+            if o.content and getattr(options, o.name) != o.default]
