@@ -27,100 +27,16 @@ outputs: {skip: reason} | {atol: 1e-6, reason: ...}   # output comparison settin
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import re
-from functools import lru_cache
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
-from ckptfs.mapping.convert import to_hf
+from casehelp import (CASE_FILES, CASES, FIXTURES, IGNORED_CONFIG_KEYS, PARAMS, case_facts, case_model,
+                      converted, expected_folders, model_inputs, model_outputs, original_tensors, raw_bytes, sha256,
+                      torch_bytes, transformers_class)
 from ckptfs.mapping.registry import default_registry, list_models
-from ckptfs.source import open_checkpoint
-
-FIXTURES = Path(__file__).parent / "fixtures"
-CASE_FILES = Path(__file__).parent / "conformance"
-# config keys of the converter that are machine-specific and not a conversion result
-IGNORED_CONFIG_KEYS = {"mm_vision_tower"}  # LLaVA: the converter writes its own output path (stored as ../image_model)
-
-
-def _manifest(case: str) -> dict:
-    return json.loads((FIXTURES / case / "MANIFEST.json").read_text())
-
-
-def converter_cases() -> list:
-    out = []
-    for d in sorted(FIXTURES.iterdir()):
-        if (d / "MANIFEST.json").is_file() and (d / "expected_hf").is_dir() and (d / "cs" / "checkpoint.mdl").is_file():
-            if _manifest(d.name).get("converter_model"):
-                out.append(d.name)
-    return out
-
-
-CASES = converter_cases()
-
-
-@lru_cache(maxsize=None)
-def case_facts(case: str) -> dict:
-    path = CASE_FILES / f"{case}.yaml"
-    facts = yaml.safe_load(path.read_text()) if path.is_file() else {}
-    return facts or {}
-
-
-def case_model(case: str) -> str:
-    return case_facts(case).get("model") or _manifest(case)["converter_model"]
-
-
-def _param(case: str):
-    pending = case_facts(case).get("pending")
-    marks = [pytest.mark.xfail(reason=pending, strict=False)] if pending else []
-    return pytest.param(case, marks=marks, id=case)
-
-
-PARAMS = [_param(c) for c in CASES]
-
-
-@lru_cache(maxsize=None)
-def converted(case: str):
-    ckpt = open_checkpoint(FIXTURES / case / "cs" / "checkpoint.mdl")
-    return to_hf(ckpt, model=case_model(case))
-
-
-def expected_folders(case: str) -> list:
-    """HF model folders of the converter's output, relative to expected_hf ('' = the root)."""
-    root = FIXTURES / case / "expected_hf"
-    return sorted(str(p.parent.relative_to(root)).replace(".", "") for p in root.rglob("keys.json"))
-
-
-def raw_bytes(t) -> bytes:
-    return t.read_all().tobytes()
-
-
-def sha256(t) -> str:
-    return hashlib.sha256(raw_bytes(t)).hexdigest()
-
-
-def original_tensors(case: str, folder: str) -> dict | None:
-    from safetensors.numpy import load_file
-
-    path = FIXTURES / case / "hf" / folder / "model.safetensors"
-    if not path.is_file():
-        return None
-    from safetensors import safe_open
-
-    out = {}
-    with safe_open(str(path), "pt") as f:
-        for k in f.keys():
-            out[k] = f.get_tensor(k)
-    return out
-
-
-def torch_bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
-
 
 # -- the case tests ------------------------------------------------------------------------------------------
 
@@ -197,12 +113,6 @@ def test_config_agrees_with_converter(case):
 # -- outputs equal to the original model -----------------------------------------------------------------------
 
 
-def _transformers_class(name: str):
-    import transformers
-
-    return getattr(transformers, name, None)
-
-
 def output_cases() -> list:
     out = []
     for case in CASES:
@@ -214,31 +124,6 @@ def output_cases() -> list:
     return out
 
 
-def _inputs(model, config) -> dict:
-    g = torch.Generator().manual_seed(7)
-    name = getattr(model, "main_input_name", "input_ids")
-    if name == "pixel_values":
-        size = config.image_size if isinstance(config.image_size, int) else config.image_size[0]
-        return {"pixel_values": torch.randn(2, getattr(config, "num_channels", 3), size, size, generator=g)}
-    vocab = getattr(config, "vocab_size", 128)
-    ids = torch.randint(3, vocab, (2, 11), generator=g)
-    out = {name: ids}
-    if getattr(config, "is_encoder_decoder", False):
-        out["decoder_input_ids"] = torch.randint(3, vocab, (2, 7), generator=g)
-    return out
-
-
-def _outputs(model, inputs) -> list:
-    model.eval()
-    with torch.no_grad():
-        out = model(**inputs)
-    tensors = []
-    for v in out.to_tuple() if hasattr(out, "to_tuple") else [out]:
-        if isinstance(v, torch.Tensor):
-            tensors.append(v)
-    return tensors
-
-
 @pytest.mark.parametrize("case", output_cases())
 def test_outputs_equal_original_model(case, tmp_path):
     from safetensors.torch import save_file
@@ -248,7 +133,7 @@ def test_outputs_equal_original_model(case, tmp_path):
     compared = 0
     for folder, model in hf.folders().items():
         src = FIXTURES / case / "hf" / folder
-        cls = _transformers_class(model.hf_class)
+        cls = transformers_class(model.hf_class)
         if cls is None or not (src / "config.json").is_file():
             continue  # remote code (btlm, jais, santacoder) or a component without an original
         out = tmp_path / (folder or "root")
@@ -263,8 +148,8 @@ def test_outputs_equal_original_model(case, tmp_path):
         kw = {"attn_implementation": "eager"}
         original = cls.from_pretrained(src, **kw)
         ours = cls.from_pretrained(out, **kw)
-        inputs = _inputs(original, original.config)
-        for a, b in zip(_outputs(ours, inputs), _outputs(original, inputs), strict=True):
+        inputs = model_inputs(original, original.config)
+        for a, b in zip(model_outputs(ours, inputs), model_outputs(original, inputs), strict=True):
             if atol:
                 assert torch.allclose(a, b, rtol=0, atol=atol), folder
             else:
@@ -300,16 +185,14 @@ def converter_names() -> list:
     names = []
     for title in ("### Every converter name", "Names from the seed documentation"):
         section = text[text.index(title):]
-        rows = [ln for ln in section.splitlines()[1:] if ln.startswith("| ")]
         end = section.index("\n\n", section.index("| "))
         for ln in section[:end].splitlines():
             if not ln.startswith("| ") or ln.startswith("| converter name") or ln.startswith("| seed name"):
                 continue
             cells = [c.strip() for c in ln.strip("|").split("|")]
-            if "not possible" in cells[-1]:
+            if set(cells[0]) <= {"-", " "} or "not possible" in cells[-1]:
                 continue
             names += [n.strip() for n in re.split(r"[/,]", cells[0]) if n.strip()]
-        del rows
     return names
 
 

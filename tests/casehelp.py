@@ -1,0 +1,126 @@
+"""Shared by the conformance and family end-to-end tests: the converter fixture cases, their per-case facts
+(tests/conformance/<case>.yaml), the mapping core's result per case, and model inputs/outputs for comparisons."""
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from ckptfs.mapping.convert import to_hf
+from ckptfs.source import open_checkpoint
+
+from conftest import FIXTURES
+CASE_FILES = Path(__file__).parent / "conformance"
+# config keys of the converter that are machine-specific and not a conversion result
+IGNORED_CONFIG_KEYS = {"mm_vision_tower"}  # LLaVA: the converter writes its own output path (stored as ../image_model)
+
+
+def _manifest(case: str) -> dict:
+    return json.loads((FIXTURES / case / "MANIFEST.json").read_text())
+
+
+def converter_cases() -> list:
+    out = []
+    for d in sorted(FIXTURES.iterdir()):
+        if (d / "MANIFEST.json").is_file() and (d / "expected_hf").is_dir() and (d / "cs" / "checkpoint.mdl").is_file():
+            if _manifest(d.name).get("converter_model"):
+                out.append(d.name)
+    return out
+
+
+CASES = converter_cases()
+
+
+@lru_cache(maxsize=None)
+def case_facts(case: str) -> dict:
+    path = CASE_FILES / f"{case}.yaml"
+    facts = yaml.safe_load(path.read_text()) if path.is_file() else {}
+    return facts or {}
+
+
+def case_model(case: str) -> str:
+    return case_facts(case).get("model") or _manifest(case)["converter_model"]
+
+
+def _param(case: str):
+    pending = case_facts(case).get("pending")
+    marks = [pytest.mark.xfail(reason=pending, strict=False)] if pending else []
+    return pytest.param(case, marks=marks, id=case)
+
+
+PARAMS = [_param(c) for c in CASES]
+
+
+@lru_cache(maxsize=None)
+def converted(case: str):
+    ckpt = open_checkpoint(FIXTURES / case / "cs" / "checkpoint.mdl")
+    return to_hf(ckpt, model=case_model(case))
+
+
+def expected_folders(case: str) -> list:
+    """HF model folders of the converter's output, relative to expected_hf ('' = the root)."""
+    root = FIXTURES / case / "expected_hf"
+    return sorted(str(p.parent.relative_to(root)).replace(".", "") for p in root.rglob("keys.json"))
+
+
+def raw_bytes(t) -> bytes:
+    return t.read_all().tobytes()
+
+
+def sha256(t) -> str:
+    return hashlib.sha256(raw_bytes(t)).hexdigest()
+
+
+def original_tensors(case: str, folder: str) -> dict | None:
+    path = FIXTURES / case / "hf" / folder / "model.safetensors"
+    if not path.is_file():
+        return None
+    from safetensors import safe_open
+
+    out = {}
+    with safe_open(str(path), "pt") as f:
+        for k in f.keys():
+            out[k] = f.get_tensor(k)
+    return out
+
+
+def torch_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def transformers_class(name: str):
+    import transformers
+
+    return getattr(transformers, name, None)
+
+
+def model_inputs(model, config) -> dict:
+    g = torch.Generator().manual_seed(7)
+    name = getattr(model, "main_input_name", "input_ids")
+    if name == "pixel_values":
+        size = config.image_size if isinstance(config.image_size, int) else config.image_size[0]
+        return {"pixel_values": torch.randn(2, getattr(config, "num_channels", 3), size, size, generator=g)}
+    vocab = getattr(config, "vocab_size", 128)
+    ids = torch.randint(3, vocab, (2, 11), generator=g)
+    out = {name: ids}
+    if getattr(config, "is_encoder_decoder", False):
+        out["decoder_input_ids"] = torch.randint(3, vocab, (2, 7), generator=g)
+    return out
+
+
+def model_outputs(model, inputs) -> list:
+    model.eval()
+    with torch.no_grad():
+        out = model(**inputs)
+    tensors = []
+    for v in out.to_tuple() if hasattr(out, "to_tuple") else [out]:
+        if isinstance(v, torch.Tensor):
+            tensors.append(v)
+    return tensors
+
+

@@ -1,0 +1,90 @@
+"""One case of every family, end to end through a real FUSE mount, as a user would: ``from_pretrained(mount)``
+(each sub-folder of a multi-component model too) gives the original model's state dict, and greedy ``generate()``
+of 20 tokens gives the original model's ids (EOS respected) — or, for models that do not generate, the same outputs.
+
+The cases are chosen from the registry, so a family added later is covered here without editing this file: for each
+family, the first conformance case that is not pending and whose HF class transformers ships.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from casehelp import CASES, FIXTURES, case_facts, case_model, converted, model_inputs, model_outputs, transformers_class
+from ckptfs.mapping.registry import default_registry
+from fusehelp import fake_env, mounted, needs_fuse
+
+pytestmark = [needs_fuse, pytest.mark.timeout(900)]
+
+
+def real_env() -> dict:
+    return {k: v for k, v in fake_env().items() if k != "CKPTFS_TEST_TREE"}
+
+
+def family_cases() -> list:
+    registry = default_registry()
+    chosen: dict = {}
+    for case in CASES:
+        facts = case_facts(case)
+        if facts.get("pending") or not (FIXTURES / case / "hf").is_dir():
+            continue
+        spec = registry.for_model(case_model(case))
+        if spec is None or spec.family in chosen:
+            continue
+        variant = spec.variant(case_model(case))
+        if transformers_class(variant.hf_class) is None and not spec_has_components(case):
+            continue  # remote code: the conformance test checks its bytes
+        chosen[spec.family] = case
+    return sorted(chosen.values())
+
+
+def spec_has_components(case: str) -> bool:
+    return any(folder for folder in converted(case).folders())
+
+
+def state_dicts_equal(a: dict, b: dict, where: str) -> None:
+    assert a.keys() == b.keys(), where
+    for k, v in b.items():
+        assert a[k].dtype == v.dtype and torch.equal(a[k], v), f"{where}: {k}"
+
+
+@pytest.mark.parametrize("case", family_cases())
+def test_from_pretrained_and_generate_through_the_mount(case):
+    hf = converted(case)
+    with mounted(FIXTURES / case / "cs" / "checkpoint.mdl", "--model", case_model(case), "--views", "hf",
+                 env=real_env()) as mnt:
+        compared = 0
+        for folder, model in hf.folders().items():
+            cls = transformers_class(model.hf_class)
+            src = FIXTURES / case / "hf" / folder
+            if cls is None or not (src / "config.json").is_file():
+                continue
+            kw = {"attn_implementation": "eager"}
+            original = cls.from_pretrained(src, **kw).eval()
+            ours = cls.from_pretrained(str(mnt / folder), **kw).eval()
+            state_dicts_equal(ours.state_dict(), original.state_dict(), f"{case}/{folder}")
+            inputs = model_inputs(original, original.config)
+            if original.can_generate():
+                ids = inputs.get("input_ids")
+                gen = {"max_new_tokens": 20, "do_sample": False}
+                if original.config.is_encoder_decoder and original.generation_config.decoder_start_token_id is None:
+                    gen["decoder_start_token_id"] = original.config.pad_token_id  # T5: decoding starts at pad
+                with torch.no_grad():
+                    want = original.generate(ids, **gen)
+                    got = ours.generate(ids, **gen)
+                assert torch.equal(got, want), f"{case}/{folder}: greedy generation differs"
+            else:
+                for a, b in zip(model_outputs(ours, inputs), model_outputs(original, inputs), strict=True):
+                    assert torch.equal(a, b), f"{case}/{folder}: outputs differ"
+            compared += 1
+        assert compared, f"{case}: no folder loaded through the mount"
+
+
+def test_every_family_with_a_transformers_class_is_mounted_here():
+    """A family whose HF class transformers ships must have a case above (guards the selection itself)."""
+    registry = default_registry()
+    mounted_families = {registry.for_model(case_model(c)).family for c in family_cases()}
+    for spec in registry.families.values():
+        if any(transformers_class(m.hf_class) for m in spec.models) and any(
+                registry.for_model(case_model(c)) is spec and not case_facts(c).get("pending") for c in CASES):
+            assert spec.family in mounted_families, spec.family
