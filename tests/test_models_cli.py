@@ -32,8 +32,8 @@ def test_json_output(capsys):
 def test_filter_and_unknown(capsys):
     assert main(["models", "mixtral", "--json"]) == 0
     assert {r["name"] for r in json.loads(capsys.readouterr().out)} == {"mixtral", "mixtral-headless"}
-    assert main(["models", "bert"]) == 2
-    assert "unknown model 'bert'" in capsys.readouterr().err
+    assert main(["models", "bort"]) == 2
+    assert "unknown model 'bort'" in capsys.readouterr().err
 
 
 def test_runs_as_a_program():
