@@ -34,6 +34,8 @@ class HFModel:
     # multi-component checkpoints (DPO reference model, DPR towers, LLaVA parts): [(sub-folder, HFModel)],
     # each a complete HF model directory of its own beside (or instead of) the root model
     components: list = field(default_factory=list)
+    files: dict = field(default_factory=dict)  # more JSON files of this folder: {file name: content}
+    description: str = ""  # one line on where this folder's model comes from (README.txt)
 
     def folders(self) -> dict:
         """{sub-folder ('' = the mount root): HFModel} for every HF model directory this checkpoint gives."""
@@ -66,6 +68,11 @@ def to_hf(checkpoint: Checkpoint, *, config=None, model: str | None = None, trai
     cs_name = params.model.get("name")
     if model is not None and isinstance(cs_name, str) and registry.for_cs_name(cs_name) not in (None, spec):
         warnings.append(f"params name {cs_name!r} overridden by --model {model}")
+    if variant.components:  # one HF model directory per component (DPO, DPR, LLaVA)
+        from .components import components_to_hf
+
+        return components_to_hf(checkpoint, spec, variant, params, registry, warnings,
+                                model_name=det.model_name or variant.name)
 
     cfg = convert_config(spec, variant, params.model, params.path)
     cfg.cs_scope.used.add(("name",))  # consumed by family detection

@@ -29,6 +29,38 @@ class ModelVariant:
     notes: str = ""
     # where the HF class's modeling code lives when transformers does not ship it (trust_remote_code)
     remote_code: str | None = None
+    # multi-component checkpoints: ComponentSpec per HF model directory (empty: one model at the root)
+    components: tuple = ()
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    """One HF model directory of a multi-component checkpoint (DPO's reference model, DPR's two encoders,
+    LLaVA's image and text models): which CS keys and params section it reads and which rules map them.
+
+    Without ``model`` / ``model_from`` the component is mapped by its own family's ``config:`` and
+    ``tensors:``; with one of them, by that model's family. Its own ``config`` / ``tensors`` come on top.
+    """
+
+    folder: str  # sub-folder of the HF view; "" = the view's root
+    where: str  # "<file>: models[0].components[1]" for messages
+    cs_prefix: str = ""  # CS model keys (without "model.") it reads; the prefix is removed before matching
+    cs_rename: tuple = ()  # ((CS key prefix, local prefix), ...): more CS keys it reads, under a local name
+    params: tuple = ()  # path of its params section inside the params model: section (() = all of it)
+    params_bind: tuple = ()  # ((name, path), ...): other params values its expressions read under a name
+    model: str | None = None  # a model name (of any family) whose config and tensor rules map it
+    model_from: str | None = None  # key of its params section naming that model (DPO's model_name)
+    hf_class: str | None = None  # overrides the model's HF class
+    model_type: str | None = None  # overrides the family's model_type
+    vars: dict = field(default_factory=dict)  # added to (and overriding) the model's vars
+    config: "ConfigSpec | None" = None  # merged over the mapping family's config (these entries win)
+    tensors: tuple = ()  # tried before the mapping family's tensor rules
+    files: tuple = ()  # ((file name, expression giving its JSON content), ...) written beside config.json
+
+    @property
+    def self_contained(self) -> bool:
+        """Mapped by its own family's rules (no other model named)."""
+        return self.model is None and self.model_from is None
 
 
 @dataclass(frozen=True)
@@ -158,11 +190,14 @@ def load_family(path: Path, fragments: dict, data: dict | None = None) -> Family
     for m in models:
         if set(m.vars) != var_names:
             v.fail(f"models: {m.name} defines vars {sorted(m.vars)} but {models[0].name} defines {sorted(var_names)}")
+    var_names = v.component_vars(models, var_names)
     config = v.config(data.get("config") or {}, var_names)
     prepare = v.rules(data.get("prepare") or [], "prepare", var_names, prepare=True)
     tensors = v.rules(data.get("tensors") or [], "tensors", var_names)
-    if not tensors:
-        v.fail("tensors: a family needs at least one tensor rule")
+    own_rules_used = any(not m.components or any(c.self_contained for c in m.components) for m in models)
+    if not tensors and own_rules_used:
+        v.fail("tensors: a family needs at least one tensor rule (unless every model's components name "
+               "another model to map them)")
     include = data.get("include") or []
     if not isinstance(include, list):
         v.fail("include: must be a list of fragment names")
@@ -177,7 +212,8 @@ def load_family(path: Path, fragments: dict, data: dict | None = None) -> Family
         v.fail("cs_names: must be a list of strings")
     return FamilySpec(
         family=family, path=Path(path), description=str(data.get("description") or ""),
-        model_type=v.string(data.get("model_type"), "model_type"), cs_names=tuple(cs_names), models=models,
+        model_type=(v.string(data.get("model_type"), "model_type") if own_rules_used or "model_type" in data
+                    else ""), cs_names=tuple(cs_names), models=models,
         detect=v.detect(data.get("detect") or {}), config=config, prepare=prepare, tensors=tensors)
 
 
@@ -245,7 +281,8 @@ class _Validator:
         out, seen = [], set()
         for n, item in enumerate(items):
             where = f"models[{n}]"
-            self.keys(item, {"name", "hf_class", "headless", "aliases", "vars", "notes", "remote_code"}, where)
+            self.keys(item, {"name", "hf_class", "headless", "aliases", "vars", "notes", "remote_code", "components"},
+                      where)
             aliases = item.get("aliases") or []
             if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
                 self.fail(f"{where}.aliases: must be a list of names")
@@ -257,13 +294,89 @@ class _Validator:
                              bool(item.get("headless", False)), tuple(aliases), dict(vars_),
                              str(item.get("notes") or ""),
                              None if item.get("remote_code") is None
-                             else self.string(item.get("remote_code"), f"{where}.remote_code"))
+                             else self.string(item.get("remote_code"), f"{where}.remote_code"),
+                             self.components(item["components"], f"{where}.components", set(vars_))
+                             if "components" in item else ())
             for name in (m.name, *m.aliases):
                 if name in seen:
                     self.fail(f"{where}: model name {name!r} listed twice")
                 seen.add(name)
             out.append(m)
         return out
+
+    _COMPONENT_KEYS = {"folder", "cs_prefix", "cs_rename", "params", "params_bind", "model", "model_from",
+                       "hf_class", "model_type", "vars", "config", "tensors", "files"}
+
+    def components(self, items, where, model_vars: set) -> tuple:
+        """A model's ``components:`` list (see ComponentSpec); its own rules may use captures and vars."""
+        if not isinstance(items, list) or not items:
+            self.fail(f"{where}: expected a non-empty list of components")
+        out, folders = [], set()
+        for n, item in enumerate(items):
+            cw = f"{where}[{n}]"
+            self.keys(item, self._COMPONENT_KEYS, cw)
+            folder = item.get("folder")
+            if not isinstance(folder, str) or folder.startswith("/") or folder.endswith("/") or ".." in folder:
+                self.fail(f"{cw}.folder: expected a relative folder name ('' = the HF view's root), got {folder!r}")
+            if folder in folders:
+                self.fail(f"{cw}.folder: {folder!r} listed twice")
+            folders.add(folder)
+            for k in ("vars", "cs_rename", "params_bind", "files"):
+                if not isinstance(item.get(k) or {}, dict):
+                    self.fail(f"{cw}.{k}: must be a mapping")
+            vars_ = dict(item.get("vars") or {})
+            if "model" in item and "model_from" in item:
+                self.fail(f"{cw}: give 'model' or 'model_from', not both")
+            opt = lambda k: None if item.get(k) is None else self.string(item[k], f"{cw}.{k}")
+            comp = ComponentSpec(
+                folder=folder, where=f"{self.path.name}: {cw}",
+                cs_prefix=self._prefix(item.get("cs_prefix", ""), f"{cw}.cs_prefix"),
+                cs_rename=tuple((self._prefix(a, f"{cw}.cs_rename"), self._prefix(b, f"{cw}.cs_rename"))
+                                for a, b in (item.get("cs_rename") or {}).items()),
+                params=self.params_path(item.get("params", ""), f"{cw}.params"),
+                params_bind=tuple((self.string(k, f"{cw}.params_bind"), self.params_path(p, f"{cw}.params_bind.{k}"))
+                                  for k, p in (item.get("params_bind") or {}).items()),
+                model=opt("model"), model_from=opt("model_from"), hf_class=opt("hf_class"),
+                model_type=opt("model_type"), vars=vars_,
+                config=self.config(item["config"], set(vars_)) if "config" in item else None,
+                tensors=tuple(self.rules(item.get("tensors") or [], f"{cw}.tensors", model_vars | set(vars_))),
+                files=tuple((self.string(k, f"{cw}.files"), self.expr(e, f"{cw}.files.{k}"))
+                            for k, e in (item.get("files") or {}).items()))
+            if comp.self_contained and comp.hf_class is None:
+                self.fail(f"{cw}: a component without 'model' / 'model_from' needs 'hf_class'")
+            out.append(comp)
+        return tuple(out)
+
+    def _prefix(self, value, where) -> str:
+        if not isinstance(value, str):
+            self.fail(f"{where}: expected a CS key prefix string, got {value!r}")
+        return value
+
+    def params_path(self, value, where) -> tuple:
+        """A dotted params path ('' = the whole section); decimal parts index lists."""
+        if not isinstance(value, str):
+            self.fail(f"{where}: expected a dotted params path, got {value!r}")
+        if not value:
+            return ()
+        parts = value.split(".")
+        if any(not p for p in parts):
+            self.fail(f"{where}: empty part in params path {value!r}")
+        return tuple(int(p) if p.isdigit() else p for p in parts)
+
+    def component_vars(self, models, var_names: set) -> set:
+        """The var names the family's own rules may use: the models' plus those of components mapped by them
+        (each such component, with its model's vars, must define all of them)."""
+        own = [(m, c) for m in models for c in m.components if c.self_contained]
+        names = set(var_names).union(*(set(c.vars) for _, c in own))
+        for m, c in own:
+            have = set(m.vars) | set(c.vars)
+            if have != names:
+                self.fail(f"{c.where.split(': ', 1)[1]}: vars {sorted(have)} (with model {m.name}'s) differ from "
+                          f"the vars the family's rules may use {sorted(names)}")
+        if names != var_names and any(not m.components for m in models):
+            self.fail(f"models: component vars {sorted(names - var_names)} are not defined by the models "
+                      f"without components")
+        return names
 
     def detect(self, data) -> DetectSpec:
         self.keys(data, {"priority", "keys", "no_keys", "config"}, "detect")

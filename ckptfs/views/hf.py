@@ -75,12 +75,22 @@ def build(ctx) -> ViewResult:
         hf = to_hf(ctx.checkpoint, config=opts.config, model=opts.model, trainer_index=opts.trainer_index)
     except CkptfsError as e:
         return ViewResult(missing=f"Hugging Face files not generated: {e.problem}")
-    files = {"config.json": _json_file(hf.config)}
-    if hf.generation_config:
-        files["generation_config.json"] = _json_file(hf.generation_config)
-    files.update(weight_files(hf.tensors, max_shard_size=opts.max_shard_size, zip_crc=opts.zip_crc,
-                              crc_store=getattr(ctx, "crc_store", None), identity=getattr(ctx, "identity", None)))
+    files = {}
+    identity = getattr(ctx, "identity", None)
+    for folder, model in hf.folders().items():  # one complete HF model directory each ('' = the root)
+        base = f"{folder}/" if folder else ""
+        files[base + "config.json"] = _json_file(model.config)
+        if model.generation_config:
+            files[base + "generation_config.json"] = _json_file(model.generation_config)
+        for name, content in model.files.items():
+            files[base + name] = _json_file(content)
+        weights = weight_files(model.tensors, max_shard_size=opts.max_shard_size, zip_crc=opts.zip_crc,
+                               crc_store=getattr(ctx, "crc_store", None),
+                               identity=f"{identity}:{folder}" if identity and folder else identity)
+        files.update({base + name: f for name, f in weights.items()})
     notes = [f"hf: family {hf.family} (model name {hf.model_name}), class {hf.hf_class}"
              + (f", params {hf.params_path}" if hf.params_path else "")]
+    notes += [f"hf: {folder or '(root)'}/ holds {model.description}" for folder, model in hf.folders().items()
+              if hf.components]
     notes += [f"hf: {w}" for w in hf.warnings]
     return ViewResult(files=files, notes=notes)
