@@ -42,10 +42,12 @@ def spec_has_components(case: str) -> bool:
     return any(folder for folder in converted(case).folders())
 
 
-def state_dicts_equal(a: dict, b: dict, where: str) -> None:
+def state_dicts_equal(a: dict, b: dict, where: str, atol: float | None = None) -> None:
     assert a.keys() == b.keys(), where
     for k, v in b.items():
-        assert a[k].dtype == v.dtype and torch.equal(a[k], v), f"{where}: {k}"
+        assert a[k].dtype == v.dtype, f"{where}: {k}"
+        same = torch.allclose(a[k], v, rtol=0, atol=atol) if atol else torch.equal(a[k], v)
+        assert same, f"{where}: {k}"
 
 
 @pytest.mark.parametrize("case", family_cases())
@@ -62,7 +64,8 @@ def test_from_pretrained_and_generate_through_the_mount(case):
             kw = {"attn_implementation": "eager"}
             original = cls.from_pretrained(src, **kw).eval()
             ours = cls.from_pretrained(str(mnt / folder), **kw).eval()
-            state_dicts_equal(ours.state_dict(), original.state_dict(), f"{case}/{folder}")
+            atol = (case_facts(case).get("outputs") or {}).get("atol")  # documented per case (gemma2: 1-2 ulp)
+            state_dicts_equal(ours.state_dict(), original.state_dict(), f"{case}/{folder}", atol)
             inputs = model_inputs(original, original.config)
             if original.can_generate():
                 ids = inputs.get("input_ids")
@@ -75,7 +78,8 @@ def test_from_pretrained_and_generate_through_the_mount(case):
                 assert torch.equal(got, want), f"{case}/{folder}: greedy generation differs"
             else:
                 for a, b in zip(model_outputs(ours, inputs), model_outputs(original, inputs), strict=True):
-                    assert torch.equal(a, b), f"{case}/{folder}: outputs differ"
+                    same = torch.allclose(a, b, rtol=0, atol=atol) if atol else torch.equal(a, b)
+                    assert same, f"{case}/{folder}: outputs differ"
             compared += 1
         assert compared, f"{case}: no folder loaded through the mount"
 
