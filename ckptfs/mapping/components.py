@@ -49,13 +49,17 @@ def local_key(key: str, comp: ComponentSpec) -> str | None:
     return None
 
 
-def component_tensors(cs: dict, comp: ComponentSpec) -> dict:
-    """The component's CS tensors under their local names, in checkpoint order."""
-    out = {}
-    for key, t in cs.items():
+def local_names(cs: dict, comp: ComponentSpec, spec_path=None) -> dict:
+    """{local name: CS model key} of the keys ``comp`` reads, in checkpoint order."""
+    out: dict = {}
+    for key in cs:
         name = local_key(key, comp)
-        if name is not None:
-            out[name] = t
+        if name is None:
+            continue
+        if name in out:
+            raise MappingError(spec_path, f"{comp.where}: CS tensors model.{out[name]} and model.{key} both become "
+                                          f"{name!r}; cs_prefix and cs_rename must not overlap")
+        out[name] = key
     return out
 
 
@@ -147,7 +151,8 @@ def build_component(comp: ComponentSpec, top: FamilySpec, variant: ModelVariant,
     for fname, text in comp.files:
         files[fname] = evaluate_config_expr(text, cfg.scope, funcs, params.path, top.path,
                                             f"{comp.where}.files.{fname}")
-    local = component_tensors(cs, comp)
+    names = local_names(cs, comp, top.path)
+    local = {name: cs[key] for name, key in names.items()}
     mapping = RuleEngine(spec, sub, cfg.scope, funcs, params.path).run(local)
     where = " or ".join(f"model.{p}*" for p in (comp.cs_prefix, *(s for s, _ in comp.cs_rename)))
     if not mapping.tensors:
@@ -162,7 +167,6 @@ def build_component(comp: ComponentSpec, top: FamilySpec, variant: ModelVariant,
     if sub.remote_code:
         cfg.warnings.append(f"HF class {sub.hf_class} is not part of transformers: load it with "
                             f"trust_remote_code=True; its modeling code comes from {sub.remote_code}")
-    names = {v: k for k, v in local_names(cs, comp).items()}
     warnings = list(cfg.warnings)
     warnings += [f"CS tensor model.{names[key]} not converted: {reason}" for key, reason in mapping.dropped]
     for key in mapping.unmatched:
@@ -179,11 +183,6 @@ def build_component(comp: ComponentSpec, top: FamilySpec, variant: ModelVariant,
                     warnings=warnings, params_path=params.path, files=files,
                     description=f"{sub.hf_class} ({spec.family} rules) from CS {where} and {section_text}")
     return Built(comp, spec, model, used, set(names.values()))
-
-
-def local_names(cs: dict, comp: ComponentSpec) -> dict:
-    """{CS model key: its local name} for the keys ``comp`` reads."""
-    return {key: name for key in cs if (name := local_key(key, comp)) is not None}
 
 
 def unused_warnings(params, built: list, top: FamilySpec, variant: ModelVariant, extra_used: set) -> list:
