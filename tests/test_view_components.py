@@ -63,9 +63,16 @@ def test_each_component_is_a_complete_model_folder(case, model, folders, root_mo
 
 
 def test_single_component_tree_is_unchanged():
+    from ckptfs.mapping.convert import to_hf
+    from ckptfs.source import open_checkpoint
+
+    with open_checkpoint(FIXTURES / "gpt2" / "cs" / "checkpoint.mdl") as ck:
+        hf = to_hf(ck)
+    assert hf.components == [] and list(hf.folders()) == [""]
+    generation = {"generation_config.json"} if hf.generation_config else set()
     tree = open_case("gpt2", None)
     try:
-        assert set(tree.listdir("")) == {"README.txt", "config.json", "cs", "torch", "tensors"} | WEIGHTS
+        assert set(tree.listdir("")) == {"README.txt", "config.json", "cs", "torch", "tensors"} | WEIGHTS | generation
         dirs = {n for n in tree.listdir("") if stat.S_ISDIR(tree.attr(n).mode)}
         assert dirs == {"cs", "torch", "tensors"}
         assert " holds " not in tree.read("README.txt", 0, 1 << 20).decode()
