@@ -194,7 +194,8 @@ def test_token_ids_reach_generation_config():
     res = hf_config("llama", {"bos_token_id": 1, "eos_token_id": 2})
     assert res.generation == {"bos_token_id": 1, "eos_token_id": 2}
     assert res.hf["bos_token_id"] == 1
-    assert hf_config("llama").generation is None
+    # without ids in the params, LlamaConfig's defaults (tests/test_token_ids.py covers the rule)
+    assert hf_config("llama").generation == {"bos_token_id": 1, "eos_token_id": 2}
 
 
 def test_llama_biases_map_to_attention_and_mlp_bias():

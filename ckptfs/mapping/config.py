@@ -169,7 +169,26 @@ def convert_config(spec: FamilySpec, variant: ModelVariant, cs_model: dict, para
         value = ev(text, f"config.generation.{key}")
         if value is not OMIT:
             gen[key] = value
-    return ConfigResult(hf, gen or None, warnings, scope, cs_scope)
+    generates = fill_token_ids(hf, gen, cfg.generation, spec.model_type, variant)
+    return ConfigResult(hf, gen if generates else None, warnings, scope, cs_scope)
+
+
+def fill_token_ids(hf: dict, gen: dict, gen_spec: dict, model_type: str, variant: ModelVariant) -> bool:
+    """Complete the special token ids in place: a config.json id the params did not give takes the transformers
+    config class's default (``hf_defaults``; never for remote-code classes, whose defaults are not known here), and
+    generation_config.json carries config.json's ids. Returns whether the HF class generates text
+    (``hf_defaults.generates``): only such a model gets a generation_config.json, as with ``save_pretrained``."""
+    from .hf_defaults import TOKEN_ID_KEYS, class_token_ids, generates
+
+    if not variant.remote_code:
+        for key, value in class_token_ids(model_type).items():
+            hf.setdefault(key, value)
+    if not generates(variant.hf_class):
+        return False
+    for key in TOKEN_ID_KEYS:
+        if hf.get(key) is not None and str(gen_spec.get(key, "")).strip() != "omit":
+            gen.setdefault(key, hf[key])
+    return True
 
 
 def _check_guard(g: Guard, cs: ConfigScope, scope: Scope, variant: ModelVariant, ev) -> str | None:
