@@ -113,14 +113,12 @@ def model_inputs(model, config) -> dict:
     return out
 
 
-def model_outputs(model, inputs) -> list:
+def model_outputs(model, inputs, ignore=()) -> list:
+    """The model's output tensors for ``inputs`` (eval mode), leaving out the named outputs in ``ignore``."""
     model.eval()
     with torch.no_grad():
         out = model(**inputs)
-    tensors = []
-    for v in out.to_tuple() if hasattr(out, "to_tuple") else [out]:
-        if isinstance(v, torch.Tensor):
-            tensors.append(v)
-    return tensors
+    items = out.items() if hasattr(out, "items") else [("output", out)]
+    return [v for k, v in items if isinstance(v, torch.Tensor) and k not in ignore]
 
 
