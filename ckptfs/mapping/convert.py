@@ -16,6 +16,7 @@ from ..source.catalog import Checkpoint
 from . import floats
 from .config import config_functions, convert_config, unused_key_warnings
 from .detect import cs_model_tensors, detect_family
+from .lora import find_lora
 from .params import find_params
 from .registry import Registry, default_registry
 from .tensors import RuleEngine
@@ -54,9 +55,17 @@ def weights_dtype(tensors) -> str | None:
     return counts.most_common(1)[0][0] if counts else None
 
 
+#: what ``to_hf`` does with a LoRA checkpoint: fold the adapters into the weights (always), and with ``keep`` also
+#: serve the base model (``base/``) and the adapter as a PEFT adapter directory (``adapter/``) where PEFT can
+#: express it (``lora_peft.py``)
+LORA_MODES = ("fold", "keep")
+
+
 def to_hf(checkpoint: Checkpoint, *, config=None, model: str | None = None, trainer_index: int | None = None,
-          registry: Registry | None = None) -> HFModel:
+          registry: Registry | None = None, lora: str = "fold") -> HFModel:
     """Convert ``checkpoint`` to HF; ConfigError / MappingError saying why when it cannot."""
+    if lora not in LORA_MODES:
+        raise ValueError(f"lora must be one of {LORA_MODES}, got {lora!r}")
     registry = registry or default_registry()
     det = detect_family(checkpoint, config, model, trainer_index=trainer_index, registry=registry)
     if det.family is None:
@@ -74,11 +83,30 @@ def to_hf(checkpoint: Checkpoint, *, config=None, model: str | None = None, trai
         return components_to_hf(checkpoint, spec, variant, params, registry, warnings,
                                 model_name=det.model_name or variant.name)
 
-    cfg = convert_config(spec, variant, params.model, params.path)
-    cfg.cs_scope.used.add(("name",))  # consumed by family detection
-    funcs = config_functions(cfg.cs_scope, spec.path.name, params.path)
-    engine = RuleEngine(spec, variant, cfg.scope, funcs, params.path)
     cs = cs_model_tensors(checkpoint)
+    name = det.model_name or variant.name
+    adapters = find_lora(spec, params, cs, checkpoint.path)  # LoRA folded lazily (None: no LoRA)
+    if adapters is None:
+        return _map_model(checkpoint, spec, variant, name, params.model, params.path, cs, warnings)
+    hf = _map_model(checkpoint, spec, variant, name, adapters.params_model, params.path, adapters.tensors,
+                    warnings + adapters.notes)
+    if lora == "keep":
+        from .lora_peft import keep_adapter
+
+        base_params = {k: v for k, v in params.model.items() if k != "lora_params"}
+        base = _map_model(checkpoint, spec, variant, name, base_params, params.path, adapters.base_tensors(cs), [])
+        keep_adapter(hf, base, adapters, spec, variant, base_params, params.path, cs)
+    return hf
+
+
+def _map_model(checkpoint: Checkpoint, spec, variant, model_name: str, params_model: dict, params_path,
+               cs: dict, warnings: list) -> HFModel:
+    """One HF model from CS model tensors ``cs`` and the params ``model:`` section ``params_model``."""
+    warnings = list(warnings)
+    cfg = convert_config(spec, variant, params_model, params_path)
+    cfg.cs_scope.used.add(("name",))  # consumed by family detection
+    funcs = config_functions(cfg.cs_scope, spec.path.name, params_path)
+    engine = RuleEngine(spec, variant, cfg.scope, funcs, params_path)
     mapping = engine.run(cs)
     if not mapping.tensors:
         raise MappingError(checkpoint.path, f"no CS model tensor matched the {spec.family} mapping "
@@ -98,6 +126,6 @@ def to_hf(checkpoint: Checkpoint, *, config=None, model: str | None = None, trai
         t = cs[key]
         warnings.append(f"CS tensor model.{key} {list(t.shape)} {t.dtype.name} matches no rule of "
                         f"{spec.path.name}; not converted")
-    return HFModel(family=spec.family, model_name=det.model_name or variant.name, hf_class=variant.hf_class,
+    return HFModel(family=spec.family, model_name=model_name, hf_class=variant.hf_class,
                    tensors=mapping.tensors, config=cfg.hf, generation_config=cfg.generation, warnings=warnings,
-                   params_path=params.path)
+                   params_path=params_path)

@@ -9,7 +9,7 @@ section stored in the checkpoint's own ``__metadata__`` entries (trainer checkpo
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -29,6 +29,7 @@ class CSParams:
     model: dict
     path: Path | None  # the YAML file; None when taken from the checkpoint's __metadata__
     origin: str  # one line for messages: "params.yaml next to the checkpoint", "checkpoint __metadata__[0]"
+    callbacks: list = field(default_factory=list)  # the trainer's init.callbacks (trainer layout; [] for legacy)
 
 
 def candidate_files(checkpoint_path: Path) -> list:
@@ -54,6 +55,27 @@ def model_section(doc, path, trainer_index: int | None = None) -> dict | None:
         return None
     if isinstance(doc.get("model"), dict):
         return doc["model"]
+    trainer = _trainer(doc, path, trainer_index)
+    if trainer is None:
+        return None
+    model = trainer.get("init", {}).get("model") if isinstance(trainer, dict) else None
+    if not isinstance(model, dict):
+        raise ConfigError(path, "params have a 'trainer' section without 'init.model'")
+    return model
+
+
+def trainer_callbacks(doc, path, trainer_index: int | None = None) -> list:
+    """The ``init.callbacks`` list of a trainer-layout params document ([] for the legacy layout)."""
+    if not isinstance(doc, dict) or isinstance(doc.get("model"), dict):
+        return []
+    trainer = _trainer(doc, path, trainer_index)
+    init = trainer.get("init") if isinstance(trainer, dict) else None
+    callbacks = init.get("callbacks") if isinstance(init, dict) else None
+    return copy.deepcopy(callbacks) if isinstance(callbacks, list) else []
+
+
+def _trainer(doc: dict, path, trainer_index: int | None):
+    """The chosen trainer of a trainer-layout document (None without a ``trainer`` key)."""
     trainer = doc.get("trainer")
     if trainer is None:
         return None
@@ -69,10 +91,7 @@ def model_section(doc, path, trainer_index: int | None = None) -> dict | None:
         trainer = entries[trainer_index]
     elif trainer_index not in (None, 0):
         raise TrainerChoiceError(path, f"--trainer-index {trainer_index} given but params hold a single trainer")
-    model = trainer.get("init", {}).get("model") if isinstance(trainer, dict) else None
-    if not isinstance(model, dict):
-        raise ConfigError(path, "params have a 'trainer' section without 'init.model'")
-    return model
+    return trainer
 
 
 def load_params_file(path: Path, trainer_index: int | None = None) -> CSParams:
@@ -86,7 +105,7 @@ def load_params_file(path: Path, trainer_index: int | None = None) -> CSParams:
     model = model_section(doc, path, trainer_index)
     if model is None:
         raise ConfigError(path, "params YAML has no 'model' section (legacy) or 'trainer.init.model' (trainer layout)")
-    return CSParams(copy.deepcopy(model), path, path.name)
+    return CSParams(copy.deepcopy(model), path, path.name, trainer_callbacks(doc, path, trainer_index))
 
 
 def node_value(node):
@@ -117,7 +136,8 @@ def metadata_params(checkpoint: Checkpoint, trainer_index: int | None = None) ->
         except ConfigError as e:
             raise type(e)(checkpoint.path, f"__metadata__[{i}].params: {e.problem}") from None
         if model is not None:
-            return CSParams(copy.deepcopy(model), None, f"checkpoint __metadata__[{i}]")
+            return CSParams(copy.deepcopy(model), None, f"checkpoint __metadata__[{i}]",
+                            trainer_callbacks(params, checkpoint.path, trainer_index))
     return None
 
 
@@ -146,4 +166,4 @@ def find_params(checkpoint: Checkpoint, explicit: Path | str | None = None,
 
 
 __all__ = ["CSParams", "TrainerChoiceError", "find_params", "load_params_file", "metadata_params",
-           "candidate_files", "model_section"]
+           "candidate_files", "model_section", "trainer_callbacks"]

@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 
 from ..errors import MappingError
+from . import lora_spec
 from .expr import ExprError, parse
 from .pattern import KeyPattern, PatternError, template_names
 
@@ -129,6 +130,7 @@ class FamilySpec:
     config: ConfigSpec
     prepare: list
     tensors: list
+    lora: "lora_spec.LoraSpec | None" = None  # LoRA folding facts (lora_spec.py); None: LoRA checkpoints not supported
 
     def variant(self, name: str | None) -> ModelVariant:
         """The model entry for CLI name ``name`` (an alias counts); the first entry when None."""
@@ -151,13 +153,14 @@ class FragmentSpec:
     path: Path
     config: ConfigSpec
     prepare: list
+    lora: "lora_spec.LoraSpec | None" = None
 
 
 # -- loading ---------------------------------------------------------------------------------------
 
 _FAMILY_KEYS = {"family", "description", "model_type", "cs_names", "include", "models", "detect", "config",
-                "prepare", "tensors"}
-_FRAGMENT_KEYS = {"fragment", "description", "config", "prepare"}
+                "prepare", "tensors", "lora"}
+_FRAGMENT_KEYS = {"fragment", "description", "config", "prepare", "lora"}
 
 
 def read_yaml(path: Path) -> dict:
@@ -176,7 +179,8 @@ def load_fragment(path: Path, data: dict | None = None) -> FragmentSpec:
     v.keys(data, _FRAGMENT_KEYS, "top level")
     name = v.string(data.get("fragment"), "fragment")
     return FragmentSpec(name, Path(path), v.config(data.get("config") or {}, set()),
-                        v.rules(data.get("prepare") or [], "prepare", set(), prepare=True))
+                        v.rules(data.get("prepare") or [], "prepare", set(), prepare=True),
+                        lora_spec.parse(data.get("lora"), v, set()))
 
 
 def load_family(path: Path, fragments: dict, data: dict | None = None) -> FamilySpec:
@@ -194,6 +198,7 @@ def load_family(path: Path, fragments: dict, data: dict | None = None) -> Family
     config = v.config(data.get("config") or {}, var_names)
     prepare = v.rules(data.get("prepare") or [], "prepare", var_names, prepare=True)
     tensors = v.rules(data.get("tensors") or [], "tensors", var_names)
+    lora = lora_spec.parse(data.get("lora"), v, var_names)
     own_rules_used = any(not m.components or any(c.self_contained for c in m.components) for m in models)
     if not tensors and own_rules_used:
         v.fail("tensors: a family needs at least one tensor rule (unless every model's components name "
@@ -207,6 +212,7 @@ def load_family(path: Path, fragments: dict, data: dict | None = None) -> Family
             v.fail(f"include: unknown fragment {name!r} (known: {sorted(fragments)})")
         config = merge_config(frag.config, config)
         prepare = frag.prepare + prepare
+        lora = lora_spec.merge(frag.lora, lora)
     cs_names = data.get("cs_names") or [family]
     if not isinstance(cs_names, list) or not all(isinstance(n, str) for n in cs_names):
         v.fail("cs_names: must be a list of strings")
@@ -214,7 +220,7 @@ def load_family(path: Path, fragments: dict, data: dict | None = None) -> Family
         family=family, path=Path(path), description=str(data.get("description") or ""),
         model_type=(v.string(data.get("model_type"), "model_type") if own_rules_used or "model_type" in data
                     else ""), cs_names=tuple(cs_names), models=models,
-        detect=v.detect(data.get("detect") or {}), config=config, prepare=prepare, tensors=tensors)
+        detect=v.detect(data.get("detect") or {}), config=config, prepare=prepare, tensors=tensors, lora=lora)
 
 
 def merge_config(base: ConfigSpec, own: ConfigSpec) -> ConfigSpec:
