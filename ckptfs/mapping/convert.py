@@ -37,6 +37,7 @@ class HFModel:
     components: list = field(default_factory=list)
     files: dict = field(default_factory=dict)  # more JSON files of this folder: {file name: content}
     description: str = ""  # one line on where this folder's model comes from (README.txt)
+    extra_safetensors: dict = field(default_factory=dict)  # more safetensors files: {file name: [(name, tensor)]}
 
     def folders(self) -> dict:
         """{sub-folder ('' = the mount root): HFModel} for every HF model directory this checkpoint gives."""

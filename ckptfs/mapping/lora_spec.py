@@ -11,11 +11,13 @@ wrap (an ``nn.Linear`` or ``nn.Embedding``), which Model Zoo classes lie on its 
         - cs: "transformer_decoder.layers.{i}.self_attn.{p:proj_(?:q|k|v|output)_dense_layer}"
           classes: [GPT2LMHeadModel, TransformerDecoder, ModuleList, TransformerDecoderLayer, "{attention}", Linear]
       tied: {modules: [embedding_layer.word_embeddings, lm_head], key: share_embedding_weights}
-      peft:                          # --lora keep: PEFT adapter tensors from the CS lora_A / lora_B
-        - {cs: "lm_head.lora_{m:A|B}", hf: "lm_head.lora_{m}.weight"}   # (rule syntax of `tensors:`)
+      peft:                          # --lora keep: the adapter as PEFT's LoRA writes it for the HF model
+        fan_in_fan_out: false        # PEFT's flag: true when the HF layers are Conv1D (weight [in, out])
+        tensors:                     # PEFT adapter tensors from the CS lora_A / lora_B (rule syntax of `tensors:`)
+          - {cs: "lm_head.lora_{m:A|B}", hf: "lm_head.lora_{m}.weight"}
 
 A fragment's section and a family's merge: the family's ``wrapper`` / ``tied`` win, its ``derive`` entries are
-added, its ``modules`` and ``peft`` rules are tried first.
+added, its ``modules`` and ``peft.tensors`` rules are tried first (its ``peft.fan_in_fan_out`` wins).
 """
 from __future__ import annotations
 
@@ -48,12 +50,20 @@ class TiedSpec:
 
 
 @dataclass(frozen=True)
+class PeftSpec:
+    """How the CS LoRA matrices become a PEFT LoRA adapter of the HF model."""
+
+    tensors: tuple = ()  # TensorRule: CS lora_A / lora_B -> adapter tensor names (without base_model.model.)
+    fan_in_fan_out: bool | None = None  # None: not said (false)
+
+
+@dataclass(frozen=True)
 class LoraSpec:
     wrapper: str | None = None
     derive: dict = field(default_factory=dict)  # name -> expression over the CS params
     modules: tuple = ()  # LoraModuleSpec, first match wins
     tied: TiedSpec | None = None
-    peft: tuple = ()  # TensorRule: CS lora_A / lora_B -> PEFT adapter tensor names (without base_model.model.)
+    peft: PeftSpec = PeftSpec()
 
 
 def merge(base: "LoraSpec | None", own: "LoraSpec | None") -> "LoraSpec | None":
@@ -61,7 +71,10 @@ def merge(base: "LoraSpec | None", own: "LoraSpec | None") -> "LoraSpec | None":
     if base is None or own is None:
         return own if base is None else base
     return LoraSpec(wrapper=own.wrapper or base.wrapper, derive={**base.derive, **own.derive},
-                    modules=own.modules + base.modules, tied=own.tied or base.tied, peft=own.peft + base.peft)
+                    modules=own.modules + base.modules, tied=own.tied or base.tied,
+                    peft=PeftSpec(own.peft.tensors + base.peft.tensors,
+                                  base.peft.fan_in_fan_out if own.peft.fan_in_fan_out is None
+                                  else own.peft.fan_in_fan_out))
 
 
 def parse(data, v, var_names: set) -> LoraSpec | None:
@@ -86,8 +99,13 @@ def parse(data, v, var_names: set) -> LoraSpec | None:
         if not isinstance(mods, list) or len(mods) != 2 or not all(isinstance(m, str) and m for m in mods):
             v.fail("lora.tied.modules: give the two CS module paths that share a weight")
         tied = TiedSpec(tuple(mods), v.string(t.get("key"), "lora.tied.key"))
-    peft = tuple(v.rules(data.get("peft") or [], "lora.peft", var_names))
-    return LoraSpec(wrapper, derive, modules, tied, peft)
+    peft = data.get("peft") or {}
+    v.keys(peft, {"fan_in_fan_out", "tensors"}, "lora.peft")
+    fan = peft.get("fan_in_fan_out")
+    if fan is not None and not isinstance(fan, bool):
+        v.fail(f"lora.peft.fan_in_fan_out: expected true or false, got {fan!r}")
+    rules = tuple(v.rules(peft.get("tensors") or [], "lora.peft.tensors", var_names))
+    return LoraSpec(wrapper, derive, modules, tied, PeftSpec(rules, fan))
 
 
 def _module(item, where, v, derived: set) -> LoraModuleSpec:
