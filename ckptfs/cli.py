@@ -8,7 +8,7 @@ import sys
 
 from .errors import CkptfsError
 
-COMMANDS = ["info", "ls", "models", "mount", "umount", "export"]
+COMMANDS = ["info", "ls", "models", "mount", "umount", "export", "convert_config"]
 
 
 def build_parser() -> argparse.ArgumentParser:

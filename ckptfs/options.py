@@ -97,10 +97,18 @@ def choice(*values: str) -> Kind:
     return Kind(parse, metavar="{" + ",".join(values) + "}")
 
 
+def _directory(text: str) -> Path:
+    p = Path(text)
+    if not p.is_dir():
+        raise ValueError(f"not a directory: {text!r}")
+    return p
+
+
 TEXT = Kind(str)
 INT = Kind(_int, metavar="N")
 SIZE = Kind(parse_size, show=format_size, metavar="SIZE")
 PATH = Kind(Path, text=_abspath, metavar="PATH", path=True)
+DIRECTORY = Kind(_directory, text=_abspath, metavar="DIR", path=True)
 FLAG = Kind(bool, flag=True)
 VIEWS = Kind(parse_views, text=",".join, show=",".join, metavar="VIEWS")
 
@@ -171,6 +179,14 @@ class MountOptions:
     views: tuple = option(None, "--views", VIEWS, factory=_all_views, help="comma-separated views to generate")
     max_shard_size: int = option(5 * 10**9, "--max-shard-size", SIZE, content=True,
                                  help="largest HF weight shard, e.g. 5GB, 500MB, 2GiB")
+    hf_format: str = option("both", "--hf-format", choice("safetensors", "bin", "both"), content=True,
+                            help="HF weight files: safetensors (model*.safetensors), bin (pytorch_model*.bin) or both "
+                                 "(safetensors in each HF folder, the .bin files in its complete HF folder bin/)")
+    overlay: tuple = option((), "--overlay", DIRECTORY, repeat=True, content=True,
+                            help="a directory whose files appear in the HF view (tokenizer, chat template, "
+                                 "generation_config.json, model card…), replacing generated files of the same name "
+                                 "(repeatable; a later one wins); without it, tokenizer files next to the checkpoint "
+                                 "or its params are used")
     zip_crc: str = option("exact", "--zip-crc", choice("exact", "zero"), content=True,
                           help="CRC-32 of torch zip records: exact (computed) or zero (faster; torch does not check)")
     cache_size: int = option(DEFAULT_CACHE_BYTES, "--cache-size", SIZE,

@@ -37,7 +37,9 @@ def ckptfs(*args, check=True) -> subprocess.CompletedProcess:
 
 
 def weight_files(mnt: Path) -> list:
-    return sorted(p.name for p in mnt.iterdir() if p.suffix in (".safetensors", ".bin"))
+    """Weight files relative to the mount: safetensors at the root, the .bin format in its HF folder bin/."""
+    return sorted(str(p.relative_to(mnt)) for d in (mnt, mnt / "bin") for p in d.iterdir()
+                  if p.suffix in (".safetensors", ".bin"))
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -51,8 +53,9 @@ def test_from_pretrained_through_the_mount_equals_the_original(case):
         want_logits = ref(ids).logits
     want_sd = ref.state_dict()
     with mounted(FIXTURES / case / "cs" / "checkpoint.mdl", env=real_env()) as mnt:
-        for use_safetensors in (None, False):
-            model = AutoModelForCausalLM.from_pretrained(str(mnt), use_safetensors=use_safetensors).eval()
+        for use_safetensors in (None, False):  # the .bin files are a complete HF folder of their own: bin/
+            folder = mnt if use_safetensors is None else mnt / "bin"
+            model = AutoModelForCausalLM.from_pretrained(str(folder), use_safetensors=use_safetensors).eval()
             sd = model.state_dict()
             assert sd.keys() == want_sd.keys()
             for k, v in want_sd.items():
@@ -71,13 +74,14 @@ def test_cp_of_every_weight_file_loads_and_equals_export(case, tmp_path):
     with mounted(ckpt, "--max-shard-size", "40KB", env=real_env()) as mnt:
         names = weight_files(mnt)
         assert any(n.startswith("model-00001-of-") for n in names), names  # really sharded
-        assert any(n.startswith("pytorch_model-00001-of-") for n in names), names
-        names += ["model.safetensors.index.json", "pytorch_model.bin.index.json", "config.json"]
+        assert any(n.startswith("bin/pytorch_model-00001-of-") for n in names), names
+        names += ["model.safetensors.index.json", "bin/pytorch_model.bin.index.json", "config.json"]
+        (tmp_path / "bin").mkdir()
         for n in names:
             subprocess.run(["cp", str(mnt / n), str(tmp_path / n)], check=True, timeout=120)
     tensors = {}
     for n in names:
-        exported = tmp_path / f"export-{n}"
+        exported = tmp_path / f"export-{n.replace('/', '_')}"
         ckptfs("export", ckpt, n, exported, "--max-shard-size", "40KB")
         assert exported.read_bytes() == (tmp_path / n).read_bytes(), n
         if n.endswith(".safetensors"):
@@ -93,7 +97,7 @@ def test_cp_of_every_weight_file_loads_and_equals_export(case, tmp_path):
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     for k, shard in index["weight_map"].items():
         assert torch.equal(tensors[k], tensors[f"bin:{k}"]), k
-    bin_index = json.loads((tmp_path / "pytorch_model.bin.index.json").read_text())
+    bin_index = json.loads((tmp_path / "bin" / "pytorch_model.bin.index.json").read_text())
     assert bin_index["weight_map"].keys() == index["weight_map"].keys()
     # the converter's own output, as recorded by the fixture (sha256 of every tensor's raw bytes)
     import hashlib

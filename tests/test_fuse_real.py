@@ -53,7 +53,7 @@ def test_loaders_read_the_mount(mnt, tree):
         assert sorted(f.keys()) == sorted(want)
         for k in f.keys():
             assert torch.equal(f.get_tensor(k), want[k]), k
-    binf = mnt / "pytorch_model.bin"
+    binf = mnt / "bin" / "pytorch_model.bin"  # --hf-format both: the .bin format's own HF folder
     if binf.exists():
         sd = torch.load(binf, mmap=True, weights_only=True, map_location="cpu")
         assert sorted(sd) == sorted(want) and all(torch.equal(sd[k], want[k]) for k in want)

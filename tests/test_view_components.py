@@ -14,7 +14,9 @@ from safetensors.torch import load_file
 import ckptfs
 
 FIXTURES = Path(__file__).parent / "fixtures"
-WEIGHTS = {"model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"}
+# one shard each (no index, as save_pretrained writes it); the .bin format in the folder's complete HF folder bin/
+WEIGHTS = {"model.safetensors", "bin"}
+BIN_FOLDER = {"config.json", "pytorch_model.bin"}
 
 # case, --model, {sub-folder: HF class}, whether the root is a model itself
 CASES = [
@@ -55,8 +57,8 @@ def test_each_component_is_a_complete_model_folder(case, model, folders, root_mo
             assert {"config.json"} | WEIGHTS <= names, folder
             config = json.loads(tree.read(f"{folder}/config.json", 0, 1 << 20))
             assert config["architectures"] == [hf_class]
-            index = json.loads(tree.read(f"{folder}/model.safetensors.index.json", 0, 1 << 20))
-            assert set(index["weight_map"].values()) == {"model.safetensors"}
+            assert not any(n.endswith(".index.json") for n in names), folder
+            assert BIN_FOLDER <= set(tree.listdir(f"{folder}/bin")), folder
             assert f"hf: {folder}/ holds {hf_class}" in readme, f"README.txt does not say what {folder}/ is"
     finally:
         tree.close()
@@ -74,7 +76,7 @@ def test_single_component_tree_is_unchanged():
     try:
         assert set(tree.listdir("")) == {"README.txt", "config.json", "cs", "torch", "tensors"} | WEIGHTS | generation
         dirs = {n for n in tree.listdir("") if stat.S_ISDIR(tree.attr(n).mode)}
-        assert dirs == {"cs", "torch", "tensors"}
+        assert dirs == {"cs", "torch", "tensors", "bin"}
         assert " holds " not in tree.read("README.txt", 0, 1 << 20).decode()
     finally:
         tree.close()

@@ -1,15 +1,16 @@
-"""``ckptfs export CKPT VIRTUAL_PATH DEST``: write one file of the mount without FUSE.
+"""``ckptfs export CKPT VIRTUAL_PATH DEST``: write one file of the mount without FUSE;
+``ckptfs export CKPT OUTDIR``: write the whole mount (or the ``--views`` chosen) as real files (``export_tree``).
 
 The bytes come from the same ``VirtualTree`` the mount serves (same view options), streamed in 8 MiB blocks.
 DEST ``-`` is stdout; an existing directory receives the file under its own name. A file is written to
-``DEST.tmp`` and renamed at the end, so a failed export leaves no partial DEST behind.
+``DEST.tmp`` and renamed at the end, so a failed export leaves no partial DEST behind. A progress bar (tqdm or
+rich, ``ckptfs.progress``) is shown when stderr is a terminal.
 """
 from __future__ import annotations
 
 import difflib
 import os
 import sys
-import time
 from pathlib import Path
 
 from ..errors import CkptfsError, UsageError
@@ -21,12 +22,19 @@ BLOCK = 8 << 20
 
 def add_parser(subparsers):
     p = subparsers.add_parser(
-        "export", help="write one file of the mount (same bytes) without mounting",
-        description="Write VIRTUAL_PATH (a path inside the mount, e.g. model.safetensors or torch/checkpoint.pt) to DEST ('-' for "
-                    "stdout) without FUSE, with exactly the bytes the mount serves.")
+        "export", help="write the mount (or one file of it) as real files, same bytes, without mounting",
+        usage="%(prog)s [options] CKPT OUTDIR  |  %(prog)s [options] CKPT VIRTUAL_PATH DEST",
+        description="With OUTDIR alone: write every file of the mount (the --views chosen) under OUTDIR, as "
+                    "`cp -r MOUNT/. OUTDIR` would, decoding in parallel; a re-run keeps the files a previous run "
+                    "finished. With VIRTUAL_PATH DEST: write that one file of the mount (e.g. model.safetensors or "
+                    "torch/checkpoint.pt) to DEST ('-' for stdout). Either way without FUSE, with exactly the bytes "
+                    "the mount serves.")
     p.add_argument("ckpt", metavar="CKPT", help="checkpoint .mdl file or model_dir")
-    p.add_argument("virtual_path", metavar="VIRTUAL_PATH", help="path inside the mount (see README.txt)")
-    p.add_argument("dest", metavar="DEST", help="output file, existing directory, or - for stdout")
+    p.add_argument("virtual_path", metavar="OUTDIR|VIRTUAL_PATH",
+                   help="output directory for the whole tree, or a path inside the mount (see README.txt)")
+    p.add_argument("dest", metavar="DEST", nargs="?", help="output file, existing directory, or - for stdout")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="blocks decoded at once for a whole-tree export (default: the CPU count, at most 8)")
     mount_options.add_arguments(p)
     return p
 
@@ -47,27 +55,6 @@ def resolve_file(tree: VirtualTree, vpath: str):
     return e
 
 
-class _Progress:
-    """A one-line progress bar on stderr (only used when stderr is a terminal)."""
-
-    def __init__(self, name: str, total: int):
-        self.name, self.total, self.t0, self.last = name, total, time.monotonic(), 0.0
-
-    def update(self, done: int, final: bool = False) -> None:
-        now = time.monotonic()
-        if not final and now - self.last < 0.2:
-            return
-        self.last = now
-        pct = 100 * done / self.total if self.total else 100.0
-        rate = done / max(now - self.t0, 1e-6) / 1e6
-        bar = "#" * int(pct / 5)
-        sys.stderr.write(f"\r{self.name}: [{bar:<20}] {pct:5.1f}% {done / 1e6:,.1f}/{self.total / 1e6:,.1f} MB "
-                         f"{rate:,.0f} MB/s")
-        if final:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-
 def _read_failed(path: str, off: int, err: Exception) -> CkptfsError:
     if isinstance(err, CkptfsError):
         return err
@@ -83,14 +70,16 @@ def _copy(tree: VirtualTree, e, out, bar, block: int) -> None:
             raise _read_failed(e.path, off, err) from err
         out.write(data)
         if bar:
-            bar.update(off + len(data))
+            bar.update(len(data))
 
 
 def export_file(tree: VirtualTree, vpath: str, dest, *, progress: bool = False, block: int = BLOCK) -> int:
     """Write the virtual file ``vpath`` to ``dest`` (a path, an existing directory, or ``"-"``); returns its size.
     A file destination is written as ``DEST.tmp`` and renamed, so a failed export leaves nothing behind."""
+    from ..progress import progress_bar
+
     e = resolve_file(tree, vpath)
-    bar = _Progress(e.name, e.size) if progress else None
+    bar = progress_bar(e.size, e.name) if progress else None
     if str(dest) == "-":
         _copy(tree, e, sys.stdout.buffer, bar, block)
         sys.stdout.buffer.flush()
@@ -114,7 +103,7 @@ def export_file(tree: VirtualTree, vpath: str, dest, *, progress: bool = False, 
                 except OSError:
                     pass
     if bar:
-        bar.update(e.size, final=True)
+        bar.close()
     return e.size
 
 
@@ -126,7 +115,27 @@ def run(args) -> int:
     set_default_cache_size(options.cache_size)
     tree = build_tree(args.ckpt, options)
     try:
-        export_file(tree, args.virtual_path, args.dest, progress=sys.stderr.isatty())
+        _export(tree, args)
     finally:
         tree.close()
     return 0
+
+
+def _export(tree: VirtualTree, args) -> None:
+    """One file (VIRTUAL_PATH DEST) or the whole tree (OUTDIR)."""
+    progress = sys.stderr.isatty()
+    if args.dest is not None:
+        export_file(tree, args.virtual_path, args.dest, progress=progress)
+        return
+    from .export_tree import export_tree
+
+    out = Path(args.virtual_path)
+    if out.exists() and not out.is_dir():
+        raise UsageError(out, "exists and is not a directory: give OUTDIR for the whole tree, or VIRTUAL_PATH DEST "
+                              "for one file")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError("--threads", f"must be at least 1, not {args.threads}")
+    report = export_tree(tree, out, threads=args.threads, progress=progress)
+    if progress:
+        kept = f", {report.kept} kept from an earlier run" if report.kept else ""
+        print(f"{out}: {report.files} files written ({report.bytes:,} bytes){kept}", file=sys.stderr)

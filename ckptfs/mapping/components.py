@@ -133,9 +133,11 @@ def component_params(comp: ComponentSpec, whole: dict, params, spec_path) -> dic
     return section
 
 
-def build_component(comp: ComponentSpec, top: FamilySpec, variant: ModelVariant, cs: dict, params,
-                    registry: Registry) -> Built:
-    """Convert one component: its config, its tensors, its extra files."""
+def component_config(comp: ComponentSpec, top: FamilySpec, variant: ModelVariant, params, registry: Registry,
+                     problems: list | None = None) -> tuple:
+    """(family spec, variant, base variant, ConfigResult) of one component without its tensors: the family whose
+    rules map it (with the component's own config and rules merged in) and its converted config (``problems``:
+    see ``convert_config``)."""
     section = component_params(comp, params.model, params, top.path)
     base, base_variant = resolve_model(comp, top, variant, section, registry, params)
     spec = dataclasses.replace(
@@ -144,8 +146,22 @@ def build_component(comp: ComponentSpec, top: FamilySpec, variant: ModelVariant,
         tensors=list(comp.tensors) + list(base.tensors))
     sub = dataclasses.replace(base_variant, hf_class=comp.hf_class or base_variant.hf_class,
                               vars={**base_variant.vars, **comp.vars}, components=())
+    return spec, sub, base_variant, convert_config(spec, sub, section, params.path, problems)
 
-    cfg = convert_config(spec, sub, section, params.path)
+
+def params_used(comp: ComponentSpec, cfg) -> set:
+    """The params paths (from the model: section) a component's config conversion read."""
+    binds = dict(comp.params_bind)
+    used = {binds[p[0]] + p[1:] if p[0] in binds else comp.params + p for p in cfg.cs_scope.used}
+    if comp.model_from is not None:
+        used.add(comp.params + (comp.model_from,))
+    return used
+
+
+def build_component(comp: ComponentSpec, top: FamilySpec, variant: ModelVariant, cs: dict, params,
+                    registry: Registry) -> Built:
+    """Convert one component: its config, its tensors, its extra files."""
+    spec, sub, base_variant, cfg = component_config(comp, top, variant, params, registry)
     funcs = config_functions(cfg.cs_scope, spec.path.name, params.path)
     files = {}
     for fname, text in comp.files:
@@ -173,10 +189,7 @@ def build_component(comp: ComponentSpec, top: FamilySpec, variant: ModelVariant,
         t = local[key]
         warnings.append(f"CS tensor model.{names[key]} {list(t.shape)} {t.dtype.name} matches no rule of "
                         f"{spec.path.name} for the {comp.folder or 'root'} folder; not converted")
-    binds = dict(comp.params_bind)
-    used = {binds[p[0]] + p[1:] if p[0] in binds else comp.params + p for p in cfg.cs_scope.used}
-    if comp.model_from is not None:
-        used.add(comp.params + (comp.model_from,))
+    used = params_used(comp, cfg)
     section_text = f"params model.{dotted(comp.params)}" if comp.params else "the params model: section"
     model = HFModel(family=top.family, model_name=base_variant.name, hf_class=sub.hf_class,
                     tensors=mapping.tensors, config=config, generation_config=cfg.generation,

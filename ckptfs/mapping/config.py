@@ -130,8 +130,13 @@ def evaluate_config_expr(text: str, scope: Scope, functions: dict, params_path, 
         raise ConfigError(params_path, f"cannot compute {where}: {e}") from None
 
 
-def convert_config(spec: FamilySpec, variant: ModelVariant, cs_model: dict, params_path: Path | None) -> ConfigResult:
-    """Translate ``cs_model`` (the params ``model:`` dict) for ``variant`` of ``spec``."""
+def convert_config(spec: FamilySpec, variant: ModelVariant, cs_model: dict, params_path: Path | None,
+                   problems: list | None = None) -> ConfigResult:
+    """Translate ``cs_model`` (the params ``model:`` dict) for ``variant`` of ``spec``.
+
+    The first setting HF cannot express raises ``ConfigError``; with a ``problems`` list, every such obstacle is
+    appended to it instead (one message each, naming the key and its value) and the result holds what could be
+    converted (``ckptfs convert-config`` reports them all at once)."""
     cfg = spec.config
     cs = copy.deepcopy(cs_model)
     defaulted = [k for k in cfg.defaults if k not in cs]
@@ -141,24 +146,48 @@ def convert_config(spec: FamilySpec, variant: ModelVariant, cs_model: dict, para
     scope = cs_scope.child({"headless": variant.headless, **variant.vars})
     funcs = config_functions(cs_scope, spec.path.name, params_path)
     warnings: list = []
+    failed: list = []  # derived names that could not be computed (collecting mode)
 
     def ev(text, where):
         return evaluate_config_expr(text, scope, funcs, params_path, spec.path, f"{spec.path.name}: {where}")
 
+    def obstacle(e: ConfigError) -> None:
+        if problems is None:
+            raise e
+        if any(f"params lack model.{n}," in e.problem for n in failed):
+            return  # follows from a derived value already reported
+        if e.problem not in problems:
+            problems.append(e.problem)
+
+    def attempt(text, where, default=OMIT):
+        try:
+            return ev(text, where)
+        except ConfigError as e:
+            obstacle(e)
+            return default
+
     for name, text in cfg.derive.items():
-        scope.values[name] = ev(text, f"config.derive.{name}")
+        try:
+            scope.values[name] = ev(text, f"config.derive.{name}")
+        except ConfigError as e:
+            obstacle(e)
+            failed.append(name)
 
     for g in cfg.guards:
-        problem = _check_guard(g, cs_scope, scope, variant, ev)
+        try:
+            problem = _check_guard(g, cs_scope, scope, variant, ev)
+        except ConfigError as e:
+            obstacle(e)
+            continue
         if problem:
             if g.warn:
                 warnings.append(problem)
             else:
-                raise ConfigError(params_path, problem)
+                obstacle(ConfigError(params_path, problem))
 
     hf: dict = {}
     for key, text in cfg.hf.items():
-        value = ev(text, f"config.hf.{key}")
+        value = attempt(text, f"config.hf.{key}")
         if value is not OMIT:
             hf[key] = value
     hf["model_type"] = spec.model_type
@@ -166,7 +195,7 @@ def convert_config(spec: FamilySpec, variant: ModelVariant, cs_model: dict, para
 
     gen = {}
     for key, text in cfg.generation.items():
-        value = ev(text, f"config.generation.{key}")
+        value = attempt(text, f"config.generation.{key}")
         if value is not OMIT:
             gen[key] = value
     generates = fill_token_ids(hf, gen, cfg.generation, spec.model_type, variant)

@@ -1,5 +1,6 @@
 """The Hugging Face view: config.json, generation_config.json, safetensors and pytorch_model.bin weights with
-their index files, all computed from the mapping core's virtual tensors (nothing read until a byte is asked for)."""
+their index files, all computed from the mapping core's virtual tensors (nothing read until a byte is asked for);
+``hf_dir.arrange`` then lays them out for loaders (--hf-format, --overlay / tokenizer files, token ids)."""
 from __future__ import annotations
 
 import json
@@ -93,4 +94,8 @@ def build(ctx) -> ViewResult:
     notes += [f"hf: {folder or '(root)'}/ holds {model.description}" for folder, model in hf.folders().items()
               if hf.components]
     notes += [f"hf: {w}" for w in hf.warnings]
+    from .hf_dir import arrange  # weight formats (--hf-format), overlay / tokenizer files, token ids
+
+    files, more = arrange(files, hf, ctx)
+    notes += [f"hf: {n}" for n in more]
     return ViewResult(files=files, notes=notes)

@@ -1,0 +1,95 @@
+"""``ckptfs convert-config PARAMS.yaml``: the Hugging Face config.json a checkpoint trained with these params would
+get — before training, to learn whether the model can be converted at all.
+
+On success the config is printed (or written with ``-o``) exactly as the hf view's config.json, and the params keys
+that have no HF counterpart are listed on stderr. When HF cannot express the params, every obstacle is printed as
+one ``error:`` line naming the key and its value, then the dropped keys, and the exit code is 2.
+
+config.json's ``torch_dtype``/``dtype`` come from the weights in a real conversion; here ``--dtype`` gives them
+(default float32, what Cerebras checkpoints hold unless the model was built in another dtype).
+
+A multi-component model (DPO, DPR, LLaVA…) has one config per HF folder: stdout then shows ``{folder: config}``
+(``""`` = the root); ``--folder NAME`` prints one of them alone, ``-o DIR`` writes ``DIR/<folder>/config.json``.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from .. import options as mount_options
+from ..errors import UsageError
+
+
+def add_parser(subparsers):
+    from ..mapping.params_config import DTYPES
+
+    p = subparsers.add_parser(
+        "convert-config", help="the HF config.json a checkpoint trained with PARAMS.yaml would get (or why none)",
+        description="Print the Hugging Face config.json that a checkpoint trained with these Cerebras params would "
+                    "be converted with, and the params keys HF has no counterpart for; or, when HF cannot express "
+                    "the params, one error per obstacle (exit code 2).")
+    p.add_argument("params", metavar="PARAMS.yaml", help="Cerebras params YAML (legacy model: or trainer layout)")
+    mount_options.add_arguments(p, only=("model", "trainer_index"))  # --model NAME, --trainer-index N
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="the weights' dtype for torch_dtype/dtype (comes from the tensors in a real conversion; "
+                        "default: float32)")
+    p.add_argument("-o", "--output", metavar="PATH",
+                   help="write config.json here (a file, or an existing directory; for a multi-component model a "
+                        "directory that receives <folder>/config.json) instead of printing it")
+    p.add_argument("--folder", metavar="NAME", help="for a multi-component model: only this HF folder's config")
+    return p
+
+
+def config_text(config: dict) -> str:
+    """A config as the hf view writes config.json."""
+    return json.dumps(config, indent=2, sort_keys=True) + "\n"
+
+
+def _report(lines: list, head: str) -> None:
+    if lines:
+        print(head, file=sys.stderr)
+        for line in lines:
+            print(f"  {line}", file=sys.stderr)
+
+
+def run(args) -> int:
+    from ..mapping.params_config import params_to_hf_configs
+
+    params = Path(args.params)
+    result = params_to_hf_configs(params, model=args.model, trainer_index=args.trainer_index, dtype=args.dtype)
+    if not result.ok:
+        for problem in result.problems:
+            print(f"ckptfs: error: {params}: {problem}", file=sys.stderr)
+        _report(result.dropped, "params keys that would be dropped (no HF counterpart):")
+        return 2
+    configs = result.configs
+    if args.folder is not None:
+        if args.folder not in configs:
+            raise UsageError("--folder", f"no HF folder {args.folder!r} in {result.model_name} "
+                                         f"(folders: {', '.join(repr(f) for f in configs)})")
+        configs = {args.folder: configs[args.folder]}
+    _write(configs, args.output)
+    _report(result.dropped, "params keys that would be dropped (no HF counterpart):")
+    _report(result.notes, "notes:")
+    return 0
+
+
+def _write(configs: dict, output) -> None:
+    single = len(configs) == 1
+    if output is None:
+        text = config_text(next(iter(configs.values()))) if single else config_text(configs)
+        sys.stdout.write(text)
+        return
+    out = Path(output)
+    try:
+        if single:
+            target = out / "config.json" if out.is_dir() else out
+            target.write_text(config_text(next(iter(configs.values()))))
+            return
+        for folder, config in configs.items():
+            target = out / folder / "config.json" if folder else out / "config.json"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(config_text(config))
+    except OSError as e:
+        raise UsageError(e.filename or out, f"cannot write: {e.strerror or e}") from e

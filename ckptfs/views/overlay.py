@@ -1,0 +1,262 @@
+"""Real files laid over the Hugging Face view: ``--overlay DIR`` (tokenizer, chat template, generation_config.json,
+model card…), and, without it, the tokenizer files found next to the checkpoint or its params.
+
+An overlay directory's files appear at the same relative paths in the HF view (``DIR/tokenizer.json`` at the mount
+root, ``DIR/text_model/tokenizer.json`` in ``text_model/``). They are read from disk when a byte is asked for, with
+these guarantees:
+
+* confinement: only regular files are served; hidden entries (``.git``…) are left out; a symbolic link inside DIR
+  is followed only when it leads to a regular file inside DIR (DIR itself may be a link: the user named it) — or,
+  when DIR is a Hugging Face cache snapshot (``…/snapshots/<revision>``, whose files all link to ``../../blobs``),
+  into that repository's ``blobs`` folder. Anything else is left out with a note in README.txt;
+* stable bytes: each file's identity (device, inode, size, mtime, ctime) is taken when the view is built; a read
+  checks it before and after reading, so a file changed since then fails with an error (EIO through FUSE) instead
+  of giving bytes mixed from two versions. Remount to serve the new content.
+"""
+from __future__ import annotations
+
+import os
+import stat as stat_mod
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from ..errors import CkptfsError
+
+#: file names of a Hugging Face tokenizer (and chat template) that are picked up without --overlay
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json", "merges.txt", "vocab.txt",
+    "chat_template.jinja", "chat_template.json",
+)
+
+#: params YAML keys (at any depth) whose value may be a local tokenizer directory or file
+TOKENIZER_PARAM_KEYS = ("tokenizer_path", "tokenizer_file", "tokenizer_dir", "tokenizer", "huggingface_tokenizer",
+                        "pretrained_model_name_or_path", "vocab_file", "encoder_file")
+
+
+class OverlayError(CkptfsError):
+    """An overlay file cannot be served (gone, changed since the mount, unreadable) or an overlay is unusable."""
+
+
+@dataclass(frozen=True)
+class Stamp:
+    """What identifies one version of a file."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> "Stamp":
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+class OverlayFile:
+    """A regular file on disk served as a virtual file: exactly the version seen when the view was built."""
+
+    def __init__(self, path: Path, stamp: Stamp, origin: str):
+        self.path = Path(path)  # the resolved file (no symbolic link left)
+        self.stamp = stamp
+        self.size = stamp.size
+        self.origin = origin  # where it came from, for README.txt
+
+    def _check(self, st: os.stat_result) -> None:
+        if Stamp.of(st) != self.stamp:
+            raise OverlayError(self.path, "changed since the mount was made; remount to serve the new content")
+
+    def read(self, offset: int, n: int) -> bytes:
+        want = max(0, min(n, self.size - offset))
+        try:
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            raise OverlayError(self.path, f"cannot open: {e.strerror or e}") from e
+        try:
+            self._check(os.fstat(fd))
+            parts = []
+            got = 0
+            while got < want:
+                chunk = os.pread(fd, want - got, offset + got)
+                if not chunk:
+                    break
+                parts.append(chunk)
+                got += len(chunk)
+            self._check(os.fstat(fd))
+        except OSError as e:
+            raise OverlayError(self.path, f"cannot read: {e.strerror or e}") from e
+        finally:
+            os.close(fd)
+        data = b"".join(parts)
+        if len(data) != want:
+            raise OverlayError(self.path, "changed since the mount was made; remount to serve the new content")
+        return data
+
+    def read_all(self) -> bytes:
+        return self.read(0, self.size)
+
+
+@dataclass
+class Overlay:
+    """Files to lay over the HF view: {relative path: OverlayFile}, and README.txt lines about them."""
+
+    files: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+
+    def folder(self, folder: str) -> dict:
+        """{file name: OverlayFile} directly inside ``folder`` ('' = the HF root)."""
+        prefix = f"{folder}/" if folder else ""
+        return {rel[len(prefix):]: f for rel, f in self.files.items()
+                if rel.startswith(prefix) and "/" not in rel[len(prefix):]}
+
+
+def _inside(path: str, roots: list) -> bool:
+    return any(os.path.commonpath([path, r]) == r for r in roots)
+
+
+def _allowed_roots(real_root: str) -> list:
+    """Where links inside ``real_root`` may lead: itself, and a Hugging Face cache snapshot's ``blobs`` folder."""
+    roots = [real_root]
+    parent = os.path.dirname(real_root)
+    if os.path.basename(parent) == "snapshots":
+        blobs = os.path.join(os.path.dirname(parent), "blobs")
+        if os.path.isdir(blobs):
+            roots.append(os.path.realpath(blobs))
+    return roots
+
+
+def regular_file(path: str, roots: list) -> tuple:
+    """(resolved path, stat) of ``path`` when it is a regular file, or a link to one within ``roots``;
+    (None, reason) otherwise."""
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        return None, f"cannot be read ({e.strerror or e})"
+    if stat_mod.S_ISLNK(st.st_mode):
+        target = os.path.realpath(path)
+        if not _inside(target, roots):
+            return None, f"is a symbolic link leading outside the overlay ({target})"
+        try:
+            st = os.stat(target)
+        except OSError as e:
+            return None, f"is a broken symbolic link ({e.strerror or e})"
+        path = target
+    if not stat_mod.S_ISREG(st.st_mode):
+        return None, "is not a regular file"
+    return path, st
+
+
+def scan_dir(root: Path, *, only: tuple | None = None, recursive: bool = True) -> tuple:
+    """({relative path: OverlayFile}, [problems]) of the regular files under ``root`` (see the module docstring);
+    ``only`` keeps just these file names (tokenizer discovery)."""
+    real_root = os.path.realpath(root)
+    roots = _allowed_roots(real_root)
+    files: dict = {}
+    problems: list = []
+    for dirpath, dirnames, filenames in os.walk(real_root, followlinks=False):
+        rel_dir = os.path.relpath(dirpath, real_root)
+        rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
+        keep = []
+        for d in sorted(dirnames):
+            if d.startswith("."):
+                continue
+            if os.path.islink(os.path.join(dirpath, d)):
+                problems.append(f"{rel_dir}{d}/ is a symbolic link to a directory; not followed")
+                continue
+            keep.append(d)
+        dirnames[:] = keep if recursive else []
+        for name in sorted(filenames):
+            if name.startswith(".") or (only is not None and name not in only):
+                continue
+            path, st = regular_file(os.path.join(dirpath, name), roots)
+            if path is None:
+                problems.append(f"{rel_dir}{name} {st}; left out")
+                continue
+            files[rel_dir + name] = OverlayFile(Path(path), Stamp.of(st), f"{root}/{rel_dir}{name}")
+    return files, problems
+
+
+def collect_overlays(dirs) -> Overlay:
+    """The files of every ``--overlay`` directory, a later one replacing an earlier one's file of the same path."""
+    overlay = Overlay()
+    for d in dirs:
+        root = Path(d)
+        if not root.is_dir():
+            raise OverlayError(root, "--overlay: not a directory")
+        files, problems = scan_dir(root)
+        replaced = sorted(set(files) & set(overlay.files))
+        overlay.files.update(files)
+        overlay.notes.append(f"overlay {root}: {len(files)} file{'' if len(files) == 1 else 's'}"
+                             + (f" ({', '.join(sorted(files)[:8])}{', …' if len(files) > 8 else ''})" if files else ""))
+        if replaced:
+            overlay.notes.append(f"overlay {root} replaces the earlier overlay's {', '.join(replaced)}")
+        overlay.notes += [f"overlay {root}: {p}" for p in problems]
+    return overlay
+
+
+# ---- tokenizer discovery (no --overlay) --------------------------------------------------------------------
+
+
+def _named_in_params(doc, found: list, path: tuple = ()) -> None:
+    """(dotted key, value) of every TOKENIZER_PARAM_KEYS string in a params document, in document order."""
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            if isinstance(v, str) and k in TOKENIZER_PARAM_KEYS:
+                found.append((".".join(map(str, path + (k,))), v))
+            else:
+                _named_in_params(v, found, path + (k,))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            _named_in_params(v, found, path + (i,))
+
+
+def params_tokenizer_paths(params_path: Path | None) -> tuple:
+    """([(origin, local path)], [hints]) for the tokenizer locations a params YAML names: an existing directory,
+    or an existing tokenizer file; a Hub name (``org/name``) that is not a local path becomes a hint."""
+    if params_path is None:
+        return [], []
+    try:
+        doc = yaml.safe_load(Path(params_path).read_text())
+    except (OSError, yaml.YAMLError):
+        return [], []
+    named: list = []
+    _named_in_params(doc, named)
+    out, hints = [], []
+    for key, value in named:
+        p = Path(os.path.expandvars(os.path.expanduser(value)))
+        if not p.is_absolute():
+            p = Path(params_path).parent / p
+        if p.is_dir() or (p.is_file() and p.name in TOKENIZER_FILES):
+            out.append((f"{p} (params {key})", p))
+        elif not p.exists() and value.count("/") == 1 and not value.startswith((".", "/", "$", "~")):
+            hints.append(f"params {key} names the Hugging Face tokenizer {value!r}: download it (e.g. "
+                         f"`huggingface-cli download {value} --include 'tokenizer*' 'special_tokens_map.json'`) and "
+                         f"mount with --overlay DIR")
+    return out, hints
+
+
+def discover_tokenizer(ckpt_path: Path, params_path: Path | None) -> tuple:
+    """({file name: OverlayFile}, where, hints): the tokenizer files of the first place that has any — a location
+    the params YAML names, the checkpoint's folder (the model_dir), its ``tokenizer/`` folder, then the params
+    file's folder and its ``tokenizer/`` folder. ``where`` is None when none has any."""
+    named, hints = params_tokenizer_paths(params_path)
+    places = list(named)
+    here = Path(ckpt_path).parent
+    places += [(f"{here} (the checkpoint's folder)", here), (f"{here / 'tokenizer'}", here / "tokenizer")]
+    if params_path is not None and Path(params_path).parent.resolve() != here.resolve():
+        there = Path(params_path).parent
+        places += [(f"{there} (the params file's folder)", there), (f"{there / 'tokenizer'}", there / "tokenizer")]
+    for where, p in places:
+        if p.is_file():
+            path, st = regular_file(str(p), [os.path.realpath(p)])  # the params named this file: follow it
+            if path is not None:
+                return {p.name: OverlayFile(Path(path), Stamp.of(st), str(p))}, where, hints
+            continue
+        if not p.is_dir():
+            continue
+        files, _ = scan_dir(p, only=TOKENIZER_FILES, recursive=False)
+        if files:
+            return files, where, hints
+    return {}, None, hints

@@ -1,0 +1,113 @@
+"""Special token ids (``bos_token_id``, ``eos_token_id``, ``pad_token_id``) as a tokenizer folder states them.
+
+Read from, per id, the first file that gives it: ``tokenizer_config.json`` (``bos_token``… as text or as an
+AddedToken ``{"content": …}``), ``special_tokens_map.json`` (same), then ``generation_config.json`` (ids as numbers).
+A token text becomes an id through the folder's vocabulary: ``added_tokens_decoder`` of tokenizer_config.json,
+``added_tokens`` and ``model.vocab`` of tokenizer.json, ``added_tokens.json``, ``vocab.json`` or ``vocab.txt``
+(``tokenizer.model`` alone, a sentencepiece protobuf, is not read: such a folder normally has a tokenizer.json too).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..mapping.hf_defaults import TOKEN_ID_KEYS
+
+TEXT_SOURCES = ("tokenizer_config.json", "special_tokens_map.json")
+
+
+@dataclass
+class TokenIds:
+    """The ids found, the file each came from, and problems worth a README.txt line."""
+
+    ids: dict = field(default_factory=dict)
+    sources: dict = field(default_factory=dict)  # key -> file name
+    problems: list = field(default_factory=list)
+
+
+def _json(read: Callable, name: str, problems: list):
+    data = read(name)
+    if data is None:
+        return None
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        problems.append(f"{name} is not valid JSON ({e}); its token ids are not used")
+        return None
+
+
+def _token_text(value):
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class Vocabulary:
+    """Token text -> id, built on first use from the folder's tokenizer files."""
+
+    def __init__(self, read: Callable, problems: list):
+        self._read, self._problems, self._map = read, problems, None
+
+    def _build(self) -> dict:
+        out: dict = {}
+        vocab_txt = self._read("vocab.txt")
+        if vocab_txt is not None:
+            for i, line in enumerate(vocab_txt.decode("utf-8", "replace").splitlines()):
+                out.setdefault(line.rstrip("\r"), i)
+        for name in ("vocab.json", "added_tokens.json"):
+            doc = _json(self._read, name, self._problems)
+            if isinstance(doc, dict):
+                out.update({k: v for k, v in doc.items() if isinstance(v, int)})
+        tok = _json(self._read, "tokenizer.json", self._problems)
+        if isinstance(tok, dict):
+            vocab = (tok.get("model") or {}).get("vocab")
+            if isinstance(vocab, dict):
+                out.update({k: v for k, v in vocab.items() if isinstance(v, int)})
+            elif isinstance(vocab, list):  # Unigram: [[piece, score], ...], the index is the id
+                out.update({p[0]: i for i, p in enumerate(vocab) if isinstance(p, list) and p and isinstance(p[0], str)})
+            for t in tok.get("added_tokens") or []:
+                if isinstance(t, dict) and isinstance(t.get("content"), str) and isinstance(t.get("id"), int):
+                    out[t["content"]] = t["id"]
+        cfg = _json(self._read, "tokenizer_config.json", [])
+        if isinstance(cfg, dict) and isinstance(cfg.get("added_tokens_decoder"), dict):
+            for i, t in cfg["added_tokens_decoder"].items():
+                text = _token_text(t)
+                if text is not None and str(i).isdigit():
+                    out[text] = int(i)
+        return out
+
+    def id_of(self, text: str):
+        if self._map is None:
+            self._map = self._build()
+        return self._map.get(text)
+
+
+def token_ids(read: Callable) -> TokenIds:
+    """The special token ids a tokenizer folder states; ``read(name)`` gives a file's bytes or None when absent."""
+    result = TokenIds()
+    vocab = Vocabulary(read, result.problems)
+    for name in TEXT_SOURCES:
+        doc = _json(read, name, result.problems)
+        if not isinstance(doc, dict):
+            continue
+        for key in TOKEN_ID_KEYS:
+            if key in result.ids:
+                continue
+            text = _token_text(doc.get(key[:-3]))  # bos_token_id -> bos_token
+            if text is None:
+                continue
+            tid = vocab.id_of(text)
+            if tid is None:
+                result.problems.append(f"{name}: {key[:-3]} {text!r} is not in the tokenizer's vocabulary; "
+                                       f"{key} not taken from it")
+                continue
+            result.ids[key], result.sources[key] = tid, name
+    gen = _json(read, "generation_config.json", result.problems)
+    if isinstance(gen, dict):
+        for key in TOKEN_ID_KEYS:
+            value = gen.get(key)
+            ok = isinstance(value, int) or (isinstance(value, list) and value and all(isinstance(v, int) for v in value))
+            if key not in result.ids and ok and not isinstance(value, bool):
+                result.ids[key], result.sources[key] = value, "generation_config.json"
+    return result
