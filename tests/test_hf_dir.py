@@ -1,0 +1,338 @@
+"""The HF view as a complete directory (issue 15), through the Python API (no FUSE): --hf-format layouts (one
+weight format and at most one index per folder, the .bin format in a complete HF folder bin/, no index for a single
+shard), --overlay files (at their paths, replacing generated files, confined, read on demand without mixed bytes),
+tokenizer files found next to the checkpoint or named by its params, and the token ids they give."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+import ckptfs
+from ckptfs.views.overlay import OverlayError
+from conftest import FIXTURES
+from tokhelp import make_tokenizer
+
+LLAMA = FIXTURES / "llama" / "cs" / "checkpoint.mdl"
+GPT2 = FIXTURES / "gpt2" / "cs" / "checkpoint.mdl"
+
+
+def opened(ckpt, **options):
+    return ckptfs.open(ckpt, views=options.pop("views", "hf"), **options)
+
+
+def text(tree, path: str) -> str:
+    return tree.read(path, 0, tree.attr(path).size).decode()
+
+
+def config(tree, path: str = "config.json") -> dict:
+    return json.loads(text(tree, path))
+
+
+def names(tree, folder: str = "") -> set:
+    return set(tree.listdir(folder))
+
+
+def copy_case(case: str, dest: Path) -> Path:
+    """The case's checkpoint and params in a folder of their own (a model_dir one can add files to)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy(FIXTURES / case / "cs" / "checkpoint.mdl", dest / "checkpoint.mdl")
+    shutil.copy(FIXTURES / case / "cs" / "params.yaml", dest / "params.yaml")
+    return dest / "checkpoint.mdl"
+
+
+# -- weight formats ----------------------------------------------------------------------------------------------
+
+
+def test_both_formats_unsharded_one_format_per_folder_and_no_index():
+    tree = opened(LLAMA)
+    try:
+        assert names(tree) == {"README.txt", "config.json", "generation_config.json", "model.safetensors", "bin"}
+        assert names(tree, "bin") == {"config.json", "generation_config.json", "pytorch_model.bin"}
+        assert text(tree, "bin/config.json") == text(tree, "config.json")
+        assert "bin/: the same model as pytorch_model .bin files" in text(tree, "README.txt")
+    finally:
+        tree.close()
+
+
+def test_both_formats_sharded_have_one_index_each():
+    tree = opened(GPT2, max_shard_size="20KB")
+    try:
+        root, sub = names(tree), names(tree, "bin")
+        assert [n for n in root if n.endswith(".index.json")] == ["model.safetensors.index.json"]
+        assert [n for n in sub if n.endswith(".index.json")] == ["pytorch_model.bin.index.json"]
+        assert not any(n.endswith(".bin") for n in root) and not any(n.endswith(".safetensors") for n in sub)
+        index = json.loads(text(tree, "model.safetensors.index.json"))
+        assert set(index["weight_map"].values()) == {n for n in root if n.endswith(".safetensors")}
+        bin_index = json.loads(text(tree, "bin/pytorch_model.bin.index.json"))
+        assert bin_index["weight_map"].keys() == index["weight_map"].keys()
+        assert set(bin_index["weight_map"].values()) == {n for n in sub if n.endswith(".bin")}
+    finally:
+        tree.close()
+
+
+@pytest.mark.parametrize("fmt, weights", [("safetensors", {"model.safetensors"}), ("bin", {"pytorch_model.bin"})])
+def test_one_format_only(fmt, weights):
+    tree = opened(LLAMA, hf_format=fmt)
+    try:
+        assert names(tree) == {"README.txt", "config.json", "generation_config.json"} | weights
+        assert "bin/" not in text(tree, "README.txt")
+    finally:
+        tree.close()
+
+
+def test_bin_format_bytes_equal_the_both_formats_bin_folder():
+    both, single = opened(LLAMA), opened(LLAMA, hf_format="bin")
+    try:
+        a = b"".join(both.iter_blocks("bin/pytorch_model.bin"))
+        assert a == b"".join(single.iter_blocks("pytorch_model.bin"))
+    finally:
+        both.close()
+        single.close()
+
+
+def test_every_component_folder_gets_its_own_bin_folder():
+    tree = ckptfs.open(FIXTURES / "llava" / "cs" / "checkpoint.mdl", model="llava", views="hf")
+    try:
+        for folder in ("image_model", "text_model"):
+            own = names(tree, folder)
+            assert "model.safetensors" in own and "bin" in own and not any(n.endswith(".index.json") for n in own)
+            sub = names(tree, f"{folder}/bin")
+            assert {"config.json", "pytorch_model.bin"} <= sub
+            assert own - {"bin", "model.safetensors"} == sub - {"pytorch_model.bin"}, folder  # same small files
+    finally:
+        tree.close()
+
+
+# -- overlay -----------------------------------------------------------------------------------------------------
+
+
+def test_overlay_tokenizer_appears_and_its_ids_win(tmp_path):
+    tok = make_tokenizer(tmp_path / "tok", pad=0, bos=1, eos=7)
+    (tok / "README.md").write_text("# model card\n")
+    tree = opened(LLAMA, overlay=tok)
+    try:
+        root = names(tree)
+        assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "README.md"} <= root
+        assert text(tree, "README.md") == "# model card\n"
+        assert text(tree, "tokenizer.json") == (tok / "tokenizer.json").read_text()
+        cfg = config(tree)
+        assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (1, 7, 0)
+        gen = config(tree, "generation_config.json")
+        assert (gen["bos_token_id"], gen["eos_token_id"], gen["pad_token_id"]) == (1, 7, 0)
+        assert {"tokenizer.json", "tokenizer_config.json", "README.md"} <= names(tree, "bin")
+        assert config(tree, "bin/config.json") == cfg
+        readme = text(tree, "README.txt")
+        assert f"overlay {tok}" in readme and "eos_token_id 7 (tokenizer_config.json)" in readme
+        assert "no tokenizer files" not in readme
+    finally:
+        tree.close()
+
+
+def test_overlay_replaces_generated_files_and_readme_says_so(tmp_path):
+    over = tmp_path / "over"
+    over.mkdir()
+    (over / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 9], "do_sample": True}))
+    (over / "config.json").write_text('{"model_type": "llama", "mine": true}\n')
+    tree = opened(LLAMA, overlay=over)
+    try:
+        assert json.loads(text(tree, "config.json")) == {"model_type": "llama", "mine": True}
+        assert config(tree, "generation_config.json") == {"eos_token_id": [2, 9], "do_sample": True}
+        assert config(tree, "bin/generation_config.json") == {"eos_token_id": [2, 9], "do_sample": True}
+        readme = text(tree, "README.txt")
+        for name in ("config.json", "generation_config.json"):
+            assert f"{name} is the overlay's ({over}/{name}), replacing the generated one" in readme
+    finally:
+        tree.close()
+
+
+def test_generation_config_overlay_gives_config_ids(tmp_path):
+    over = tmp_path / "over"
+    over.mkdir()
+    (over / "generation_config.json").write_text(json.dumps({"bos_token_id": 5, "eos_token_id": 6}))
+    tree = opened(LLAMA, overlay=over)
+    try:
+        cfg = config(tree)
+        assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (5, 6)
+    finally:
+        tree.close()
+
+
+def test_a_later_overlay_wins_and_nested_files_keep_their_paths(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    (a / "extra").mkdir(parents=True)
+    b.mkdir()
+    (a / "notes.txt").write_text("a")
+    (a / "extra" / "deep.txt").write_text("deep")
+    (b / "notes.txt").write_text("b")
+    tree = opened(LLAMA, overlay=[a, b])
+    try:
+        assert text(tree, "notes.txt") == "b" and text(tree, "extra/deep.txt") == "deep"
+        assert f"overlay {b} replaces the earlier overlay's notes.txt" in text(tree, "README.txt")
+    finally:
+        tree.close()
+
+
+def test_overlay_folders_of_a_multi_component_model(tmp_path):
+    over = tmp_path / "over"
+    make_tokenizer(over / "text_model")
+    tree = ckptfs.open(FIXTURES / "llava" / "cs" / "checkpoint.mdl", model="llava", views="hf", overlay=over)
+    try:
+        assert "tokenizer.json" in names(tree, "text_model") and "tokenizer.json" in names(tree, "text_model/bin")
+        assert "tokenizer.json" not in names(tree) and "tokenizer.json" not in names(tree, "image_model")
+    finally:
+        tree.close()
+
+
+def test_overlay_is_confined(tmp_path):
+    over = tmp_path / "over"
+    outside = tmp_path / "secret.txt"
+    outside.write_text("secret")
+    (over / "sub").mkdir(parents=True)
+    (over / "inside.txt").write_text("inside")
+    (over / "link_in.txt").symlink_to(over / "inside.txt")
+    (over / "link_out.txt").symlink_to(outside)
+    (over / "dir_link").symlink_to(tmp_path)
+    (over / ".hidden").write_text("h")
+    (over / ".git").mkdir()
+    (over / ".git" / "config").write_text("g")
+    os.mkfifo(over / "fifo")
+    tree = opened(LLAMA, overlay=over)
+    try:
+        root = names(tree)
+        assert text(tree, "link_in.txt") == "inside"
+        for absent in ("link_out.txt", "dir_link", ".hidden", ".git", "fifo"):
+            assert absent not in root, absent
+        readme = text(tree, "README.txt")
+        assert "link_out.txt is a symbolic link leading outside the overlay" in readme
+        assert "fifo is not a regular file" in readme and "dir_link/ is a symbolic link to a directory" in readme
+    finally:
+        tree.close()
+
+
+def test_a_hugging_face_cache_snapshot_is_followed_into_its_blobs(tmp_path):
+    repo = tmp_path / "hub" / "models--org--tiny"
+    blobs, snap = repo / "blobs", repo / "snapshots" / "abc123"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    (blobs / "1f2e").write_text('{"eos_token_id": 9}')
+    (snap / "generation_config.json").symlink_to("../../blobs/1f2e")
+    tree = opened(LLAMA, overlay=snap)
+    try:
+        assert config(tree, "generation_config.json") == {"eos_token_id": 9}
+        assert config(tree)["eos_token_id"] == 9
+    finally:
+        tree.close()
+
+
+def test_a_changed_overlay_file_fails_instead_of_mixing_bytes(tmp_path):
+    over = tmp_path / "over"
+    over.mkdir()
+    f = over / "card.md"
+    f.write_text("A" * 1000)
+    tree = opened(LLAMA, overlay=over)
+    try:
+        assert tree.read("card.md", 0, 500) == b"A" * 500
+        time.sleep(0.01)
+        f.write_text("B" * 1000)  # same size, new content
+        with pytest.raises(OverlayError, match="changed since the mount"):
+            tree.read("card.md", 500, 500)
+        f.unlink()
+        with pytest.raises(OverlayError, match="cannot open"):
+            tree.read("card.md", 0, 10)
+    finally:
+        tree.close()
+
+
+def test_overlay_files_that_would_shadow_the_mount_are_left_out(tmp_path):
+    over = tmp_path / "over"
+    (over / "cs").mkdir(parents=True)
+    (over / "README.txt").write_text("mine")
+    (over / "cs" / "x.txt").write_text("x")
+    (over / "bin").write_text("a file where the bin/ folder is")
+    tree = opened(LLAMA, overlay=over, views="hf,cs")
+    try:
+        assert "x.txt" not in names(tree, "cs") and "ckptfs:" in text(tree, "README.txt")
+        assert tree.lookup("bin").is_dir
+        readme = text(tree, "README.txt")
+        assert "overlay file README.txt left out" in readme and "overlay file cs/x.txt left out" in readme
+        assert "overlay file bin left out" in readme
+    finally:
+        tree.close()
+
+
+def test_overlay_must_be_a_directory(tmp_path):
+    with pytest.raises(ValueError, match="not a directory"):
+        ckptfs.open(LLAMA, overlay=str(tmp_path / "nope"))
+
+
+# -- tokenizer discovery -----------------------------------------------------------------------------------------
+
+
+def test_tokenizer_next_to_the_checkpoint_is_served(tmp_path):
+    ckpt = copy_case("llama", tmp_path / "model_dir")
+    make_tokenizer(tmp_path / "model_dir", eos=5)
+    tree = opened(ckpt)
+    try:
+        assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= names(tree)
+        assert "params.yaml" not in names(tree) and config(tree)["eos_token_id"] == 5
+        assert f"from {tmp_path / 'model_dir'} (the checkpoint's folder)" in text(tree, "README.txt")
+    finally:
+        tree.close()
+
+
+def test_tokenizer_folder_beside_the_checkpoint_is_served(tmp_path):
+    ckpt = copy_case("llama", tmp_path / "model_dir")
+    make_tokenizer(tmp_path / "model_dir" / "tokenizer")
+    tree = opened(ckpt)
+    try:
+        assert "tokenizer.json" in names(tree) and "tokenizer.json" in names(tree, "bin")
+        assert f"from {tmp_path / 'model_dir' / 'tokenizer'}" in text(tree, "README.txt")
+    finally:
+        tree.close()
+
+
+def test_tokenizer_named_in_the_params_is_served(tmp_path):
+    ckpt = copy_case("llama", tmp_path / "model_dir")
+    make_tokenizer(tmp_path / "somewhere" / "tok", eos=6)
+    params = yaml.safe_load((tmp_path / "model_dir" / "params.yaml").read_text())
+    params["train_input"] = {"tokenizer_path": "../somewhere/tok"}
+    (tmp_path / "model_dir" / "params.yaml").write_text(yaml.safe_dump(params))
+    tree = opened(ckpt)
+    try:
+        assert "tokenizer.json" in names(tree) and config(tree)["eos_token_id"] == 6
+        assert "(params train_input.tokenizer_path)" in text(tree, "README.txt")
+    finally:
+        tree.close()
+
+
+def test_a_hub_tokenizer_named_in_the_params_becomes_a_hint(tmp_path):
+    ckpt = copy_case("llama", tmp_path / "model_dir")
+    params = yaml.safe_load((tmp_path / "model_dir" / "params.yaml").read_text())
+    params["train_input"] = {"huggingface_tokenizer": "NousResearch/Llama-2-7b-hf"}
+    (tmp_path / "model_dir" / "params.yaml").write_text(yaml.safe_dump(params))
+    tree = opened(ckpt)
+    try:
+        readme = text(tree, "README.txt")
+        assert "names the Hugging Face tokenizer 'NousResearch/Llama-2-7b-hf'" in readme
+        assert "--overlay DIR" in readme
+    finally:
+        tree.close()
+
+
+def test_an_overlay_turns_discovery_off(tmp_path):
+    ckpt = copy_case("llama", tmp_path / "model_dir")
+    make_tokenizer(tmp_path / "model_dir", eos=5)
+    over = tmp_path / "over"
+    over.mkdir()
+    (over / "README.md").write_text("card")
+    tree = opened(ckpt, overlay=over)
+    try:
+        assert "tokenizer.json" not in names(tree) and config(tree)["eos_token_id"] == 2
+    finally:
+        tree.close()
