@@ -5,6 +5,7 @@ when stderr is a terminal (``ckptfs export``), so scripted runs print nothing.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -20,8 +21,10 @@ class _TqdmBar:
     def __init__(self, total: int, desc: str):
         from tqdm import tqdm
 
+        known = _terminal_width() > 0  # a terminal reporting no size (0x0) would make tqdm print an empty bar
+        size = {} if known else {"ncols": 80, "nrows": 24}
         self._bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
-                         dynamic_ncols=True, leave=True)
+                         dynamic_ncols=known, leave=True, **size)
 
     def update(self, n: int) -> None:
         self._bar.update(n)
@@ -46,6 +49,14 @@ class _RichBar:
 
     def close(self) -> None:
         self._progress.stop()
+
+
+def _terminal_width() -> int:
+    """stderr's terminal width, 0 when unknown (a terminal that reports no size)."""
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns
+    except (OSError, ValueError):
+        return 0
 
 
 def progress_bar(total: int, desc: str):

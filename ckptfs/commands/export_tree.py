@@ -101,6 +101,9 @@ def _plan(tree, outdir: Path, block: int) -> tuple:
         target = outdir / path
         if finished(target, e.size, tree.mtime_ns):
             kept += 1
+            stale = target.with_name(target.name + PART)
+            if stale.exists() and not stale.is_dir():
+                stale.unlink()  # left by an earlier interrupted run of a file since finished
             continue
         nblocks = max(1, -(-e.size // block))
         pf = _PartFile(e, target, nblocks, tree.mtime_ns)
