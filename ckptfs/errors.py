@@ -29,3 +29,8 @@ class ConfigError(CkptfsError):
 
 class UsageError(CkptfsError):
     """Bad command-line arguments (exit code 2)."""
+
+
+class SourceChangedError(TensorReadError):
+    """A file the mount reads from (the checkpoint, or a file it refers to) was replaced or modified after it was
+    opened: its bytes would no longer match what was already served, so reads fail instead."""

@@ -14,10 +14,10 @@ import pytest
 from ckptfs.cache import BlockCache
 from ckptfs.commands.info import summarize
 from ckptfs.errors import TensorReadError
-from ckptfs.source import TensorLeaf, open_checkpoint
+from ckptfs.source import TensorLeaf, UnreadableLeaf, open_checkpoint
 from ckptfs.tensor import BLOCK_BYTES
+from conftest import FIXTURES as FIX
 
-FIX = Path(__file__).parent / "fixtures"
 
 ROWS, COLS, CHUNK_ROWS = 4096, 512, 128  # 8 MiB float32, 32 chunks of 128 rows
 
@@ -149,7 +149,8 @@ def test_corrupted_chunk_fails_only_its_tensor(tmp_path, case, key):
             assert np.array_equal(leaf.tensor.read_all(), v.view(leaf.tensor.dtype.storage)), k
 
 
-def test_missing_dataset_and_shape_mismatch_are_read_errors(tmp_path):
+def test_missing_dataset_and_shape_mismatch_are_unreadable_from_the_catalog(tmp_path):
+    """Checked when the catalog is built (issue 16): the tensor is unreadable with a reason, the others are fine."""
     ck = tmp_path / "src.mdl"
     shutil.copy(FIX / "cstorch_edge_cases" / "src.mdl", ck)
     with h5py.File(ck, "a") as f:
@@ -158,10 +159,10 @@ def test_missing_dataset_and_shape_mismatch_are_read_errors(tmp_path):
         del f["b"]
         f.create_dataset("b", data=np.concatenate([b, b]))
     with open_checkpoint(ck) as ckpt:
-        with pytest.raises(TensorReadError, match="missing"):
-            ckpt.leaves["a"].tensor.read_all()
-        with pytest.raises(TensorReadError, match="does not match"):
-            ckpt.leaves["b"].tensor.read_all()
+        a, b = ckpt.leaves["a"], ckpt.leaves["b"]
+        assert isinstance(a, UnreadableLeaf) and "missing" in a.reason
+        assert isinstance(b, UnreadableLeaf) and "metadata says" in b.reason
+        assert summarize(ckpt).unreadable == {"a": a.reason, "b": b.reason}
 
 
 def test_zero_size_and_0d_tensors(tmp_path):

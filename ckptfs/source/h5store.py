@@ -1,18 +1,24 @@
 """Opening HDF5 files: the checkpoint itself (with a clear error for every kind of bad input) and
-the external files its tensors refer to (opened on first use, one handle per file, closed with the
-checkpoint)."""
+the external files its tensors refer to (confined to the checkpoint's folder, see ``confine``; opened on first
+use, one handle per file, closed with the checkpoint). Every store remembers the ``FileIdentity`` of the version
+it opened, and ``verify`` tells whether the file changed since (``watch``)."""
 from __future__ import annotations
 
 import os
 import re
 import struct
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import h5py
 import hdf5plugin  # noqa: F401  registers the LZ4 filter (id 32004) that every Cerebras dataset uses
+import numpy as np
+from h5py import h5a, h5t
 
 from ..errors import CheckpointError, TensorReadError
+from .confine import Confinement, RefusedReference, non_regular_kind
+from .watch import FileIdentity, check_unchanged
 
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 _SIGNATURE_OFFSETS = (0, 512, 1024, 2048, 4096, 8192)
@@ -47,6 +53,24 @@ def sniff_non_hdf5(path: Path) -> str | None:
     return "not an HDF5 file (no HDF5 signature), not a Cerebras checkpoint"
 
 
+def read_text_attr(f: h5py.File, name: str):
+    """Attribute ``name`` of ``f``'s root (KeyError if absent): a scalar variable-length string is read with
+    h5py's low-level API (a fifth of the cost of ``f.attrs[name]``, which counts for 100,000 keys); anything
+    else as ``f.attrs`` gives it."""
+    try:
+        aid = h5a.open(f.id, name.encode("utf-8", "surrogateescape"))
+    except (KeyError, RuntimeError, ValueError):
+        raise KeyError(name) from None
+    tid = aid.get_type()
+    if aid.shape == () and tid.get_class() == h5t.STRING and tid.is_variable_str():
+        arr = np.empty((), dtype=_VLEN_STR)
+        aid.read(arr, mtype=h5t.py_create(_VLEN_STR))
+        v = arr[()]
+        return v.decode("utf-8", "surrogateescape") if isinstance(v, bytes) else v
+    return f.attrs[name]
+
+
+_VLEN_STR = h5py.string_dtype()
 _TRUNC = re.compile(r"truncated file: eof = (\d+).*stored_eof = (\d+)")
 
 
@@ -61,6 +85,9 @@ def open_h5(path, *, error=CheckpointError) -> h5py.File:
         raise error(p, "no such file")
     if p.is_dir():
         raise error(p, "is a directory, not a checkpoint file")
+    kind = non_regular_kind(p.stat())
+    if kind is not None:  # refused before any open: opening a FIFO would block
+        raise error(p, f"is {kind}, not a regular file")
     if not os.access(p, os.R_OK):
         raise error(p, "permission denied")
     why = sniff_non_hdf5(p)
@@ -86,18 +113,32 @@ def open_h5(path, *, error=CheckpointError) -> h5py.File:
     raise error(p, f"cannot open HDF5 file: {msg}")
 
 
+def identity_of_open(path: Path, f: h5py.File) -> FileIdentity:
+    """The identity of the file an open HDF5 handle reads (its descriptor when HDF5 exposes one, else ``path``)."""
+    try:
+        return FileIdentity.of_stat(os.fstat(f.id.get_vfd_handle()))
+    except (OSError, ValueError, TypeError, AttributeError, RuntimeError):
+        return FileIdentity.of_path(path)
+
+
 class H5Store:
     """One HDF5 file's handle for the tensors that read from it.
 
     The checkpoint's own store is created with the already-open file; an external store opens its
-    file on first use and reports a missing/unreadable target as ``TensorReadError`` naming the
-    checkpoint. ``close`` is registered in ``Checkpoint._closers``.
+    file on first use and reports a missing/unreadable/refused target as ``TensorReadError`` naming the
+    checkpoint. ``identity`` is the version of the file the tensors were planned from (None: not known yet,
+    taken when the file is first opened); ``verify`` raises ``SourceChangedError`` once the file at ``path`` is
+    another version. ``close`` is registered in ``Checkpoint._closers``.
     """
 
-    def __init__(self, path: Path, checkpoint_path: Path, file: h5py.File | None = None, referenced_as: str | None = None):
+    def __init__(self, path: Path, checkpoint_path: Path, file: h5py.File | None = None, referenced_as: str | None = None,
+                 *, identity: FileIdentity | None = None, confinement: Confinement | None = None):
         self.path = Path(path)
         self.checkpoint_path = Path(checkpoint_path)
+        self.watch_path = Path(os.path.realpath(self.path))  # the file itself, not a symlink someone may re-point
         self.referenced_as = referenced_as
+        self.identity = identity
+        self.confinement = confinement
         self._file = file
         self._lock = threading.Lock()
         self._closed = False
@@ -115,10 +156,46 @@ class H5Store:
                 if not self.path.exists():
                     raise TensorReadError(self.checkpoint_path, f"{what}: external file {self.path} not found{ref}")
                 try:
-                    self._file = open_h5(self.path)
+                    if self.confinement is not None:
+                        self.confinement.recheck(self.path)
+                    f = open_h5(self.path)
+                except RefusedReference as e:
+                    raise TensorReadError(self.checkpoint_path, f"{what}: external reference refused: {e.problem}") from None
                 except CheckpointError as e:
                     raise TensorReadError(self.checkpoint_path, f"{what}: external file {e}") from None
+                opened = identity_of_open(self.path, f)
+                if self.identity is None:
+                    self.identity = opened
+                elif self.identity.difference(opened) is not None:
+                    f.close()
+                    self.verify(what)  # raises SourceChangedError saying how it changed
+                self._file = f
             return self._file
+
+    def verify(self, what: str) -> None:
+        """``SourceChangedError`` if the file at ``path`` is no longer the version the tensors were planned from.
+
+        While the file is open and still that version, its path is not consulted: a file removed or renamed over
+        keeps its bytes for whoever holds it open, so reads stay whole and consistent (a run mount serves a
+        checkpoint that training deleted to the readers that opened it, ``ckptfs.runtree``)."""
+        if self.identity is not None:
+            if self._open_identity() == self.identity:
+                return
+            role = "the checkpoint" if self.path == self.checkpoint_path else f"external file {self.path}"
+            check_unchanged(self.checkpoint_path, self.watch_path, self.identity, what, role)
+
+    def _open_identity(self) -> FileIdentity | None:
+        """The identity of the open file (``fstat`` of its descriptor), None if not open. Unlinking a file moves its
+        ctime without touching its content, so an unlinked file's ctime is not compared."""
+        f = self._file
+        if f is None or self.identity is None:
+            return None
+        try:
+            st = os.fstat(f.id.get_vfd_handle())
+        except (OSError, ValueError, TypeError, AttributeError, RuntimeError):
+            return None
+        now = FileIdentity.of_stat(st)
+        return replace(now, ctime_ns=self.identity.ctime_ns) if st.st_nlink == 0 else now
 
     def close(self) -> None:
         with self._lock:
@@ -131,28 +208,42 @@ class H5Store:
 
 
 class ExternalFiles:
-    """External stores of one checkpoint, one per resolved path; closes them all with the checkpoint."""
+    """External stores of one checkpoint, one per resolved path; closes them all with the checkpoint.
 
-    def __init__(self, checkpoint_path: Path):
+    Every reference goes through ``confinement`` (``RefusedReference`` when it leads outside the allowed
+    folders or to something other than a regular file)."""
+
+    def __init__(self, checkpoint_path: Path, confinement: Confinement | None = None):
         self.checkpoint_path = Path(checkpoint_path)
+        self.confinement = confinement or Confinement.of(checkpoint_path)
         self._stores: dict[Path, H5Store] = {}
 
     def resolve(self, ref: str) -> Path:
-        """A referenced path: absolute as is, relative against the checkpoint's folder; if that does not
-        exist but a file of the same name sits next to the checkpoint, that one."""
-        p = Path(ref)
-        folder = self.checkpoint_path.parent
-        cand = p if p.is_absolute() else folder / p
-        if not cand.exists() and (folder / p.name).exists():
-            return folder / p.name
-        return cand
+        """The real path a reference names (see ``Confinement.resolve``); ``RefusedReference`` when it is outside
+        the allowed folders or exists but is not a regular file."""
+        path = self.confinement.resolve(ref)
+        try:
+            st = path.stat()
+        except OSError:
+            return path  # missing: the caller says "not found"
+        kind = non_regular_kind(st)
+        if kind is not None:
+            raise RefusedReference(f"reference {ref!r} names {path}, which is {kind}, not a regular file")
+        return path
+
+    def identity(self, path: Path) -> FileIdentity | None:
+        """The version of an external file now (None if it does not exist)."""
+        try:
+            return FileIdentity.of_path(path)
+        except OSError:
+            return None
 
     def h5(self, ref: str) -> H5Store:
         path = self.resolve(ref)
-        key = path.resolve() if path.exists() else path
-        st = self._stores.get(key)
+        st = self._stores.get(path)
         if st is None:
-            st = self._stores[key] = H5Store(path, self.checkpoint_path, referenced_as=ref)
+            st = self._stores[path] = H5Store(path, self.checkpoint_path, referenced_as=ref,
+                                              identity=self.identity(path), confinement=self.confinement)
         return st
 
     def close(self) -> None:

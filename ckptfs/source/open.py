@@ -11,9 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, SourceChangedError
 from .catalog import Checkpoint, Container, ValueLeaf
-from .h5store import ExternalFiles, H5Store, one_line, open_h5
+from .confine import Confinement
+from .h5store import ExternalFiles, H5Store, identity_of_open, one_line, open_h5
 from .reader_legacy import LegacyReader
 from .reader_v05 import V05Reader
 from .resolve import resolve_checkpoint
@@ -74,12 +75,20 @@ def _partial_problem(path: Path) -> str:
     return "partial checkpoint: the __SUCCESS__ flag is missing (the save did not finish); use --allow-partial to salvage what was written"
 
 
-def open_checkpoint(path, *, allow_partial: bool = False) -> Checkpoint:
-    """Open a Cerebras checkpoint (a file, or a model_dir meaning its latest checkpoint)."""
+def open_checkpoint(path, *, allow_partial: bool = False, allow_external=()) -> Checkpoint:
+    """Open a Cerebras checkpoint (a file, or a model_dir meaning its latest checkpoint).
+
+    Files the checkpoint refers to are read only from its own folder and the ``allow_external`` folders
+    (``confine``); the file's version is remembered so that reads fail once it changes (``watch``)."""
     file_path = resolve_checkpoint(path)
     f = open_h5(file_path)
-    store = H5Store(file_path, file_path, file=f)
-    externals = ExternalFiles(file_path)
+    try:
+        identity = identity_of_open(file_path, f)
+    except OSError as e:
+        f.close()
+        raise CheckpointError(file_path, f"cannot stat the checkpoint ({e.strerror or e})") from None
+    store = H5Store(file_path, file_path, file=f, identity=identity)
+    externals = ExternalFiles(file_path, Confinement.of(file_path, allow_external))
     try:
         _check_cerebras(f, file_path)
         version = _format_version(f, file_path)
@@ -97,6 +106,11 @@ def open_checkpoint(path, *, allow_partial: bool = False) -> Checkpoint:
             result = LegacyReader(f, store, externals, file_path, version).read()
         release = (_attr_str(f.attrs.get("__cstorch_version__")) or metadata_release(result.root)
                    or VERSION_RELEASES.get(round(version, 1)))
+        store.verify("catalog")  # the metadata just read belongs to one version of the file
+    except SourceChangedError as e:
+        externals.close()
+        store.close()
+        raise CheckpointError(file_path, f"changed while its metadata was read: {e.problem}") from None
     except CheckpointError:
         externals.close()
         store.close()

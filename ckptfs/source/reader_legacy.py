@@ -6,6 +6,7 @@ become the same Leaf object. A spec key with no dataset reads as None, as cstorc
 """
 from __future__ import annotations
 
+import math
 from urllib.parse import quote, unquote
 
 import h5py
@@ -15,12 +16,15 @@ from .. import dtypes
 from ..dtypes import BFLOAT16
 from ..errors import CheckpointError, TensorReadError
 from .catalog import OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
+from .confine import RefusedReference
+from .h5safe import H5Refused, dataset_info, open_object
 from .h5store import ExternalFiles, H5Store, one_line
 from .legacy_spec import decode_dtype_pickle, decode_legacy_spec
 from .pytree import SpecError, build_tree, leaf_keys
 from .reader_v05 import ReadResult, check_collisions, resolve_links
 from .serializers import Link
 from .tensors import FileRegionTensor, FullTensor, H5DatasetTensor
+from .validate import shape_problem
 
 
 def _s(v) -> str:
@@ -84,21 +88,25 @@ class LegacyReader:
         root = build_tree(spec, iter(list(leaves.values())))
         return ReadResult(root, leaves, links, self.warnings)
 
-    def _get(self, name: str):
-        """(dataset, None), (None, None) if absent, or (None, problem) for a dangling link / a group."""
+    def _get(self, name: str, f: h5py.File | None = None):
+        """(dataset, None), (None, None) if absent, or (None, problem) for a dangling link, a group, or a dataset
+        reached through or stored in another file (``h5safe``: no name is resolved by HDF5 across files)."""
+        f = self.f if f is None else f
         try:
-            link = self.f.get(name, getlink=True)
-        except (OSError, ValueError) as e:
+            d = open_object(f, name)
+            if d is None:
+                first = next((p for p in name.split("/") if p), "")
+                if first and "/" not in name.strip("/") and f.id.links.exists(first.encode("utf-8", "surrogateescape")):
+                    return None, f"dangling HDF5 link {name!r}"
+                return None, None
+            if not isinstance(d, h5py.Dataset):
+                return None, f"{name!r} is an HDF5 group, not a dataset"
+            dataset_info(d, name)
+        except H5Refused as e:
+            self.warnings.append(f"{name}: {e.problem}")
+            return None, e.problem
+        except (KeyError, OSError, ValueError, UnicodeError) as e:
             return None, f"dataset {name!r} cannot be opened ({one_line(e)})"
-        if link is None:
-            return None, None
-        try:
-            d = self.f[name]
-        except (KeyError, OSError) as e:
-            kind = type(link).__name__
-            return None, f"dangling HDF5 {kind} {name!r} ({one_line(e)})"
-        if not isinstance(d, h5py.Dataset):
-            return None, f"{name!r} is an HDF5 group, not a dataset"
         return d, None
 
     # -- one dataset -----------------------------------------------------------------------------------
@@ -114,7 +122,7 @@ class LegacyReader:
             if h5type == "NumpyArrayH5Type":  # 0.3 and older: a torch tensor; 0.4: a numpy array
                 return self._tensor(k, name, d, bf16, numpy=self.version >= 0.4)
             if h5type == "ScalarH5Type":
-                return ValueLeaf(k, np.asarray(d[()]).item())
+                return self._scalar(k, name, d)
             if h5type == "StringH5Type":
                 return ValueLeaf(k, _s(a["string_value"]))
             if h5type == "NoneH5Type":
@@ -147,9 +155,19 @@ class LegacyReader:
         if _flag(a, "is_string"):
             return ValueLeaf(k, _s(a["string_val"]))
         if _flag(a, "is_scalar"):
-            v = np.asarray(d[()])
+            v = self._scalar(k, name, d, raw=True)
+            if isinstance(v, UnreadableLeaf):
+                return v
             return ValueLeaf(k, _bf16_bits_to_float(v) if bf16 else v.item())
         return self._tensor(k, name, d, bf16)
+
+    def _scalar(self, k: str, name: str, d: h5py.Dataset, raw: bool = False):
+        """A scalar dataset's value (its array when ``raw``); a "scalar" holding more than one element is refused
+        before it is read."""
+        if d.shape is None or math.prod(d.shape) != 1:
+            return UnreadableLeaf(k, f"scalar dataset {name!r} has shape {d.shape}, not one element")
+        v = np.asarray(d[()])
+        return v if raw else ValueLeaf(k, v.item())
 
     def _dtype(self, d: h5py.Dataset, bf16: bool):
         return BFLOAT16 if bf16 else dtypes.from_numpy(d.dtype)
@@ -157,6 +175,9 @@ class LegacyReader:
     def _tensor(self, k: str, name: str, d: h5py.Dataset, bf16: bool, numpy: bool = False, store: H5Store | None = None):
         if d.shape is None:
             return UnreadableLeaf(k, f"dataset {name!r} holds no data (null dataspace)")
+        why = shape_problem(tuple(d.shape), d.dtype.itemsize)
+        if why:
+            return UnreadableLeaf(k, f"bad tensor: {why}")
         t = H5DatasetTensor(store or self.store, name, k, d.shape, self._dtype(d, bf16))
         return TensorLeaf(k, t, numpy=numpy)
 
@@ -165,7 +186,11 @@ class LegacyReader:
         shape = tuple(int(n) for n in np.asarray(a["shape"]).reshape(-1))
         fill = a.get("fill_value")
         fill = None if fill is None else np.asarray(fill).item()
-        return TensorLeaf(k, FullTensor(shape, self._dtype(d, bf16), fill))
+        dt = self._dtype(d, bf16)
+        why = shape_problem(shape, dt.itemsize)
+        if why:
+            return UnreadableLeaf(k, f"bad tensor metadata: {why}", dtype=dt.name)
+        return TensorLeaf(k, FullTensor(shape, dt, fill))
 
     def _deferred_h5(self, k: str, d: h5py.Dataset, spec_keys: set):
         a = d.attrs
@@ -178,25 +203,44 @@ class LegacyReader:
                 return UnreadableLeaf(k, problem or f"link_to_self target {target!r} is missing")
             return self._tensor(k, target, d2, _flag(d2.attrs, "is_bfloat16"))
         ref = _s(a["filepath"])
-        store = self.externals.h5(ref)
+        try:
+            store = self.externals.h5(ref)
+        except RefusedReference as e:
+            return self._refused(k, e)
         if not store.path.exists():
             self.warnings.append(f"{k}: external file {store.path} not found (referenced as {ref!r})")
             return UnreadableLeaf(k, f"external file {store.path} not found (referenced as {ref!r})")
         try:
             f2 = store.file(f"tensor {k}")
-            d2 = f2.get(target)
         except TensorReadError as e:
             return UnreadableLeaf(k, e.problem)
-        if not isinstance(d2, h5py.Dataset):
-            return UnreadableLeaf(k, f"external file {store.path.name} has no dataset {target!r}")
+        d2, problem = self._get(target, f2)
+        if d2 is None:
+            return UnreadableLeaf(k, problem or f"external file {store.path.name} has no dataset {target!r}")
         return self._tensor(k, target, d2, _flag(d2.attrs, "is_bfloat16"), store=store)
+
+    def _refused(self, k: str, e: RefusedReference) -> UnreadableLeaf:
+        reason = f"external reference refused: {e.problem}"
+        self.warnings.append(f"{k}: {reason}")
+        return UnreadableLeaf(k, reason)
 
     def _file_tensor(self, k: str, d: h5py.Dataset):
         a = d.attrs
         ref = _s(a["filepath"])
         shape = tuple(int(n) for n in np.asarray(a["shape"]).reshape(-1))
         dt = decode_dtype_pickle(_s(a["dtype"]))
-        path = self.externals.resolve(ref)
-        if not path.exists():
+        why = shape_problem(shape, dt.itemsize)
+        if why:
+            return UnreadableLeaf(k, f"bad tensor metadata: {why}", dtype=dt.name)
+        try:
+            path = self.externals.resolve(ref)
+        except RefusedReference as e:
+            return self._refused(k, e)
+        ident = self.externals.identity(path)
+        if ident is None:
             self.warnings.append(f"{k}: external tensor file {path} not found (referenced as {ref!r})")
-        return TensorLeaf(k, FileRegionTensor(path, 0, shape, dt, k, self.path, referenced_as=ref, what="tensor file"))
+        elif ident.size < math.prod(shape) * dt.itemsize:
+            return UnreadableLeaf(k, f"external tensor file {path} holds {ident.size} bytes but shape {list(shape)} "
+                                     f"{dt.name} needs {math.prod(shape) * dt.itemsize}", shape=shape, dtype=dt.name)
+        return TensorLeaf(k, FileRegionTensor(path, 0, shape, dt, k, self.path, referenced_as=ref, what="tensor file",
+                                              identity=ident, confinement=self.externals.confinement))

@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 from ..errors import CheckpointError
 from .catalog import Leaf, Node, TensorLeaf, UnreadableLeaf
 from .graph_ir import identity_output_index
-from .h5store import ExternalFiles, H5Store, one_line
+from .h5safe import H5Refused, open_object
+from .h5store import ExternalFiles, H5Store, one_line, read_text_attr
 from .pytree import SpecError, SpecNode, build_tree, child_names, leaf_keys, parse_treespec, real_keys
 from .serializers import LeafFactory, Link, Unresolved, attrs_to_metadata, tensor_dtype, tensor_shape
+from .validate import shape_problem
 
 
 @dataclass
@@ -79,7 +81,7 @@ class V05Reader:
         salvaged = lost = 0
         for k, _ in keys:
             try:
-                text = attrs[k + ".__metadata__"]
+                text = read_text_attr(self.f, k + ".__metadata__")
             except KeyError:
                 text = None
             if text is None:
@@ -154,6 +156,9 @@ class V05Reader:
                 shape, dt = tensor_shape(meta), tensor_dtype(meta)
             except (KeyError, ValueError, TypeError):
                 shape = dt = None
+            why = shape_problem(shape, dt.itemsize) if shape is not None else None
+            if why:
+                return UnreadableLeaf(k, f"bad tensor metadata: {why}", dtype=dt.name)
             if isinstance(obj, Unresolved):
                 if shape is None:
                     return UnreadableLeaf(k, obj.reason)
@@ -192,8 +197,8 @@ class V05Reader:
     # -- partial files ----------------------------------------------------------------------------------
     def _salvage(self, k: str):
         try:
-            d = self.f.get(k)
-        except (OSError, ValueError):
+            d = open_object(self.f, k)
+        except (OSError, ValueError, H5Refused):
             d = None
         if d is not None and hasattr(d, "attrs"):
             md = attrs_to_metadata(d.attrs)

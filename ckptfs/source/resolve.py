@@ -22,6 +22,8 @@ def _latest_pointer(d: Path) -> Path | None:
         return None
     if p.is_symlink() or p.is_dir():
         target = p.resolve()
+    elif not p.is_file():  # a FIFO would block the read below
+        raise CheckpointError(p, "the 'latest' pointer is not a regular file, a symlink or a directory")
     else:
         try:
             text = p.read_text(encoding="utf-8", errors="replace").strip().splitlines()

@@ -1,13 +1,19 @@
 """Reading the header of a .safetensors file a checkpoint refers to (DeferredSafeTensor), so the
-tensor becomes a ``FileRegionTensor`` over the file's data block."""
+tensor becomes a ``FileRegionTensor`` over the file's data block. The file is opened as a regular file only
+(``confine.open_regular``: never blocks on a FIFO) and every entry is checked: a valid shape whose byte size equals
+its data range, inside the file."""
 from __future__ import annotations
 
 import json
+import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..dtypes import BY_NAME, DType
+from .confine import open_regular
+from .validate import shape_problem
 
 _BY_CODE = {d.safetensors: d for d in BY_NAME.values()}
 _MAX_HEADER = 100 << 20
@@ -21,14 +27,17 @@ class SafetensorsEntry:
 
 
 def read_safetensors_header(path: Path) -> dict:
-    """name -> SafetensorsEntry; ValueError with a one-line reason if the header is unusable."""
-    with open(path, "rb") as fh:
+    """name -> SafetensorsEntry; ValueError with a one-line reason if the header is unusable (``RefusedReference``
+    if ``path`` is not a regular file)."""
+    fd = open_regular(path)
+    with open(fd, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
         raw = fh.read(8)
         if len(raw) != 8:
             raise ValueError("file too short for a safetensors header")
         (n,) = struct.unpack("<Q", raw)
-        if n > _MAX_HEADER:
-            raise ValueError(f"safetensors header length {n} is implausible")
+        if n > _MAX_HEADER or n > size - 8:
+            raise ValueError(f"safetensors header length {n} is implausible for a {size}-byte file")
         text = fh.read(n)
     if len(text) != n:
         raise ValueError("safetensors header is truncated")
@@ -36,6 +45,8 @@ def read_safetensors_header(path: Path) -> dict:
         header = json.loads(text)
     except ValueError as e:
         raise ValueError(f"safetensors header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError("safetensors header is not a JSON object")
     base = 8 + n
     out = {}
     for name, info in header.items():
@@ -43,8 +54,17 @@ def read_safetensors_header(path: Path) -> dict:
             continue
         try:
             dt = _BY_CODE[info["dtype"]]
-            start, _stop = info["data_offsets"]
-            out[name] = SafetensorsEntry(dt, tuple(int(x) for x in info["shape"]), base + int(start))
+            start, stop = (int(x) for x in info["data_offsets"])
+            shape = tuple(int(x) for x in info["shape"])
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"safetensors header entry {name!r} is malformed or has an unknown dtype") from None
+        why = shape_problem(shape, dt.itemsize)
+        if why is None and not (0 <= start <= stop and base + stop <= size):
+            why = f"data range [{start}, {stop}) lies outside the {size - base}-byte data block"
+        if why is None and stop - start != math.prod(shape) * dt.itemsize:
+            why = f"data range holds {stop - start} bytes but shape {list(shape)} {dt.name} needs " \
+                  f"{math.prod(shape) * dt.itemsize}"
+        if why:
+            raise ValueError(f"safetensors header entry {name!r}: {why}")
+        out[name] = SafetensorsEntry(dt, shape, base + start)
     return out

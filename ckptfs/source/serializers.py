@@ -2,7 +2,10 @@
 
 No tensor data is read here: tensors become lazy ``H5DatasetTensor``/``FullTensor``/
 ``SafetensorsTensor`` objects. Only small things are read at catalog time: a pickled object's bytes
-(kept opaque, never unpickled) and, for numpy leaves, the dataset's shape and element type.
+(kept opaque, never unpickled), a referenced safetensors file's header, and every dataset's header, checked
+against the metadata (``validate``: shape, element size; ``h5safe``: no external link, virtual dataset or
+external raw storage). A tensor that fails a check, or whose reference leads outside the allowed folders
+(``confine``), becomes an ``UnreadableLeaf`` saying why; the rest of the checkpoint is unaffected.
 """
 from __future__ import annotations
 
@@ -16,8 +19,11 @@ from .. import dtypes
 from ..dtypes import BFLOAT16, DType
 from ..errors import TensorReadError
 from .catalog import OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
+from .confine import RefusedReference
+from .h5safe import H5Refused, dataset_header, open_dataset
 from .h5store import ExternalFiles, H5Store, one_line
 from .tensors import FullTensor, H5DatasetTensor, SafetensorsTensor
+from .validate import dataset_problem, shape_problem
 
 #: RtFxProto element types (``rtfx_dtypes``) -> dtype name
 RTFX_DTYPES = {1: "bool", 3: "int16", 4: "int32", 5: "int64", 6: "uint8", 7: "uint16", 8: "uint32", 9: "uint64",
@@ -109,7 +115,11 @@ class LeafFactory:
             if t == "NoneSerializer":
                 return ValueLeaf(key, None)
             if t in ("DeferredFullTensor", "FullTensor"):
-                return TensorLeaf(key, FullTensor(tensor_shape(md), tensor_dtype(md), md.get("fill_value")))
+                shape, dt = tensor_shape(md), tensor_dtype(md)
+                why = shape_problem(shape, dt.itemsize)
+                if why:
+                    return UnreadableLeaf(key, f"bad tensor metadata: {why}", dtype=dt.name)
+                return TensorLeaf(key, FullTensor(shape, dt, md.get("fill_value")))
             if t == "DeferredSafeTensor":
                 return self._safetensor(key, md)
             if t in ("DeferredNumpyArray", "DeferredObject"):
@@ -119,7 +129,7 @@ class LeafFactory:
             if md.get("__NUMPY__"):
                 if t == "NumpyArraySerializer" or not md.get("__TORCH__"):
                     return self._numpy(key, name, md, store)
-                return TensorLeaf(key, H5DatasetTensor(store, name, key, tensor_shape(md), tensor_dtype(md)))
+                return self._h5_tensor(key, name, store, tensor_shape(md), tensor_dtype(md))
             if md.get("__BYTES__") or t == "ObjectSerializer":
                 return self._opaque(key, name, store)
         except (KeyError, TypeError, ValueError) as e:
@@ -128,26 +138,60 @@ class LeafFactory:
 
     # -- kinds needing the file at catalog time --------------------------------------------------------
     def _dataset(self, name: str, store: H5Store, key: str):
+        """``(dataset, DatasetInfo)``; ``TensorReadError`` when it is missing, refused or its file cannot be opened."""
         f = store.file(f"tensor {key}")
-        d = f.get(name)
-        if d is None or not hasattr(d, "shape"):
+        try:
+            d, info = open_dataset(f, name)
+        except H5Refused as e:
+            raise TensorReadError(self.checkpoint_path, f"tensor {key}: {e.problem}") from None
+        if d is None:
             raise TensorReadError(self.checkpoint_path, f"tensor {key}: dataset {name!r} is missing")
-        return d
+        return d, info
+
+    def _h5_tensor(self, key: str, name: str, store: H5Store, shape: tuple, dt: DType):
+        """A torch tensor stored as dataset ``name``, its metadata checked against the dataset's header. When an
+        external file cannot be opened now, the tensor stays lazy and its reads say why."""
+        why = shape_problem(shape, dt.itemsize)
+        if why:
+            return UnreadableLeaf(key, f"bad tensor metadata: {why}", dtype=dt.name)
+        own = store is self.store
+        if not own and store.identity is None:
+            return TensorLeaf(key, H5DatasetTensor(store, name, key, shape, dt))  # missing now: reads say so
+        try:
+            info = dataset_header(store.file(f"tensor {key}"), name)
+        except H5Refused as e:
+            self.warnings.append(f"{key}: {e.problem}")
+            return UnreadableLeaf(key, e.problem, shape=shape, dtype=dt.name)
+        except TensorReadError as e:
+            if own:
+                return UnreadableLeaf(key, e.problem, shape=shape, dtype=dt.name)
+            return TensorLeaf(key, H5DatasetTensor(store, name, key, shape, dt))
+        if info is None:
+            return UnreadableLeaf(key, f"dataset {name!r} is missing", shape=shape, dtype=dt.name)
+        why = dataset_problem(info, shape, dt.itemsize, name)
+        if why:
+            return UnreadableLeaf(key, f"metadata disagrees with the data: {why}", shape=shape, dtype=dt.name)
+        return TensorLeaf(key, H5DatasetTensor(store, name, key, shape, dt, chunks=info.chunks))
 
     def _numpy(self, key: str, name: str, md: dict, store: H5Store):
         try:
-            d = self._dataset(name, store, key)
-            shape = tuple(d.shape or ())
+            d, info = self._dataset(name, store, key)
+            shape = tuple(info.shape or ())
             dt = BFLOAT16 if md.get("is_bfloat16") else dtypes.from_numpy(d.dtype)
         except TensorReadError as e:
             return UnreadableLeaf(key, e.problem)
         except KeyError as e:
             return UnreadableLeaf(key, f"numpy array of unsupported element type ({one_line(e)})")
+        if info.shape is None:
+            return UnreadableLeaf(key, f"dataset {name!r} holds no data (null dataspace)")
+        why = shape_problem(shape, dt.itemsize) or dataset_problem(info, shape, dt.itemsize, name)
+        if why:
+            return UnreadableLeaf(key, f"bad numpy array: {why}")
         return TensorLeaf(key, H5DatasetTensor(store, name, key, shape, dt), numpy=True)
 
     def _opaque(self, key: str, name: str, store: H5Store):
         try:
-            d = self._dataset(name, store, key)
+            d, _ = self._dataset(name, store, key)
             if "__BYTES__" in d.attrs:
                 data = np.asarray(d.attrs["__BYTES__"]).tobytes()
             elif "object_value" in d.attrs:
@@ -161,22 +205,34 @@ class LeafFactory:
         return OpaqueLeaf(key, data)
 
     # -- references to other files ---------------------------------------------------------------------
+    def _refused(self, key: str, e: RefusedReference) -> UnreadableLeaf:
+        reason = f"external reference refused: {e.problem}"
+        self.warnings.append(f"{key}: {reason}")
+        return UnreadableLeaf(key, reason)
+
     def _safetensor(self, key: str, md: dict):
         ref = str(md["path"])
         name = str(md["key"])
-        path = self.externals.resolve(ref)
+        try:
+            path = self.externals.resolve(ref)
+        except RefusedReference as e:
+            return self._refused(key, e)
         ckpt = self.checkpoint_path
+        ident = self.externals.identity(path)
 
         def make(shape, dt):
-            return SafetensorsTensor(path, name, shape, dt, key, ckpt, referenced_as=ref)
+            return SafetensorsTensor(path, name, shape, dt, key, ckpt, referenced_as=ref, identity=ident,
+                                     confinement=self.externals.confinement)
 
-        if not path.exists():
+        if ident is None:
             self.warnings.append(f"{key}: external safetensors file {path} not found (referenced as {ref!r})")
             return Unresolved(f"external safetensors file {path} not found (referenced as {ref!r})", make)
         from .safetensors_ref import read_safetensors_header
 
         try:
             entry = read_safetensors_header(path).get(name)
+        except RefusedReference as e:
+            return self._refused(key, e)
         except (OSError, ValueError) as e:
             return Unresolved(f"external safetensors file {path.name}: {one_line(e)}", make)
         if entry is None:
@@ -185,7 +241,10 @@ class LeafFactory:
 
     def _external_object(self, key: str, md: dict):
         ref = str(md["path"])
-        store = self.externals.h5(ref)
+        try:
+            store = self.externals.h5(ref)
+        except RefusedReference as e:
+            return self._refused(key, e)
         inner = md.get("metadata")
         if not store.path.exists():
             self.warnings.append(f"{key}: external file {store.path} not found (referenced as {ref!r})")
@@ -198,8 +257,10 @@ class LeafFactory:
         # no stored metadata: the target dataset's own attributes describe it
         name = str(md["key"])
         try:
-            d = self._dataset(name, store, key)
+            d, _ = self._dataset(name, store, key)
             inner = attrs_to_metadata(d.attrs)
         except TensorReadError as e:
+            if "refused" in e.problem:
+                return UnreadableLeaf(key, e.problem.removeprefix(f"tensor {key}: "))
             return Unresolved(e.problem, lambda shape, dt: H5DatasetTensor(store, name, key, shape, dt))
         return self.from_metadata(key, name, inner, store)

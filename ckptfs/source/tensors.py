@@ -14,15 +14,20 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from pathlib import Path
 
 import numpy as np
 
 from ..dtypes import BFLOAT16, DType
-from ..errors import TensorReadError
+from ..errors import SourceChangedError, TensorReadError
 from ..tensor import BLOCK_BYTES, Box, VirtualTensor, box_shape
 from . import lz4chunks
+from .confine import Confinement, RefusedReference, open_regular
+from .h5safe import H5Refused, open_dataset
 from .h5store import H5Store, one_line
+from .validate import dataset_problem
+from .watch import FileIdentity
 
 
 def _shape_str(shape) -> str:
@@ -32,11 +37,12 @@ def _shape_str(shape) -> str:
 class H5DatasetTensor(VirtualTensor):
     """Dataset ``name`` of an HDF5 file; shape and dtype come from the checkpoint's metadata."""
 
-    def __init__(self, store: H5Store, name: str, key: str, shape, dtype: DType):
+    def __init__(self, store: H5Store, name: str, key: str, shape, dtype: DType, *, chunks: tuple | None = None):
         super().__init__(shape, dtype)
         self.store = store
         self.name = name  # dataset path inside the file (h5py follows '/' as groups)
         self.key = key  # flat key, for messages
+        self._chunks = chunks  # the dataset's chunk shape when the catalog read its header (saves an open)
         self._dset = None
         self._lz4 = (None, None)  # (dataset, LZ4ChunkReader | None) planned for that dataset object
         self._block_elems = None
@@ -55,19 +61,17 @@ class H5DatasetTensor(VirtualTensor):
             return d
         f = self.store.file(f"tensor {self.key}")
         try:
-            d = f.get(self.name)
+            d, info = open_dataset(f, self.name)  # never crosses into another file (h5safe)
+        except H5Refused as e:
+            raise self._fail(e.problem) from None
         except (OSError, KeyError, ValueError, RuntimeError) as e:
             raise self._fail(f"cannot open dataset {self.name!r}: {e}") from e
         if d is None:
             raise self._fail(f"dataset {self.name!r} is missing from {self.store.path.name}")
-        if not hasattr(d, "shape") or not hasattr(d, "dtype"):
-            raise self._fail(f"{self.name!r} is a group, not a dataset")
-        if d.shape is None:
-            raise self._fail(f"dataset {self.name!r} holds no data (null dataspace)")
-        if tuple(d.shape) != self.shape:
-            raise self._fail(f"dataset shape {_shape_str(d.shape)} does not match the metadata {_shape_str(self.shape)}")
-        if d.dtype.itemsize != self.dtype.itemsize or d.dtype.kind not in "biufc":
-            raise self._fail(f"dataset element type {d.dtype} does not fit {self.dtype.name}")
+        why = dataset_problem(info, self.shape, self.dtype.itemsize, self.name)
+        if why:
+            raise self._fail(why)
+        self._chunks = info.chunks
         self._dset = d
         return d
 
@@ -85,10 +89,12 @@ class H5DatasetTensor(VirtualTensor):
         be = self._block_elems
         if be is None:
             be = base = super().block_elems()
-            try:
-                chunks = self.dataset().chunks
-            except TensorReadError:
-                chunks = None
+            chunks = self._chunks
+            if chunks is None and self._dset is None:
+                try:
+                    chunks = self.dataset().chunks
+                except TensorReadError:
+                    chunks = None
             if chunks:
                 be = lz4chunks.aligned_block_elems(self.shape, chunks, self.dtype.itemsize, base, 4 * BLOCK_BYTES)
             self._block_elems = be
@@ -99,6 +105,7 @@ class H5DatasetTensor(VirtualTensor):
         st = self.dtype.storage
         if self.ndim and math.prod(shape) == 0:
             return np.empty(shape, st)
+        what = f"tensor {self.key}"
         d = self.dataset()
         try:
             if self.ndim == 0:
@@ -109,9 +116,12 @@ class H5DatasetTensor(VirtualTensor):
                 if arr is None:
                     arr = d[tuple(slice(a, b) for a, b in box)]
         except lz4chunks.CorruptChunkError as e:
+            self.store.verify(what)  # a chunk "corrupted" by a rewrite of the file is reported as that
             raise self._fail(f"corrupt LZ4 chunk at {e.coords}") from e
         except (OSError, KeyError, ValueError, RuntimeError, TypeError) as e:
+            self.store.verify(what)
             raise self._fail(e) from e
+        self.store.verify(what)  # these bytes belong to the version of the file the tensor was planned from
         return _to_storage(np.asarray(arr), st).reshape(shape)
 
 
@@ -191,10 +201,15 @@ def box_runs(shape, box) -> list[tuple[int, int]]:
 
 
 class FileRegionTensor(VirtualTensor):
-    """Raw little-endian C-order elements of a plain file starting at ``offset``."""
+    """Raw little-endian C-order elements of a plain file starting at ``offset``.
+
+    ``path`` is where a confined reference led (``confine``); every read re-checks it against ``confinement``,
+    opens it as a regular file only, and compares the file with ``identity`` (its version when the catalog was
+    built; None when it did not exist then) before and after reading, so bytes never mix two versions."""
 
     def __init__(self, path: Path, offset: int, shape, dtype: DType, key: str, checkpoint_path: Path,
-                 referenced_as: str | None = None, what: str = "file"):
+                 referenced_as: str | None = None, what: str = "file", *, identity: FileIdentity | None = None,
+                 confinement: Confinement | None = None):
         super().__init__(shape, dtype)
         self.path = Path(path)
         self.offset = int(offset)
@@ -202,6 +217,8 @@ class FileRegionTensor(VirtualTensor):
         self.checkpoint_path = Path(checkpoint_path)
         self.referenced_as = referenced_as
         self.what = what
+        self.identity = identity
+        self.confinement = confinement
 
     def describe(self) -> str:
         return f"{self.what} {self.path.name} @{self.offset} {_shape_str(self.shape)} {self.dtype.name}"
@@ -212,6 +229,39 @@ class FileRegionTensor(VirtualTensor):
     def _missing(self) -> TensorReadError:
         ref = f" (referenced as {self.referenced_as!r})" if self.referenced_as else ""
         return self._fail(f"external {self.what} {self.path} not found{ref}")
+
+    def _changed(self, now: FileIdentity | None) -> None:
+        """``SourceChangedError`` when the file is not the version the catalog saw (the first version seen is kept
+        when the catalog saw none)."""
+        if self.identity is None:
+            self.identity = now
+            return
+        why = "removed" if now is None else self.identity.difference(now)
+        if why:
+            raise SourceChangedError(self.checkpoint_path, f"tensor {self.key}: external {self.what} {self.path} "
+                                                           f"changed since it was opened ({why}); remount to serve "
+                                                           "the new version")
+
+    def open(self) -> int:
+        """A descriptor on the file, confined, regular and of the expected version."""
+        if not self.path.exists():
+            raise self._missing()
+        try:
+            if self.confinement is not None:
+                self.confinement.recheck(self.path)
+            fd = open_regular(self.path)
+        except RefusedReference as e:
+            raise self._fail(f"external reference refused: {e.problem}") from None
+        except FileNotFoundError:
+            raise self._missing() from None
+        except OSError as e:
+            raise self._fail(e) from e
+        try:
+            self._changed(FileIdentity.of_stat(os.fstat(fd)))
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def data_offset(self) -> int:
         """Absolute offset of the first element in the file."""
@@ -225,22 +275,24 @@ class FileRegionTensor(VirtualTensor):
         out = np.empty(math.prod(shape), dtype=st)
         if not runs:
             return out.reshape(shape)
-        if not self.path.exists():
-            raise self._missing()
         base = self.data_offset()
-        buf = out.view(np.uint8)
+        buf = memoryview(out.view(np.uint8))
         pos = 0
+        fd = self.open()
         try:
-            with open(self.path, "rb") as fh:
-                for start, n in runs:
-                    fh.seek(base + start * item)
-                    nb = n * item
-                    got = fh.readinto(memoryview(buf)[pos:pos + nb])
-                    if got != nb:
+            for start, n in runs:
+                nb = n * item
+                at = base + start * item
+                while nb:  # every pass makes progress or fails
+                    got = os.preadv(fd, [buf[pos:pos + nb]], at)
+                    if got <= 0:
                         raise self._fail(f"external {self.what} {self.path.name} is truncated")
-                    pos += nb
+                    pos, nb, at = pos + got, nb - got, at + got
+            self._changed(FileIdentity.of_stat(os.fstat(fd)))
         except OSError as e:
             raise self._fail(e) from e
+        finally:
+            os.close(fd)
         return out.reshape(shape)
 
 
@@ -249,8 +301,10 @@ class SafetensorsTensor(FileRegionTensor):
     first use and checked against the shape and dtype the catalog announced."""
 
     def __init__(self, path: Path, name: str, shape, dtype: DType, key: str, checkpoint_path: Path,
-                 referenced_as: str | None = None):
-        super().__init__(path, -1, shape, dtype, key, checkpoint_path, referenced_as, what="safetensors file")
+                 referenced_as: str | None = None, *, identity: FileIdentity | None = None,
+                 confinement: Confinement | None = None):
+        super().__init__(path, -1, shape, dtype, key, checkpoint_path, referenced_as, what="safetensors file",
+                         identity=identity, confinement=confinement)
         self.name = name
 
     def describe(self) -> str:
@@ -261,10 +315,11 @@ class SafetensorsTensor(FileRegionTensor):
             return self.offset
         from .safetensors_ref import read_safetensors_header
 
-        if not self.path.exists():
-            raise self._missing()
+        os.close(self.open())  # confined, regular, the expected version
         try:
             entry = read_safetensors_header(self.path).get(self.name)
+        except RefusedReference as e:
+            raise self._fail(f"external reference refused: {e.problem}") from None
         except (OSError, ValueError) as e:
             raise self._fail(f"safetensors file {self.path.name}: {e}") from e
         if entry is None:
