@@ -24,7 +24,7 @@ from .vfs import BLKSIZE, Entry, VirtualPathError, VirtualTree
 
 log = logging.getLogger("ckptfs.fuse")
 
-#: kernel cache lifetimes in seconds; the tree never changes while mounted
+#: kernel cache lifetimes in seconds for a checkpoint tree, which never changes while mounted
 CACHE_TIMEOUT = 86400
 READ_AHEAD_KB = 1024
 _M_TRIM_THRESHOLD = -1
@@ -113,6 +113,11 @@ class CkptfsOperations:
 
     # -- read-only operations ---------------------------------------------------------------------------
     def getattr(self, path, fh=None):
+        if fh:  # an open file: what its handle serves (its path may be gone from a live tree)
+            try:
+                return self._stat(self._tree.entry_by_handle(fh))
+            except VirtualPathError:
+                pass
         return self._stat(self._entry(path))
 
     def readdir(self, path, fh):
@@ -121,7 +126,10 @@ class CkptfsOperations:
             raise _oserror(errno.ENOTDIR)
         out = [(".", {"st_mode": self._tree.attr(e).mode, "st_ino": e.ino}, 0), ".."]
         for name in e.children:
-            c = self._tree.lookup(f"{e.path}/{name}")
+            try:
+                c = self._tree.lookup(f"{e.path}/{name}")
+            except VirtualPathError:  # gone since listed (a live tree)
+                continue
             out.append((name, {"st_mode": self._tree.attr(c).mode, "st_ino": c.ino}, 0))
         return out
 
@@ -137,11 +145,14 @@ class CkptfsOperations:
             raise _oserror(errno.EROFS)
         if e.is_dir:
             raise _oserror(errno.EISDIR)
-        return e.ino  # the file handle is the inode number
+        try:
+            return self._tree.open(e)  # the handle keeps reading what it was opened on until release
+        except VirtualPathError as err:
+            raise _oserror(err.errno) from None
 
     def read(self, path, size, offset, fh):
         try:
-            e = self._tree.entry_by_ino(fh) if fh else self._tree.lookup(path)
+            e = self._tree.entry_by_handle(fh) if fh else self._tree.lookup(path)
         except VirtualPathError:
             raise _oserror(errno.EBADF) from None
         try:
@@ -151,7 +162,14 @@ class CkptfsOperations:
             raise _oserror(errno.EIO) from None
 
     def release(self, path, fh):
+        self._tree.release(fh)
         return 0
+
+    def readlink(self, path):
+        try:
+            return self._tree.readlink(path)
+        except VirtualPathError as e:
+            raise _oserror(e.errno) from None
 
     def statfs(self, path):
         frsize = 4096
@@ -217,17 +235,20 @@ def raise_read_ahead(target: str) -> bool:
     return True
 
 
-def serve(tree: VirtualTree, mountpoint, *, fsname: str = "ckptfs", allow_other: bool = False) -> None:
+def serve(tree: VirtualTree, mountpoint, *, fsname: str = "ckptfs", allow_other: bool = False,
+          cache_timeout: float = CACHE_TIMEOUT) -> None:
     """Mount ``tree`` at ``mountpoint`` and serve until unmounted or signalled (SIGTERM/SIGINT/SIGHUP).
 
-    Returns normally on a clean unmount; raises ``CkptfsError`` if the mount itself fails.
+    ``cache_timeout``: how long the kernel may cache entries, attributes and failed lookups (short for a tree that
+    changes: a run, ``ckptfs.runtree``). Returns normally on a clean unmount; raises ``CkptfsError`` if the mount
+    itself fails.
     """
     fuse = load_mfusepy()
     pin_malloc()
     mountpoint = os.path.abspath(str(mountpoint))
     ops = CkptfsOperations(tree, mount_target(mountpoint))
     opts = dict(foreground=True, nothreads=True, ro=True, default_permissions=True, kernel_cache=True,
-                attr_timeout=CACHE_TIMEOUT, entry_timeout=CACHE_TIMEOUT, negative_timeout=CACHE_TIMEOUT,
+                attr_timeout=cache_timeout, entry_timeout=cache_timeout, negative_timeout=cache_timeout,
                 use_ino=True, fsname=fsname.replace(",", "_"), subtype="ckptfs")
     if allow_other:
         opts["allow_other"] = True

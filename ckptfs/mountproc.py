@@ -254,20 +254,24 @@ def mount(ckpt, mountpoint, options: MountOptions | None = None, *, foreground: 
     options = options or MountOptions()
     mp = check_mountpoint(mountpoint)
     set_default_cache_size(options.cache_size)
-    from .fusefs import load_mfusepy, serve
+    from .fusefs import CACHE_TIMEOUT, load_mfusepy, serve
 
     load_mfusepy()  # a missing libfuse is reported before anything is built or started
+    from .runtree import RUN_CACHE_TIMEOUT, check_run, is_run, open_run
+
+    run = is_run(ckpt, options)  # a model_dir: the whole training run, live (ckptfs.runtree), unless --single
     if not foreground:
         # The checkpoint is checked here, while the server starts (a bad one: one line, exit 2, nothing left
         # mounted); the server builds the tree itself, so it is built only once.
         return start_background(ckpt, mp, options, allow_other=allow_other, debug=debug,
-                                check=lambda: check_source(ckpt, options))
-    tree = build_tree(ckpt, options)
+                                check=(lambda: check_run(ckpt)) if run else (lambda: check_source(ckpt, options)))
+    tree = open_run(ckpt, options) if run else build_tree(ckpt, options)
     tree.warm()  # expensive layouts (the cs view's HDF5 skeleton) build while the mount already answers
     setup_logging(debug)
-    log.info("mounting %s at %s (%d files)", ckpt, mp, tree.file_count)
+    log.info("mounting %s at %s (%d %s)", ckpt, mp, tree.file_count, "checkpoints" if run else "files")
     try:
-        serve(tree, mp, fsname=f"ckptfs:{os.path.abspath(str(ckpt))}", allow_other=allow_other)
+        serve(tree, mp, fsname=f"ckptfs:{os.path.abspath(str(ckpt))}", allow_other=allow_other,
+              cache_timeout=RUN_CACHE_TIMEOUT if run else CACHE_TIMEOUT)
     finally:
         tree.close()
     log.info("unmounted %s", mp)

@@ -194,6 +194,9 @@ class MountOptions:
     allow_partial: bool = option(False, "--allow-partial", FLAG,
                                  help="open a partially written checkpoint (no __SUCCESS__ marker), salvaging what its "
                                       "datasets describe")
+    single: bool = option(False, "--single", FLAG,
+                          help="mount a model_dir as its latest checkpoint alone, fixed at mount time (default: the "
+                               "whole run, live: every checkpoint as a folder, and latest; export always reads one)")
     data_iter_dir: Path | None = option(None, "--data-iter-dir", PATH, content=True,
                                         help="dataloader state directory for the cs view")
     shuffle_seed: int | None = option(None, "--shuffle-seed", INT, content=True,

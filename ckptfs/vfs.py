@@ -215,6 +215,21 @@ class VirtualTree:
         for off in range(0, e.size, block):
             yield self.read(e, off, block)
 
+    # -- handles (the FUSE adapter's open/read/release; a run tree, ckptfs.runtree, pins a checkpoint per handle) --
+    def open(self, entry: Entry) -> int:
+        """A file handle for ``entry``: here its inode number (an immutable tree has nothing to keep alive)."""
+        return entry.ino
+
+    def entry_by_handle(self, fh: int) -> Entry:
+        return self.entry_by_ino(fh)
+
+    def release(self, fh: int) -> None:
+        """Nothing to release (see ``open``)."""
+
+    def readlink(self, path: str) -> str:
+        """A checkpoint tree has no symbolic links."""
+        raise VirtualPathError("/" + self.lookup(path).path, "not a symbolic link", errno.EINVAL)
+
     def warm(self) -> None:
         """Start building every deferred file in the background (the mount server does this before serving)."""
         for e in self._by_ino[1:]:

@@ -1,4 +1,5 @@
-"""``ckptfs info CKPT [--json] [--allow-partial]``: what a checkpoint is and holds, from metadata only.
+"""``ckptfs info CKPT [--json] [--allow-partial]``: what a checkpoint is and holds, from metadata only (for a
+model_dir: the run's checkpoints, ``commands/runinfo.py``, then its latest checkpoint's summary).
 
 Format version, writing release, success flag, tensor count and bytes by dtype, other leaves,
 top-level keys, detected model family and the catalog's warnings. No tensor data is read.
@@ -19,9 +20,10 @@ def add_parser(subparsers):
         "info", help="summarise a Cerebras checkpoint (format, release, tensors, model family)",
         description="Summarise a Cerebras checkpoint from its metadata: format version, the release that wrote it, "
                     "whether the save completed, tensors and bytes by dtype, top-level keys and the model family.")
-    p.add_argument("ckpt", metavar="CKPT", help="checkpoint .mdl file, or a model_dir (its latest checkpoint)")
+    p.add_argument("ckpt", metavar="CKPT", help="checkpoint .mdl file, or a model_dir: its checkpoints (steps, sizes, "
+                                                "completeness, latest) and the latest one's summary (--single: only that)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    mount_options.add_arguments(p, only=("allow_partial",))
+    mount_options.add_arguments(p, only=("allow_partial", "single"))
     return p
 
 
@@ -141,6 +143,20 @@ def format_text(s: Summary) -> str:
 
 
 def run(args) -> int:
+    from .runinfo import as_json, format_run, is_run_argument, scan_run
+
+    if is_run_argument(args.ckpt, args.single):  # a model_dir: the run, then its latest checkpoint
+        listing = scan_run(args.ckpt)
+        s = None
+        if listing.latest is not None:
+            with open_checkpoint(listing.latest.path) as ckpt:
+                s = summarize(ckpt)
+        if args.json:
+            print(json.dumps({"run": as_json(listing), "latest_checkpoint": asdict(s) if s else None}, indent=2,
+                             default=str))
+        else:
+            print(format_run(listing, human_bytes) + ("\n\nlatest checkpoint:\n" + format_text(s) if s else ""))
+        return 0
     with open_checkpoint(args.ckpt, allow_partial=args.allow_partial) as ckpt:
         s = summarize(ckpt)
     if args.json:

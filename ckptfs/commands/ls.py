@@ -1,4 +1,5 @@
-"""``ckptfs ls CKPT [-l] [--allow-partial]``: a checkpoint's key tree, nesting shown by indentation.
+"""``ckptfs ls CKPT [-l] [--allow-partial]``: a checkpoint's key tree, nesting shown by indentation (for a model_dir,
+the run's checkpoints: ``commands/runinfo.py``; ``--single`` lists its latest checkpoint's keys).
 
 Containers end in ``/`` (sequence items are ``[i]``); an alias (link) is marked ``-> target key``;
 ``-l`` adds each tensor's shape and dtype, each value, and what opaque/unreadable leaves are.
@@ -17,9 +18,10 @@ def add_parser(subparsers):
     p = subparsers.add_parser("ls", help="list a checkpoint's key tree",
                               description="List a Cerebras checkpoint's keys as a tree (indentation shows nesting; "
                                           "'-> key' marks an alias of another key).")
-    p.add_argument("ckpt", metavar="CKPT", help="checkpoint .mdl file, or a model_dir (its latest checkpoint)")
+    p.add_argument("ckpt", metavar="CKPT", help="checkpoint .mdl file, or a model_dir: its checkpoints (steps, sizes, "
+                                                "completeness, latest); with --single, its latest checkpoint's keys")
     p.add_argument("-l", "--long", action="store_true", help="also show shapes, dtypes and values")
-    mount_options.add_arguments(p, only=("allow_partial",))
+    mount_options.add_arguments(p, only=("allow_partial", "single"))
     return p
 
 
@@ -65,6 +67,13 @@ def format_lines(ckpt, long: bool = False):
 
 
 def run(args) -> int:
+    from .runinfo import format_run, is_run_argument, scan_run
+
+    if is_run_argument(args.ckpt, args.single):  # a model_dir: the run's checkpoints
+        from .info import human_bytes
+
+        print(format_run(scan_run(args.ckpt), human_bytes))
+        return 0
     with open_checkpoint(args.ckpt, allow_partial=args.allow_partial) as ckpt:
         out = sys.stdout
         for line in format_lines(ckpt, args.long):

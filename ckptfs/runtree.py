@@ -1,0 +1,470 @@
+"""The virtual tree of a whole training run: every complete checkpoint of a model_dir as a folder, ``latest``, and a
+README.txt, following the model_dir while training writes into it.
+
+Root of a run mount::
+
+    README.txt                  what the run holds now: its checkpoints, which one is latest, what is hidden and why
+    latest -> checkpoint_3000   a relative symlink to the latest checkpoint's folder (``ckptfs.source.rundir``)
+    checkpoint_1000/            one folder per complete checkpoint file, named after it (``checkpoint_<step>.mdl``):
+    checkpoint_3000/            exactly the tree ``ckptfs mount <that file>`` shows (``vfs.build_tree``)
+
+Live: a lookup rescans the model_dir when the last scan is older than ``poll`` seconds (one listing and one
+``stat`` per checkpoint file; files are opened only when they are new or changed). A checkpoint appears once its
+save completed, disappears when its file is deleted, and ``latest`` moves with them.
+
+Trees are built lazily — a checkpoint's tree on the first access inside its folder (listing the root builds nothing)
+— and at most ``keep`` trees that no open file uses are kept; the least recently used one is closed when another
+is built. ``open`` pins the tree an entry was looked up in until ``release``: the handle serves that tree's bytes to
+the end, and the tree holds its checkpoint file open, so a checkpoint deleted or replaced meanwhile still reads
+correctly. A handle never switches trees, so no file ever mixes two checkpoints' bytes.
+
+The kernel caches file pages per path, so two files are never served under one name at once: a checkpoint file
+that replaces one whose generated files are still open is held back (README.txt says so) until they are closed,
+then listed with new inode numbers and an mtime different from its predecessor's (so the kernel drops the old
+pages).
+
+Inode numbers: 1 is the root, 2 README.txt, 3 ``latest``; each checkpoint file (each identity of it) gets a number
+``k`` and its tree's inode ``i`` becomes ``k << 32 | i`` (the folder itself is ``k << 32 | 1``). Checkpoint folders
+report ``nlink`` 1 (their subdirectory count is unknown until built; ``find`` then does not rely on it).
+
+The frontends use the same methods as on a ``VirtualTree`` (``lookup``, ``attr``, ``listdir``, ``read``, ``open``,
+``entry_by_handle``, ``release``, ``readlink``, ``close``); the FUSE server serves it with short cache timeouts
+(``RUN_CACHE_TIMEOUT``) so that the kernel sees the listing change.
+"""
+from __future__ import annotations
+
+import errno
+import gc
+import itertools
+import logging
+import stat as stat_mod
+import threading
+import time
+from collections import OrderedDict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import CheckpointError, CkptfsError
+from .options import MountOptions
+from .source.rundir import RunCheckpoint, RunListing, RunScanner
+from .vfs import DIR_MODE, FILE_MODE, README_NAME, Attr, Entry, VirtualPathError, VirtualTree, build_tree, split_path
+from .views.base import BytesFile
+
+log = logging.getLogger("ckptfs.run")
+
+#: seconds the kernel may cache entries and attributes of a run mount (and the least time between two scans)
+RUN_CACHE_TIMEOUT = 1.0
+POLL_SECONDS = 1.0
+#: trees kept built while no open file uses them
+KEEP_TREES = 4
+LATEST = "latest"
+ROOT_INO, README_INO, LATEST_INO = 1, 2, 3
+LINK_MODE = stat_mod.S_IFLNK | 0o777
+INO_SHIFT = 32
+
+
+@dataclass(eq=False)
+class Slot:
+    """One checkpoint file as the mount serves it; a file that changes (new identity) gets a new Slot."""
+
+    ckpt: RunCheckpoint
+    number: int
+    mtime_ns: int  # what its entries report (differs from the previous version's under the same name)
+    tree: VirtualTree | None = None
+    pins: int = 0  # open handles (and reads in progress) using ``tree``
+    listed: bool = True  # False once the file left the model_dir (or changed)
+    error: str | None = None  # why its tree could not be built (not retried for this identity)
+    build_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def base(self) -> int:
+        return self.number << INO_SHIFT
+
+
+@dataclass(frozen=True, eq=False)
+class RunEntry:
+    """One node of the run tree. Inside a checkpoint folder it wraps the checkpoint tree's ``Entry`` (``inner``)
+    and remembers that tree, so that everything done with it reads from the tree it was looked up in."""
+
+    path: str  # "" for the root, "checkpoint_2000/config.json", ...
+    ino: int
+    kind: str  # "dir", "file" or "link"
+    mtime_ns: int
+    link: str | None = None  # a symlink's target
+    file: Any = None  # a run-level file's VFile (README.txt)
+    slot: Slot | None = None  # the checkpoint it belongs to
+    tree: VirtualTree | None = None  # that checkpoint's tree (entries inside its folder)
+    inner: Entry | None = None  # the tree's own entry
+    names: Any = ()  # children: a tuple, or a callable giving them (a folder whose tree is built on demand)
+
+    @property
+    def is_dir(self) -> bool:
+        return self.kind == "dir"
+
+    @property
+    def is_link(self) -> bool:
+        return self.kind == "link"
+
+    @property
+    def name(self) -> str:
+        return self.path.rsplit("/", 1)[-1]
+
+    @property
+    def children(self) -> tuple:
+        return tuple(self.names() if callable(self.names) else self.names)
+
+    @property
+    def size(self) -> int:
+        if self.inner is not None:
+            return self.inner.size
+        if self.file is not None:
+            return self.file.size
+        return len(self.link.encode()) if self.link is not None else 0
+
+
+class RunTree:
+    """The live tree of a model_dir (see the module docstring). Thread-safe."""
+
+    def __init__(self, model_dir, options: MountOptions | None = None, *, keep: int = KEEP_TREES,
+                 poll: float = POLL_SECONDS, build: Callable | None = None):
+        self.model_dir = Path(model_dir).absolute()
+        self.options = options or MountOptions()
+        self.keep = max(1, int(keep))
+        self.poll = float(poll)
+        self._build = build or build_tree
+        self._scanner = RunScanner(self.model_dir)
+        self._lock = threading.RLock()
+        self._numbers = itertools.count(1)
+        self._handles_ids = itertools.count(1)
+        self._slots: dict = {}  # folder name -> Slot, the complete checkpoints listed now
+        self._draining: dict = {}  # folder name -> Slot no longer listed whose files are still open
+        self._held: list = []  # RunCheckpoints not listed until the previous version under their name is closed
+        self._last_mtime: dict = {}  # folder name -> mtime_ns its entries last reported
+        self._built: OrderedDict = OrderedDict()  # Slot -> None for every built tree, least recently used first
+        self._handles: dict = {}  # file handle -> RunEntry
+        self._listing = RunListing(self.model_dir, ())
+        self._readme = BytesFile(b"")
+        self._changed_ns = time.time_ns()
+        self._scanned = float("-inf")
+        self._scan_error: str | None = None
+        self.refresh()
+
+    # -- following the model_dir ----------------------------------------------------------------------------
+    def refresh(self, force: bool = True) -> RunListing:
+        """Rescan the model_dir (when ``force``, or when the last scan is older than ``poll`` seconds)."""
+        with self._lock:
+            now = time.monotonic()
+            if not force and now - self._scanned < self.poll:
+                return self._listing
+            self._scanned = now
+        try:
+            listing = self._scanner.scan()
+        except CheckpointError as e:  # keep serving what was there (a transient error must not empty the mount)
+            with self._lock:
+                if self._scan_error != str(e):
+                    log.warning("%s (the listing stays as it was)", e)
+                self._scan_error = str(e)
+                return self._listing
+        with self._lock:
+            self._scan_error = None
+            self._apply(listing)
+            return listing
+
+    @property
+    def listing(self) -> RunListing:
+        """The run as last scanned (``refresh`` scans again)."""
+        return self._listing
+
+    def _apply(self, listing: RunListing) -> None:
+        slots, held = {}, []
+        for c in listing.complete:
+            slot = self._slots.get(c.name)
+            if slot is not None and slot.ckpt.identity == c.identity:
+                slots[c.name] = slot
+                continue
+            previous = self._draining.get(c.name) or slot
+            if previous is not None and previous.pins > 0:
+                # Another file under a name whose previous file is still open: the kernel caches pages per path, so
+                # the two must not be served there at once; this one is listed once the other's files are closed.
+                held.append(c)
+                continue
+            slots[c.name] = Slot(c, next(self._numbers), self._fresh_mtime(c))
+        for name, old in self._slots.items():
+            if slots.get(name) is not old:
+                old.listed = False
+                if old.pins == 0:
+                    self._close_tree(old)
+                else:
+                    self._draining[name] = old
+        self._slots, self._held, self._listing = slots, held, listing
+        text = run_readme(listing, self.poll, held)
+        if text != self._readme.data.decode():
+            self._readme = BytesFile(text)
+            self._changed_ns = time.time_ns()
+
+    def _fresh_mtime(self, c: RunCheckpoint) -> int:
+        """``c``'s mtime, moved by 1 ns if it equals what its name last reported (a copy that kept the old file's
+        mtime): the kernel drops a file's cached pages when its mtime or size changes."""
+        last = self._last_mtime.get(c.name)
+        mtime = c.mtime_ns if c.mtime_ns != last else c.mtime_ns + 1
+        self._last_mtime[c.name] = mtime
+        return mtime
+
+    def _latest(self) -> Slot | None:
+        latest = self._listing.latest
+        if latest is None:
+            return None
+        if latest.name in self._slots:
+            return self._slots[latest.name]
+        return next(reversed(self._slots.values()), None)  # the latest is held back: the last one listed
+
+    # -- trees ----------------------------------------------------------------------------------------------
+    def _tree_of(self, slot: Slot) -> VirtualTree:
+        """The slot's tree, built on first use; marks it most recently used."""
+        with self._lock:
+            if slot.tree is not None:
+                self._built.move_to_end(slot)
+                return slot.tree
+        with slot.build_lock:
+            with self._lock:
+                if slot.tree is not None:
+                    self._built.move_to_end(slot)
+                    return slot.tree
+                if slot.error is not None:
+                    raise VirtualPathError("/" + slot.ckpt.name, slot.error, errno.EIO)
+            try:
+                tree = self._build(slot.ckpt.path, self.options)
+            except CkptfsError as e:
+                log.error("%s (its folder %s/ fails with EIO)", e, slot.ckpt.name)
+                slot.error = f"cannot be read: {e}"
+                raise VirtualPathError("/" + slot.ckpt.name, slot.error, errno.EIO) from None
+            with self._lock:
+                slot.tree = tree
+                self._built[slot] = None
+                self._evict()
+                return tree
+
+    def _evict(self) -> None:
+        idle = [s for s in self._built if s.pins == 0]
+        for s in idle[:max(0, len(idle) - self.keep)]:
+            self._close_tree(s)
+
+    def _close_tree(self, slot: Slot) -> None:
+        tree, slot.tree = slot.tree, None
+        self._built.pop(slot, None)
+        if tree is not None:
+            tree.close()
+            del tree
+            # what the tree's readers still hold (direct file handles on the checkpoint, which keep a deleted file's
+            # disk space) is freed with them; they sit in reference cycles, so collect now rather than some time
+            gc.collect()
+
+    def _unpin(self, slot: Slot) -> None:
+        with self._lock:
+            slot.pins -= 1
+            if slot.pins == 0:
+                if slot.listed:
+                    self._evict()
+                else:
+                    self._close_tree(slot)
+                    if self._draining.get(slot.ckpt.name) is slot:
+                        del self._draining[slot.ckpt.name]
+                        self._scanned = float("-inf")  # a file held back under this name can be listed now
+
+    @contextmanager
+    def _using(self, e: RunEntry):
+        """Keep ``e``'s tree open while it is used (an entry looked up before its tree was dropped is stale)."""
+        if e.slot is None:
+            yield
+            return
+        with self._lock:
+            if e.slot.tree is not e.tree:
+                raise VirtualPathError("/" + e.path, "stale: its checkpoint tree was released; look it up again",
+                                       errno.ESTALE)
+            e.slot.pins += 1
+        try:
+            yield
+        finally:
+            self._unpin(e.slot)
+
+    @property
+    def built_count(self) -> int:
+        """How many checkpoint trees are built now."""
+        return len(self._built)
+
+    # -- lookups ----------------------------------------------------------------------------------------------
+    def lookup(self, path: str) -> RunEntry:
+        parts = split_path(path)
+        self.refresh(force=False)
+        with self._lock:
+            if not parts:
+                names = (README_NAME,) + ((LATEST,) if self._latest() else ()) + tuple(self._slots)  # autoload order
+                return RunEntry("", ROOT_INO, "dir", self._changed_ns, names=names)
+            head, rest = parts[0], parts[1:]
+            if head == README_NAME and not rest:
+                return RunEntry(README_NAME, README_INO, "file", self._changed_ns, file=self._readme)
+            slot = self._slots.get(head)
+            if head == LATEST:
+                slot = self._latest()
+                if slot is not None and not rest:
+                    return RunEntry(LATEST, LATEST_INO, "link", self._changed_ns, link=slot.ckpt.name)
+        if slot is None:
+            raise VirtualPathError("/" + "/".join(parts), "no such file or directory", errno.ENOENT)
+        if not rest:
+            return RunEntry(slot.ckpt.name, slot.base | ROOT_INO, "dir", slot.mtime_ns, slot=slot,
+                            names=lambda: self._tree_of(slot).listdir(""))
+        tree = self._tree_of(slot)  # "latest/x" (the Python API; the kernel resolves the link itself) is followed
+        try:
+            inner = tree.lookup("/".join(rest))
+        except VirtualPathError as e:
+            raise VirtualPathError("/" + "/".join(parts), e.problem, e.errno) from None
+        return RunEntry(f"{slot.ckpt.name}/{inner.path}", slot.base | inner.ino, "dir" if inner.is_dir else "file",
+                        slot.mtime_ns, slot=slot, tree=tree, inner=inner, names=inner.children)
+
+    def attr(self, path_or_entry) -> Attr:
+        e = path_or_entry if isinstance(path_or_entry, RunEntry) else self.lookup(path_or_entry)
+        if e.inner is not None:
+            a = e.tree.attr(e.inner)
+            return Attr(e.ino, a.mode, a.nlink, a.size, e.mtime_ns)
+        if e.is_link:
+            return Attr(e.ino, LINK_MODE, 1, e.size, e.mtime_ns)
+        if e.is_dir:
+            nlink = 2 + len(self._slots) if e.ino == ROOT_INO else 1
+            return Attr(e.ino, DIR_MODE, nlink, 0, e.mtime_ns)
+        return Attr(e.ino, FILE_MODE, 1, e.size, e.mtime_ns)
+
+    def listdir(self, path: str = "") -> list:
+        e = self.lookup(path)
+        if not e.is_dir:
+            raise VirtualPathError("/" + e.path, "not a directory", errno.ENOTDIR)
+        return list(e.children)
+
+    def readlink(self, path: str) -> str:
+        e = self.lookup(path)
+        if not e.is_link:
+            raise VirtualPathError("/" + e.path, "not a symbolic link", errno.EINVAL)
+        return e.link
+
+    def __contains__(self, path) -> bool:
+        try:
+            self.lookup(path)
+        except VirtualPathError:
+            return False
+        return True
+
+    # -- data -------------------------------------------------------------------------------------------------
+    def read(self, path_or_entry, offset: int, n: int) -> bytes:
+        """Bytes ``[offset, offset+n)`` of a file, from the tree its entry was looked up in."""
+        e = path_or_entry if isinstance(path_or_entry, RunEntry) else self.lookup(path_or_entry)
+        if e.inner is not None:
+            with self._using(e):
+                return e.tree.read(e.inner, offset, n)
+        if e.file is None:
+            raise VirtualPathError("/" + e.path, "is a directory" if e.is_dir else "is a symbolic link",
+                                   errno.EISDIR if e.is_dir else errno.EINVAL)
+        if offset < 0 or n < 0:
+            raise VirtualPathError("/" + e.path, f"invalid read of {n} bytes at offset {offset}", errno.EINVAL)
+        return e.file.read(offset, max(0, min(n, e.size - offset)))
+
+    def open(self, entry: RunEntry) -> int:
+        """A file handle: until ``release`` it serves the tree ``entry`` was looked up in (kept open)."""
+        if entry.is_dir or entry.is_link:
+            raise VirtualPathError("/" + entry.path, "not a regular file", errno.EISDIR if entry.is_dir else errno.ELOOP)
+        with self._lock:
+            if entry.slot is not None:
+                if entry.slot.tree is not entry.tree:
+                    raise VirtualPathError("/" + entry.path, "stale: its checkpoint tree was released", errno.ESTALE)
+                entry.slot.pins += 1
+            fh = next(self._handles_ids)
+            self._handles[fh] = entry
+            return fh
+
+    def entry_by_handle(self, fh: int) -> RunEntry:
+        with self._lock:
+            e = self._handles.get(fh)
+        if e is None:
+            raise VirtualPathError(f"handle {fh}", "no such open file", errno.EBADF)
+        return e
+
+    def release(self, fh: int) -> None:
+        with self._lock:
+            e = self._handles.pop(fh, None)
+        if e is not None and e.slot is not None:
+            self._unpin(e.slot)
+
+    # -- the whole run ------------------------------------------------------------------------------------------
+    def all_paths(self) -> list:
+        """The root's entries (checkpoint folders are not built for this)."""
+        return list(self.lookup("").children)
+
+    @property
+    def total_size(self) -> int:
+        """The complete checkpoint files' total size (what ``statfs`` reports; the generated files are not sized)."""
+        return sum(c.size for c in self._listing.complete)
+
+    @property
+    def file_count(self) -> int:
+        return len(self._slots)
+
+    def warm(self) -> None:
+        """Nothing to start: trees are built on first access."""
+
+    def close(self) -> None:
+        with self._lock:
+            slots = list(self._built)
+            self._handles.clear()
+            self._draining.clear()
+            for s in slots:
+                s.pins = 0
+                self._close_tree(s)
+
+
+def run_readme(listing: RunListing, poll: float = POLL_SECONDS, held: list = ()) -> str:
+    """The root README.txt of a run mount."""
+    lines = ["ckptfs: a read-only view of a Cerebras training run; each checkpoint is a folder of files generated on "
+             "read.", "", f"model_dir:   {listing.model_dir}"]
+    latest = listing.latest
+    lines.append(f"latest:      {latest.name} ({listing.latest_reason})" if latest else
+                 f"latest:      none ({listing.latest_reason})")
+    if listing.pointer_problem:
+        lines.append(f"warning:     {listing.pointer_problem}; `latest` follows the autoload order instead")
+    complete = [c for c in listing.complete if c not in held]
+    lines += ["", f"checkpoints ({len(complete)} complete):"]
+    width = max((len(c.name) for c in complete), default=0) + 1
+    for c in complete:
+        when = datetime.fromtimestamp(c.mtime_ns / 1e9).strftime("%Y-%m-%d %H:%M:%S")
+        lines.append(f"  {c.name + '/':<{width}}  step {c.step:<10}  {c.size:>16,} bytes  {when}")
+    if listing.incomplete or held:
+        lines += ["", "not shown:"]
+        lines += [f"  {c.path.name}: {c.status}" for c in listing.incomplete]
+        lines += [f"  {c.path.name}: replaces a file of the same name that is still open here; shown once that is "
+                  "closed" for c in held]
+    lines += ["",
+              "Each folder holds what `ckptfs mount <its checkpoint file>` shows: the Hugging Face files at its root "
+              "(from_pretrained works on the folder and on `latest`), cs/, torch/, tensors/ and its own README.txt.",
+              f"The listing follows the model_dir while training writes (checked at most every {poll:g} s): a "
+              "checkpoint appears once its save completed (__SUCCESS__ set, renamed from its .tmp file) and "
+              "disappears when it is deleted; a file already open keeps serving the checkpoint it was opened on.",
+              ""]
+    return "\n".join(lines)
+
+
+def is_run(path, options: MountOptions | None = None) -> bool:
+    """Whether ``path`` is mounted as a whole run: a directory, unless ``--single`` was given."""
+    return Path(path).is_dir() and not getattr(options, "single", False)
+
+
+def check_run(model_dir) -> None:
+    """A ``CheckpointError`` if ``model_dir`` cannot be followed as a run (it may hold no checkpoint yet)."""
+    RunScanner(model_dir).scan()
+
+
+def open_run(model_dir, options: MountOptions | None = None, **kw) -> RunTree:
+    """The run tree of ``model_dir`` (``kw``: ``keep``, ``poll``, ``build`` of ``RunTree``)."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise CheckpointError(path, "not a directory (a run is a model_dir)")
+    return RunTree(path, options, **kw)

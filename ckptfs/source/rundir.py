@@ -1,0 +1,197 @@
+"""A training run's ``model_dir``: the checkpoints it holds, which are complete, and which one is the latest.
+
+Cerebras Model Zoo saves ``checkpoint_<step>.mdl`` into the model_dir (``checkpoint_<step>_<YYYYmmdd_HHMMSS>.mdl``
+when that name is taken). A format 0.5 save writes ``<name>.<8 hex>.tmp``, sets the ``__SUCCESS__`` attribute last
+and renames the file when the save completed; a failed save leaves the ``.tmp`` behind. Older formats were written in
+place and carry no completion flag: such a file counts as complete once it opens as a Cerebras checkpoint.
+
+Autoload order (what Model Zoo resumes from): by step, then by the timestamp suffix, a name without one first. The
+latest checkpoint is the last one in that order among the complete ones — unless the model_dir has a ``latest``
+pointer (a symlink, or a text file naming a checkpoint, as ``resolve_checkpoint`` reads it) naming a complete one.
+
+``RunScanner(model_dir).scan()`` lists the top level of the model_dir (checkpoints in subfolders belong to another
+run: mount that folder). It opens each checkpoint file only to read its root attributes, without HDF5 file locking
+(so a writer is never blocked), and remembers the answer until the file's size, mtime, ctime or inode change, so
+that scanning a run of hundreds of checkpoints every second costs one ``stat`` per file.
+"""
+from __future__ import annotations
+
+import os
+import re
+import stat as stat_mod
+import threading
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import CheckpointError
+from .h5store import one_line
+
+#: ``checkpoint_<step>.mdl`` or ``checkpoint_<step>_<stamp>.mdl`` (stamp: Model Zoo's ``%Y%m%d_%H%M%S``, or the
+#: unix time that older tools appended)
+CHECKPOINT_FILE = re.compile(r"^checkpoint_(?P<step>\d+)(?:_(?P<stamp>\d{8}_\d{6}|\d+))?\.mdl$")
+#: the temporary file of a save in progress (or of a failed one): ``<checkpoint name>.<8 hex>.tmp``
+TEMPORARY_FILE = re.compile(r"^(?P<final>checkpoint_.+\.mdl)\.[0-9a-fA-F]{8}\.tmp$")
+
+COMPLETE = "complete"
+IN_PROGRESS = "temporary file of a save in progress (or of a failed save)"
+
+
+@dataclass(frozen=True)
+class RunCheckpoint:
+    """One checkpoint file of a run, complete or not."""
+
+    path: Path
+    step: int | None  # None for a temporary file whose final name is not a step name
+    stamp: datetime  # the timestamp suffix; datetime.min without one
+    size: int
+    mtime_ns: int
+    complete: bool
+    status: str  # COMPLETE, IN_PROGRESS, or why the file is not a usable checkpoint
+    identity: tuple = ()  # (device, inode, size, mtime_ns, ctime_ns): changes whenever the file does
+
+    @property
+    def name(self) -> str:
+        """The folder it gets in a run mount: the file name without ``.mdl`` (``checkpoint_2000``)."""
+        return self.path.name[:-4] if self.path.name.endswith(".mdl") else self.path.name
+
+    @property
+    def temporary(self) -> bool:
+        return self.path.name.endswith(".tmp")
+
+    def sort_key(self) -> tuple:
+        return (self.step if self.step is not None else -1, self.stamp, self.temporary, self.path.name)
+
+
+@dataclass(frozen=True)
+class RunListing:
+    """What a model_dir held at one scan."""
+
+    model_dir: Path
+    checkpoints: tuple  # every RunCheckpoint, complete or not, in autoload order
+    latest: RunCheckpoint | None = None
+    latest_reason: str = ""  # how ``latest`` was chosen
+    pointer_problem: str | None = None  # why a ``latest`` pointer in the model_dir was not followed
+
+    @property
+    def complete(self) -> tuple:
+        return tuple(c for c in self.checkpoints if c.complete)
+
+    @property
+    def incomplete(self) -> tuple:
+        return tuple(c for c in self.checkpoints if not c.complete)
+
+
+def parse_name(name: str):
+    """``(step, stamp)`` of a checkpoint file name, or None if the name is not a checkpoint's (nor the temporary
+    file of one); a timestamp that is not a valid date makes the name not a checkpoint's, as in Model Zoo."""
+    tmp = TEMPORARY_FILE.match(name)
+    m = CHECKPOINT_FILE.match(tmp.group("final") if tmp else name)
+    if m is None:
+        return (None, datetime.min) if tmp else None
+    stamp = m.group("stamp")
+    if stamp is None:
+        return int(m.group("step")), datetime.min
+    try:
+        when = (datetime.strptime(stamp, "%Y%m%d_%H%M%S") if "_" in stamp
+                else datetime.fromtimestamp(int(stamp)))
+    except (ValueError, OverflowError, OSError):
+        return None
+    return int(m.group("step")), when
+
+
+def probe(path) -> tuple:
+    """``(complete, status)`` of one checkpoint file, from its root attributes only (HDF5 opened without locking)."""
+    import h5py
+    import hdf5plugin  # noqa: F401  (registers the LZ4 filter before any HDF5 file is opened)
+
+    try:
+        f = h5py.File(path, "r", locking=False)
+    except (OSError, ValueError) as e:
+        return False, f"cannot be opened as an HDF5 file ({one_line(e)})"
+    try:
+        attrs = f.attrs
+        if "__spec__" not in attrs:
+            return False, "not a Cerebras checkpoint (no __spec__ attribute)"
+        version = float(np.asarray(attrs["__version__"]).item()) if "__version__" in attrs else 0.1
+        if version >= 0.5 and not ("__SUCCESS__" in attrs and bool(np.asarray(attrs["__SUCCESS__"]).item())):
+            return False, "partial: no __SUCCESS__ flag (the save has not finished, or failed)"
+        return True, COMPLETE
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        return False, f"unreadable root attributes ({one_line(e)})"
+    finally:
+        f.close()
+
+
+class RunScanner:
+    """Scans one model_dir; remembers each file's probe until the file changes (thread-safe)."""
+
+    def __init__(self, model_dir):
+        self.model_dir = Path(model_dir).absolute()
+        self._probes: dict = {}  # identity -> (complete, status)
+        self._lock = threading.Lock()
+
+    def scan(self) -> RunListing:
+        """The model_dir's checkpoints now. ``CheckpointError`` if the model_dir itself cannot be listed."""
+        found = []
+        try:
+            with os.scandir(self.model_dir) as it:
+                entries = list(it)
+        except OSError as e:
+            raise CheckpointError(self.model_dir, f"cannot list the model_dir ({e.strerror or e})") from None
+        for de in entries:
+            parsed = parse_name(de.name)
+            if parsed is None:
+                continue
+            try:
+                st = de.stat()  # follows symlinks: a checkpoint may be a link to the file
+            except OSError:
+                continue  # deleted since listed, or a dangling link
+            if not stat_mod.S_ISREG(st.st_mode):
+                continue
+            found.append(self._checkpoint(Path(de.path), parsed, st))
+        found.sort(key=RunCheckpoint.sort_key)
+        with self._lock:
+            keep = {c.identity for c in found}
+            self._probes = {k: v for k, v in self._probes.items() if k in keep}
+        latest, reason, problem = choose_latest(self.model_dir, found)
+        return RunListing(self.model_dir, tuple(found), latest, reason, problem)
+
+    def _checkpoint(self, path: Path, parsed: tuple, st: os.stat_result) -> RunCheckpoint:
+        step, stamp = parsed
+        identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        if path.name.endswith(".tmp"):
+            complete, status = False, IN_PROGRESS
+        else:
+            with self._lock:
+                known = self._probes.get(identity)
+            if known is None:
+                known = probe(path)
+                with self._lock:
+                    self._probes[identity] = known
+            complete, status = known
+        return RunCheckpoint(path, step, stamp, st.st_size, st.st_mtime_ns, complete, status, identity)
+
+
+def choose_latest(model_dir: Path, checkpoints: list) -> tuple:
+    """``(latest, reason, pointer_problem)``: the ``latest`` pointer's checkpoint if it names a complete one,
+    else the last complete checkpoint in autoload order."""
+    from .resolve import _latest_pointer
+
+    complete = [c for c in checkpoints if c.complete]
+    problem = None
+    try:
+        target = _latest_pointer(model_dir)
+    except CheckpointError as e:
+        target, problem = None, e.problem
+    if target is not None:
+        real = os.path.realpath(target)
+        named = [c for c in complete if os.path.realpath(c.path) == real]
+        if named:
+            return named[-1], f"named by the 'latest' pointer in {model_dir}", None
+        problem = f"the 'latest' pointer names {target}, which is not a complete checkpoint of this run"
+    if complete:
+        return complete[-1], "highest step (then newest timestamp), as Cerebras' autoload picks it", problem
+    return None, "no complete checkpoint yet", problem
