@@ -176,6 +176,10 @@ class MountOptions:
                                help="model name, overriding detection from the params YAML")
     trainer_index: int | None = option(None, "--trainer-index", INT, content=True,
                                        help="which trainer of a params YAML that lists several")
+    lora: str = option("fold", "--lora", choice("fold", "keep"), content=True,
+                       help="LoRA-trained checkpoints: fold the adapters into the HF weights (fold), or also serve "
+                            "base/ (the model before LoRA) and adapter/ (a PEFT LoRA adapter of it) beside the "
+                            "folded model (keep)")
     views: tuple = option(None, "--views", VIEWS, factory=_all_views, help="comma-separated views to generate")
     max_shard_size: int = option(5 * 10**9, "--max-shard-size", SIZE, content=True,
                                  help="largest HF weight shard, e.g. 5GB, 500MB, 2GiB")

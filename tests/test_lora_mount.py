@@ -14,7 +14,7 @@ import yaml
 
 from ckptfs.mapping.detect import cs_model_tensors
 from fusehelp import fake_env, mounted, needs_fuse
-from test_mapping_helpers import FIXTURES, open_fixture
+from mappinghelp import FIXTURES, open_fixture
 
 pytestmark = [needs_fuse, pytest.mark.timeout(900)]
 
@@ -87,3 +87,26 @@ def source_views_unchanged(mnt, case):
         assert np.array_equal(state[key].numpy(), t.read_all()), f"torch/ {key}"
         npy = mnt / "tensors" / "model" / (key.replace(".", "/") + ".npy")
         np.testing.assert_array_equal(np.load(npy), t.read_all(), err_msg=f"tensors/ {key}")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_keep_mount_serves_base_and_a_peft_adapter(case):
+    """--lora keep: PeftModel.from_pretrained(base/, adapter/) through the mount, merged, is the root's model."""
+    import peft
+    import transformers
+
+    cls = getattr(transformers, json.loads((FIXTURES / case / "MANIFEST.json").read_text())["hf_architecture"])
+    with mounted(FIXTURES / case / "cs" / "checkpoint.mdl", "--model", CASES[case], "--lora", "keep",
+                 "--views", "hf", env=real_env()) as mnt:
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (mnt / "adapter").iterdir()}
+        folded = load(mnt, cls)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = peft.PeftModel.from_pretrained(load(mnt / "base", cls), str(mnt / "adapter")).eval()
+        assert "adapter/ is a PEFT LoRA adapter of base/" in (mnt / "README.txt").read_text()
+    ids = torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, folded(ids).logits, rtol=0, atol=1e-3)
+    merged = model.merge_and_unload().state_dict()
+    for name, t in folded.state_dict().items():
+        assert torch.equal(merged[name], t), name

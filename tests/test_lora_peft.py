@@ -20,7 +20,7 @@ from ckptfs.mapping.lora_peft import NotExpressible, peft_adapter
 from ckptfs.mapping.params import find_params
 from ckptfs.mapping.registry import default_registry
 from ckptfs.tensor import ArrayTensor
-from test_mapping_helpers import FIXTURES, RecordingTensor, checkpoint_from_model, open_fixture
+from mappinghelp import FIXTURES, RecordingTensor, checkpoint_from_model, open_fixture
 
 CASES = {"lora_gpt2": "gpt2", "lora_llama": "llama"}
 
@@ -43,9 +43,9 @@ def write_keep(hf, root):
     for folder, model in hf.folders().items():
         write_folder(root / (folder or "folded"), model.config, model.tensors)
     (root / "adapter").mkdir()
-    (root / "adapter" / "adapter_config.json").write_text(json.dumps(hf.files["adapter/adapter_config.json"]))
-    write_folder(root / "adapter", None, hf.extra_safetensors["adapter/adapter_model.safetensors"],
-                 "adapter_model.safetensors")
+    adapter = hf.extra_folders["adapter"]
+    (root / "adapter" / "adapter_config.json").write_text(json.dumps(adapter["adapter_config.json"]))
+    write_folder(root / "adapter", None, adapter["adapter_model.safetensors"], "adapter_model.safetensors")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -83,18 +83,18 @@ def test_base_folder_is_the_model_before_lora():
 
 def test_fused_c_attn_adapter_has_three_times_the_rank_and_alpha():
     hf = to_hf(open_fixture("lora_gpt2"), model="gpt2", lora="keep")
-    cfg = hf.files["adapter/adapter_config.json"]
+    cfg = hf.extra_folders["adapter"]["adapter_config.json"]
     assert (cfg["peft_type"], cfg["r"], cfg["lora_alpha"], cfg["fan_in_fan_out"]) == ("LORA", 2, 5, True)
     assert cfg["rank_pattern"] == {"transformer.h.0.attn.c_attn": 6, "transformer.h.1.attn.c_attn": 6}
     assert cfg["alpha_pattern"] == {"transformer.h.0.attn.c_attn": 15, "transformer.h.1.attn.c_attn": 15}
-    tensors = dict(hf.extra_safetensors["adapter/adapter_model.safetensors"])
+    tensors = dict(hf.extra_folders["adapter"]["adapter_model.safetensors"])
     b = tensors["base_model.model.transformer.h.0.attn.c_attn.lora_B.weight"].read_all()
     assert b.shape == (96, 6) and not b[:32, 2:].any() and not b[32:64, :2].any() and not b[32:64, 4:].any()
 
 
 def test_fold_mode_has_no_base_or_adapter():
     hf = to_hf(open_fixture("lora_gpt2"), model="gpt2")
-    assert set(hf.folders()) == {""} and not hf.files and not hf.extra_safetensors
+    assert set(hf.folders()) == {""} and not hf.files and not hf.extra_folders
 
 
 def test_no_adapter_with_mup_and_the_notes_say_why(tmp_path):
@@ -103,7 +103,7 @@ def test_no_adapter_with_mup_and_the_notes_say_why(tmp_path):
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(doc))
     hf = to_hf(checkpoint_from_model(tmp_path / "c.mdl", cs_model_tensors(open_fixture("lora_gpt2"))),
                model="gpt2", lora="keep")
-    assert "adapter/adapter_config.json" not in hf.files and "base" in hf.folders()
+    assert not hf.extra_folders and "base" in hf.folders()
     assert any("no PEFT adapter: muP scales are folded into the HF weights" in w for w in hf.warnings)
 
 

@@ -20,7 +20,8 @@ def every_option_set(tmp_path) -> mo.MountOptions:
     """Options with every field away from its default."""
     cfg = tmp_path / "params.yaml"
     cfg.write_text("model: {}\n")
-    return mo.MountOptions(config=cfg, model="llama", trainer_index=1, views=("cs", "hf"), max_shard_size=123_000,
+    return mo.MountOptions(config=cfg, model="llama", trainer_index=1, lora="keep", views=("cs", "hf"),
+                           max_shard_size=123_000,
                            hf_format="bin", overlay=(tmp_path,),
                            zip_crc="zero", cache_size=64 << 20, allow_partial=True, data_iter_dir=tmp_path,
                            shuffle_seed=7, single=True)

@@ -37,7 +37,9 @@ class HFModel:
     components: list = field(default_factory=list)
     files: dict = field(default_factory=dict)  # more JSON files of this folder: {file name: content}
     description: str = ""  # one line on where this folder's model comes from (README.txt)
-    extra_safetensors: dict = field(default_factory=dict)  # more safetensors files: {file name: [(name, tensor)]}
+    # folders that are no HF model directory (--lora keep's PEFT adapter/): {folder: {file name: content}}, a
+    # content being JSON (a dict) or a safetensors file's [(name, tensor)]
+    extra_folders: dict = field(default_factory=dict)
 
     def folders(self) -> dict:
         """{sub-folder ('' = the mount root): HFModel} for every HF model directory this checkpoint gives."""

@@ -41,8 +41,7 @@ class NotExpressible(Exception):
 def keep_adapter(hf, base, adapters, spec, variant, base_params: dict, params_path, cs: dict) -> None:
     """Add ``base/`` (the model before LoRA) and, where PEFT can express it, ``adapter/`` to ``hf``."""
     hf.description = "the model with LoRA folded in"
-    base.description = ("the base model (weights as before LoRA training, the LoRA matrices left out)"
-                        + f"; {ADAPTER_DIR}/ holds its LoRA adapter")
+    base.description = "the base model (weights as before LoRA training, the LoRA matrices left out)"
     hf.components.append((BASE_DIR, base))
     try:
         adapter = peft_adapter(spec, variant, base_params, params_path, adapters, cs)
@@ -50,8 +49,9 @@ def keep_adapter(hf, base, adapters, spec, variant, base_params: dict, params_pa
         hf.warnings.append(f"--lora keep: no PEFT adapter: {e}; {BASE_DIR}/ holds the base model, the root the "
                            f"folded one")
         return
-    hf.files[f"{ADAPTER_DIR}/adapter_config.json"] = adapter.config
-    hf.extra_safetensors[f"{ADAPTER_DIR}/adapter_model.safetensors"] = adapter.tensors
+    base.description += f"; {ADAPTER_DIR}/ holds its LoRA adapter"
+    hf.extra_folders[ADAPTER_DIR] = {"adapter_config.json": adapter.config,
+                                     "adapter_model.safetensors": adapter.tensors}
     hf.warnings.append(f"--lora keep: {ADAPTER_DIR}/ is a PEFT LoRA adapter of {BASE_DIR}/ ({adapter.modules} "
                        f"modules; load with PeftModel.from_pretrained(<{BASE_DIR}/ model>, '<mount>/{ADAPTER_DIR}')); "
                        f"merged, it is the root's folded model up to PEFT's own rounding")

@@ -68,12 +68,26 @@ def weight_files(named: list, *, max_shard_size: int, zip_crc: str, crc_store=No
     return files
 
 
+def extra_folder_files(hf, **layout) -> dict:
+    """Files of the folders that are no HF model directory (--lora keep's PEFT ``adapter/``): JSON files and
+    safetensors files (``layout``: more SafetensorsLayout arguments)."""
+    from ..layouts.safetensors import SafetensorsLayout
+
+    files = {}
+    for folder, contents in hf.extra_folders.items():
+        for name, content in contents.items():
+            files[f"{folder}/{name}"] = (_json_file(content) if isinstance(content, dict) else
+                                         SafetensorsLayout(_untie(content), metadata={"format": "pt"}, **layout))
+    return files
+
+
 def build(ctx) -> ViewResult:
     from ..mapping.convert import to_hf
 
     opts = ctx.options
     try:
-        hf = to_hf(ctx.checkpoint, config=opts.config, model=opts.model, trainer_index=opts.trainer_index)
+        hf = to_hf(ctx.checkpoint, config=opts.config, model=opts.model, trainer_index=opts.trainer_index,
+                   lora=opts.lora)
     except CkptfsError as e:
         return ViewResult(missing=f"Hugging Face files not generated: {e.problem}")
     files = {}
@@ -97,5 +111,6 @@ def build(ctx) -> ViewResult:
     from .hf_dir import arrange  # weight formats (--hf-format), overlay / tokenizer files, token ids
 
     files, more = arrange(files, hf, ctx)
+    files.update(extra_folder_files(hf))  # not model folders: arrange leaves them out
     notes += [f"hf: {n}" for n in more]
     return ViewResult(files=files, notes=notes)
