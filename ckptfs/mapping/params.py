@@ -12,10 +12,9 @@ import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from ..errors import ConfigError
 from ..source.catalog import Checkpoint, Container, ValueLeaf
+from .safe_yaml import load_params_yaml
 
 
 class TrainerChoiceError(ConfigError):
@@ -96,12 +95,7 @@ def _trainer(doc: dict, path, trainer_index: int | None):
 
 def load_params_file(path: Path, trainer_index: int | None = None) -> CSParams:
     path = Path(path)
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(path, "params YAML not found") from None
-    except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(path, f"cannot read params YAML: {e}") from None
+    doc = load_params_yaml(path)  # bounded: size, aliases (safe_yaml)
     model = model_section(doc, path, trainer_index)
     if model is None:
         raise ConfigError(path, "params YAML has no 'model' section (legacy) or 'trainer.init.model' (trainer layout)")

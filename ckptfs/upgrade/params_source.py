@@ -10,10 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from ..errors import ConfigError
 from ..mapping.params import candidate_files, node_value
+from ..mapping.safe_yaml import load_params_yaml
 
 
 @dataclass
@@ -25,12 +24,7 @@ class ParamsDoc:
 
 
 def load_yaml(path: Path) -> dict:
-    try:
-        doc = yaml.safe_load(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(path, "params YAML not found") from None
-    except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(path, f"cannot read params YAML: {e}") from None
+    doc = load_params_yaml(Path(path))  # bounded: size, aliases (mapping.safe_yaml)
     if not isinstance(doc, dict):
         raise ConfigError(path, "params YAML is not a mapping")
     return doc

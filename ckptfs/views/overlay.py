@@ -20,9 +20,8 @@ import stat as stat_mod
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
-from ..errors import CkptfsError
+from ..errors import CkptfsError, ConfigError
+from ..mapping.safe_yaml import load_params_yaml
 
 #: file names of a Hugging Face tokenizer (and chat template) that are picked up without --overlay
 TOKENIZER_FILES = (
@@ -218,8 +217,8 @@ def params_tokenizer_paths(params_path: Path | None) -> tuple:
     if params_path is None:
         return [], []
     try:
-        doc = yaml.safe_load(Path(params_path).read_text())
-    except (OSError, yaml.YAMLError):
+        doc = load_params_yaml(Path(params_path))  # bounded: size, aliases
+    except ConfigError:
         return [], []
     named: list = []
     _named_in_params(doc, named)
