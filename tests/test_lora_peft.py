@@ -75,8 +75,8 @@ def test_base_folder_is_the_model_before_lora():
     hf = to_hf(open_fixture("lora_llama"), model="llama", lora="keep")
     base = dict(hf.folders()["base"].tensors)
     cs = cs_model_tensors(open_fixture("lora_llama"))
-    np.testing.assert_array_equal(base["model.layers.0.self_attn.v_proj.weight"].read_all(),
-                                  cs["model.transformer_decoder.layers.0.self_attn.proj_v_dense_layer.weight"].read_all())
+    v_cs = cs["model.transformer_decoder.layers.0.self_attn.proj_v_dense_layer.weight"]
+    np.testing.assert_array_equal(base["model.layers.0.self_attn.v_proj.weight"].read_all(), v_cs.read_all())
     assert hf.folders()["base"].config == hf.config, "same config: only the weights differ"
     assert any("adapter/ is a PEFT LoRA adapter of base/ (14 modules" in w for w in hf.warnings)
 

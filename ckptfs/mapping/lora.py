@@ -257,11 +257,13 @@ def _notes(settings: LoraSettings, modules: list) -> list:
            + ", ".join(f"{n} {k}" for k, n in kinds.items())
            + f"), as Model Zoo's fold_lora_checkpoint.py does: W + (lora_B @ lora_A) * alpha / r (Embedding: "
              f"the product transposed), float32; LoRA settings from {settings.where}; the lora_A / lora_B "
-             f"matrices are not in the HF files (cs/ keeps the unfolded checkpoint)"]
+             f"matrices are not in the HF files (cs/ keeps the unfolded checkpoint; --lora keep also serves base/ "
+             f"and a PEFT adapter/)"]
     for g in settings.groups:
         mine = [m for m in modules if m.group is g]
         where = sorted(dict.fromkeys(_pattern(m.name) for m in mine))
-        out.append(f"LoRA {g.describe()}: folded into {len(mine)} modules" + (f" ({', '.join(where)})" if where else ""))
+        out.append(f"LoRA {g.describe()}: folded into {len(mine)} modules"
+                   + (f" ({', '.join(where)})" if where else ""))
     return out
 
 
