@@ -320,3 +320,13 @@ def test_lora_on_a_tied_embedding_unties_it(tmp_path, head_too):
         assert not np.array_equal(head, raw_head)
     else:  # the LM head keeps the weights as trained (the tie broken), as the fold tool's untied model has them
         np.testing.assert_array_equal(head, raw_head)
+
+
+def test_a_rank_zero_group_wraps_nothing(tmp_path):
+    """r 0 makes no LoRA matrices (Model Zoo keeps such modules as they are): a group that selects them is fine."""
+    doc = params_doc("lora_llama")
+    doc["model"]["lora_params"].insert(0, {"r": 0, "target_modules": ["LlamaModel", "Embedding"]})
+    lora, _ = lora_of("lora_llama", doc, tmp_path)
+    assert len(lora.modules) == 14 and {m.group.index for m in lora.modules} == {1, 2}
+    assert any("group 0: r 0 (no LoRA matrices)" in n for n in lora.notes)
+    assert not any("selects" in n and "more modules" in n for n in lora.notes)

@@ -53,10 +53,12 @@ class LoraGroup:
         return self.target_modules is None or all(t in class_path for t in self.target_modules)
 
     def describe(self) -> str:
+        targets = "null (every Linear and Embedding)" if self.target_modules is None else list(self.target_modules)
+        if self.r == 0:  # Model Zoo leaves such modules as they are
+            return f"group {self.index}: r 0 (no LoRA matrices), target_modules {targets}"
         scaling = self.scaling
         as32 = float(np.float32(scaling))
         exact = "" if as32 == scaling else f", multiplied as float32 {as32!r}"
-        targets = "null (every Linear and Embedding)" if self.target_modules is None else list(self.target_modules)
         return (f"group {self.index}: r {self.r}, alpha {self.alpha} (scaling {self.alpha}/{self.r} = {scaling!r}"
                 f"{exact}), target_modules {targets}")
 
