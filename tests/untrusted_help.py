@@ -17,7 +17,7 @@ import hdf5plugin  # noqa: F401
 import numpy as np
 from safetensors.numpy import save_file
 
-FIXTURES = Path(__file__).parent / "fixtures"
+from conftest import FIXTURES
 LLAMA_CS = FIXTURES / "llama" / "cs"
 EDGE = FIXTURES / "cstorch_edge_cases"
 MARK = b"CKPTFS-SECRET-16"
@@ -157,3 +157,14 @@ def craft_hostile_metadata(folder: Path) -> Path:
 
 HOSTILE_KEYS = {"bad_negative": "negative dimension", "bad_full_negative": "negative dimension",
                 "bad_overflow": "overflows", "bad_mismatch": "metadata says", "bad_fifo": "FIFO"}
+
+
+def craft_names(folder: Path) -> Path:
+    """The legacy 0.4 fixture with keys renamed so that the tensors/ view must escape and separate them: a key that
+    is a prefix of another (``model.tied`` / ``model.tied.z``) next to a key written like the prefix's moved file
+    (``model.tied@``), a NUL plus an over-long (>255 bytes) file name, and an over-long directory name."""
+    from cshelp import renamed_legacy_copy
+
+    folder.mkdir(parents=True, exist_ok=True)
+    return renamed_legacy_copy(FIXTURES / "legacy_emulated" / "legacy04.mdl", folder / "checkpoint.mdl",
+                               {"b": "tied.z", "w": "tied@", "full": "fu\0ll" + "F" * 300, "a/b": "D" * 300 + ".leaf"})
