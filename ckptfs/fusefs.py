@@ -19,7 +19,7 @@ import sys
 import threading
 from ctypes.util import find_library
 
-from .errors import CkptfsError
+from .errors import CkptfsError, SourceChangedError
 from .vfs import BLKSIZE, Entry, VirtualPathError, VirtualTree
 
 log = logging.getLogger("ckptfs.fuse")
@@ -99,15 +99,19 @@ class CkptfsOperations:
                 "st_mtime": a.mtime_ns, "st_ctime": a.mtime_ns, "st_atime": a.mtime_ns}
 
     def _report(self, e: Entry, err: BaseException) -> None:
-        """Log the first failure of each file as one line; later ones only at debug level."""
+        """Log the first failure of each file as one line; later ones only at debug level. A source that changed
+        under the mount is said once for the whole mount (every file reading it then fails the same way)."""
         path = "/" + e.path
         msg = " ".join(str(err).split()) or type(err).__name__
         if not isinstance(err, CkptfsError):
             msg = f"{type(err).__name__}: {msg}"
+        changed = isinstance(err, SourceChangedError)
         with self._lock:
-            first = path not in self._failed
-            self._failed.add(path)
-        if first:
+            first = (err.path if changed else path) not in self._failed
+            self._failed.add(err.path if changed else path)
+        if first and changed:
+            log.error("source changed: %s (reads that need its data return EIO until remounted)", msg)
+        elif first:
             log.error("read error in %s: %s (reads of this file return EIO)", path, msg)
         log.debug("read error in %s", path, exc_info=err)
 

@@ -1,0 +1,170 @@
+"""Untrusted checkpoints through a real FUSE mount (issue 16), driven as a user would: crafted files built from the
+fixtures with h5py, ``ckptfs mount`` in a subprocess, every byte read back through the kernel. Every wait is bounded
+by a subprocess timeout or the test timeout (the harness), never asserted on."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fusehelp import fake_env, mounted, mounted_server, needs_fuse
+from untrusted_help import (ALLOWED_WITH_OUTSIDE, HOSTILE_KEYS, MARK, REFERENCE_KEYS, add_leaves, all_served_bytes,
+                            craft_hostile_metadata, craft_references, leaf_metadata, safetensor_ref, tensor_md)
+
+pytestmark = [needs_fuse, pytest.mark.timeout(900)]
+
+
+def real_env(**extra) -> dict:
+    env = {k: v for k, v in fake_env().items() if k != "CKPTFS_TEST_TREE"}
+    env.update(extra)
+    return env
+
+
+def read_each(mnt: Path) -> dict:
+    """{relative path: None, or the error of ``cat``} for every file of the mount, each read in full by ``cat``."""
+    found = subprocess.run(["find", str(mnt), "-type", "f", "-print0"], capture_output=True, timeout=120, check=True)
+    out = {}
+    for raw in sorted(found.stdout.split(b"\0")):
+        if raw:
+            r = subprocess.run(["cat", raw], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=300)
+            out[os.path.relpath(os.fsdecode(raw), mnt)] = r.stderr.decode().rsplit(": ", 1)[-1].strip() or None \
+                if r.returncode else None
+    return out
+
+
+def _readme(mnt: Path) -> str:
+    return (mnt / "README.txt").read_text()
+
+
+# -- 1. confinement ---------------------------------------------------------------------------------------------
+
+
+def test_crafted_references_serve_no_foreign_byte(tmp_path):
+    ckpt = craft_references(tmp_path / "ck", tmp_path / "outside")
+    with mounted(ckpt, env=real_env(), timeout=300) as mnt:
+        served = all_served_bytes(mnt)  # every file, read through FUSE
+        readme = _readme(mnt)
+    leaks = [p for p, data in served.items() if MARK in data]
+    assert not leaks, leaks
+    for key, why in REFERENCE_KEYS.items():
+        assert any(key in ln and why in ln for ln in readme.splitlines()), (key, readme)
+    assert "config.json" in served and "model.safetensors" in served  # the rest of the checkpoint is served
+    ok = served["tensors/ok_local.npy"]
+    assert ok.endswith(np.arange(16, dtype=np.float32).tobytes())  # a reference inside the folder is served
+
+
+# -- 2. nothing blocks or spins ----------------------------------------------------------------------------------
+
+
+def test_hostile_metadata_neither_blocks_nor_spins_and_sigterm_unmounts(tmp_path):
+    ckpt = craft_hostile_metadata(tmp_path / "ck")  # includes a reference to a FIFO in the checkpoint's folder
+    save = tmp_path / "ck" / "vanishes.safetensors"
+    from safetensors.numpy import save_file
+
+    save_file({"s": np.ones(4, np.float32)}, str(save))
+    add_leaves(ckpt, {"fails_on_read": safetensor_ref("fails_on_read", save.name)})
+    with mounted_server(ckpt, env=real_env(), timeout=300) as srv:
+        mnt = srv.mnt
+        readme = _readme(mnt)
+        for key, why in HOSTILE_KEYS.items():
+            assert any(key in ln and why in ln for ln in readme.splitlines()), (key, readme)
+        save.unlink()  # one tensor's bytes are gone: its reads fail, nothing else does
+        failed = {p: err for p, err in read_each(mnt).items() if err}
+        # exactly the files holding that tensor fail (EIO); every other file reads in full
+        assert failed == dict.fromkeys(["cs/checkpoint.mdl", "tensors/fails_on_read.npy", "torch/checkpoint.pt"],
+                                       "Input/output error"), failed
+        assert json.loads((mnt / "config.json").read_text())["model_type"] == "llama"
+        assert subprocess.run(["ls", "-R", str(mnt)], capture_output=True, timeout=120).returncode == 0
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(timeout=120) == 0, srv.log()
+        assert "fails_on_read" in srv.log()
+    assert not os.path.ismount(mnt)
+
+
+def test_negative_dimension_in_a_model_tensor_leaves_the_hf_files_out_with_the_reason(tmp_path):
+    """The red-team case: a negative dimension in a tensor the HF weights need made pytorch_model.bin spin."""
+    ckpt = craft_hostile_metadata(tmp_path / "ck")
+    import h5py
+
+    key = "model.transformer_decoder.layers.0.norm1.weight"
+    with h5py.File(ckpt, "a") as f:
+        f.attrs[f"{key}.__metadata__"] = json.dumps(leaf_metadata(key, tensor_md((-32,))))
+    with mounted(ckpt, env=real_env(), timeout=300) as mnt:
+        readme = _readme(mnt)
+        assert key in readme and "negative dimension" in readme
+        r = subprocess.run(["cp", "-r", f"{mnt}/.", str(tmp_path / "copy")], capture_output=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        assert not (mnt / "pytorch_model.bin").exists() or (tmp_path / "copy" / "pytorch_model.bin").exists()
+
+
+# -- 3. change detection ---------------------------------------------------------------------------------------
+
+
+def _first_chunk(ckpt: Path, name: str) -> tuple:
+    import h5py
+
+    with h5py.File(ckpt, "r") as f:
+        info = f[name].id.get_chunk_info(0)
+    return info.byte_offset, info.size
+
+
+def _flip(path: Path, offset: int, size: int) -> None:
+    with open(path, "r+b") as fh:  # same inode: what `cp new.mdl checkpoint.mdl` does
+        fh.seek(offset)
+        old = fh.read(size)
+        fh.seek(offset)
+        fh.write(bytes(b ^ 0x5A for b in old))
+
+
+@pytest.mark.parametrize("how", ["rewritten in place", "renamed over", "truncated"])
+def test_checkpoint_changed_under_a_live_mount_never_mixes_bytes(tmp_path, how):
+    import shutil
+
+    from ckptfs.vfs import build_tree
+    from untrusted_help import copy_llama
+
+    ckpt = copy_llama(tmp_path / "ck")
+    ref_ckpt = copy_llama(tmp_path / "ref")  # the version that is mounted, for comparison
+    ref = build_tree(ref_ckpt)
+    try:
+        expected = {p: ref.read(p, 0, ref.attr(p).size) for p in ref.file_paths() if p != "README.txt"}
+    finally:
+        ref.close()
+    key = "model.transformer_decoder.layers.1.ffn.ffn.0.linear_layer.weight"
+    with mounted_server(ckpt, env=real_env(), timeout=300) as srv:
+        mnt = srv.mnt
+        assert (mnt / "config.json").read_bytes() == expected["config.json"]
+        if how == "rewritten in place":
+            ino = ckpt.stat().st_ino
+            _flip(ckpt, *_first_chunk(ckpt, key))
+            assert ckpt.stat().st_ino == ino
+        elif how == "renamed over":
+            new = tmp_path / "ck" / "new.mdl"
+            shutil.copy(ckpt, new)
+            _flip(new, *_first_chunk(new, key))
+            os.replace(new, ckpt)
+        else:
+            with open(ckpt, "r+b") as fh:
+                fh.truncate(ckpt.stat().st_size // 2)
+        outcome = read_each(mnt)
+        mixed = []
+        for path, err in outcome.items():
+            if err is None and path in expected:
+                if (mnt / path).read_bytes() != expected[path]:
+                    mixed.append(path)
+            elif err is not None:
+                assert err == "Input/output error", (path, err)
+        assert not mixed, mixed  # every file served is entirely the mounted version…
+        failed = sorted(p for p, err in outcome.items() if err)
+        log = srv.log()
+    changed = [ln for ln in log.splitlines() if "source changed" in ln]
+    if how == "renamed over":  # the open file still holds the mounted version: it is served whole
+        assert not failed and not changed, (failed, log)
+    else:  # …or reads that need the changed file fail, said once in the log
+        assert "model.safetensors" in failed and "torch/checkpoint.pt" in failed, failed
+        assert len(changed) == 1 and "changed since it was opened" in changed[0], log
