@@ -15,7 +15,7 @@ from ..errors import MappingError
 from ..source.catalog import Checkpoint
 from . import floats
 from .config import config_functions, convert_config, unused_key_warnings
-from .detect import cs_model_tensors, detect_family
+from .detect import cs_model_tensors, detect_family, unreadable_model_tensors
 from .lora import find_lora
 from .params import find_params
 from .registry import Registry, default_registry
@@ -73,6 +73,12 @@ def to_hf(checkpoint: Checkpoint, *, config=None, model: str | None = None, trai
     det = detect_family(checkpoint, config, model, trainer_index=trainer_index, registry=registry)
     if det.family is None:
         raise MappingError(checkpoint.path, det.reason)
+    unreadable = unreadable_model_tensors(checkpoint)
+    if unreadable:  # never a model that silently lacks a trained tensor
+        key, reason = next(iter(unreadable.items()))
+        more = f" (and {len(unreadable) - 1} more model tensors)" if len(unreadable) > 1 else ""
+        raise MappingError(checkpoint.path, f"CS tensor {key} is unreadable ({reason}){more}; the Hugging Face "
+                                            "weights would lack it")
     params = find_params(checkpoint, config, trainer_index)
     spec = registry.family(det.family)
     variant = spec.variant(det.model_name)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CkptfsError, ConfigError
-from ..source.catalog import Checkpoint, TensorLeaf
+from ..source.catalog import Checkpoint, TensorLeaf, UnreadableLeaf
 from .config import ConfigScope, config_functions
 from .expr import ExprError, MissingName, evaluate
 from .params import CSParams, find_params
@@ -32,6 +32,13 @@ def cs_model_tensors(checkpoint: Checkpoint) -> dict:
         if key.startswith("model.") and isinstance(leaf, TensorLeaf):
             out[key[len("model."):]] = leaf.tensor
     return out
+
+
+def unreadable_model_tensors(checkpoint: Checkpoint) -> dict:
+    """``{key: reason}`` of the leaves under top-level ``model`` that ckptfs cannot read (a refused reference, bad
+    metadata, a TorchScript graph…): HF weights made without them would silently lack a trained tensor."""
+    return {k: leaf.reason for k, leaf in checkpoint.leaves.items()
+            if k.startswith("model.") and isinstance(leaf, UnreadableLeaf)}
 
 
 def _matches_keys(spec, keys) -> bool:
