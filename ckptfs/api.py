@@ -4,7 +4,7 @@
     tree = ckptfs.open("checkpoint_1000.mdl")             # same files as `ckptfs mount`
     tree.listdir("")                                       # ['README.txt', 'config.json', ..., 'cs', 'tensors', 'torch']
     head = tree.read("model.safetensors", 0, 8)            # any byte range of any file, computed on demand
-    ckptfs.export("checkpoint_1000.mdl", "bin/pytorch_model.bin", "out.bin")
+    ckptfs.export("checkpoint_1000.mdl", "pytorch_model.bin", "out.bin")
     state = ckptfs.load("checkpoint_1000.mdl")             # the state dict as torch objects, nothing unpickled
 """
 from __future__ import annotations
@@ -20,12 +20,9 @@ def open(ckpt, **options):  # noqa: A001 - mirrors the file-system verb
     Options are the fields of ``ckptfs.options.MountOptions`` (config, model, views, max_shard_size, zip_crc,
     cache_size, …); a text is parsed as its command-line flag's value (``max_shard_size="5GB"``, ``views="hf,cs"``).
     """
-    from .cache import set_default_cache_size
     from .vfs import build_tree
 
-    opts = _options(**options)
-    set_default_cache_size(opts.cache_size)
-    return build_tree(Path(ckpt), opts)
+    return build_tree(Path(ckpt), _options(**options))
 
 
 def export(ckpt, virtual_path: str, dest, **options) -> int:

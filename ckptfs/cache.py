@@ -1,5 +1,8 @@
 """A bounded, thread-safe LRU cache of byte blocks (``bytes`` or read-only byte ``memoryview``s): the only place
-tensor data is kept in memory."""
+tensor data is kept in memory.
+
+Each mounted tree owns one (``VirtualTree.cache``, sized by ``--cache-size``) and hands it to every file it
+serves; nothing here is process-wide except ``NO_CACHE``, which keeps nothing (reads outside any tree)."""
 from __future__ import annotations
 
 import threading
@@ -55,15 +58,5 @@ class BlockCache:
             self._size = 0
 
 
-_default = BlockCache()
-
-
-def default_cache() -> BlockCache:
-    return _default
-
-
-def set_default_cache_size(max_bytes: int) -> BlockCache:
-    """Replace the process-wide cache (``--cache-size``)."""
-    global _default
-    _default = BlockCache(max_bytes)
-    return _default
+#: keeps nothing: what a read without a tree's cache goes through
+NO_CACHE = BlockCache(0)

@@ -8,7 +8,7 @@ import sys
 
 from .errors import CkptfsError
 
-COMMANDS = ["info", "ls", "models", "mount", "umount", "export", "convert_config"]
+COMMANDS = ["info", "ls", "models", "mount", "umount", "export", "convert_config", "explain"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,12 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in COMMANDS:
-        try:
-            mod = importlib.import_module(f".commands.{name}", __package__)
-        except ModuleNotFoundError as e:
-            if e.name and e.name.endswith(f"commands.{name}"):
-                continue  # command not built yet
-            raise
+        mod = importlib.import_module(f".commands.{name}", __package__)
         sp = mod.add_parser(sub)
         sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         sp.set_defaults(_run=mod.run)

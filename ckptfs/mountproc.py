@@ -19,7 +19,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cache import set_default_cache_size
 from .errors import CkptfsError
 from .options import MountOptions, cache_dir, to_argv
 from .vfs import README_NAME, build_tree, check_source
@@ -253,7 +252,6 @@ def mount(ckpt, mountpoint, options: MountOptions | None = None, *, foreground: 
     """
     options = options or MountOptions()
     mp = check_mountpoint(mountpoint)
-    set_default_cache_size(options.cache_size)
     from .fusefs import CACHE_TIMEOUT, load_mfusepy, serve
 
     load_mfusepy()  # a missing libfuse is reported before anything is built or started

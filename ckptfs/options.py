@@ -73,14 +73,13 @@ def _abspath(p) -> str:
 
 def parse_views(text: str) -> tuple:
     """``"hf,cs"`` → ``("hf", "cs")``; an unknown name or an empty list → ``ValueError``."""
-    from .views.base import ALL_VIEWS
-
+    known = _all_views()
     names = []
     for n in (x.strip() for x in str(text).split(",")):
         if not n:
             continue
-        if n not in ALL_VIEWS:
-            raise ValueError(f"unknown view {n!r} (choose from {', '.join(ALL_VIEWS)})")
+        if n not in known:
+            raise ValueError(f"unknown view {n!r} (choose from {', '.join(known)})")
         if n not in names:
             names.append(n)
     if not names:
@@ -161,9 +160,10 @@ def option(default, flag: str, kind: Kind, *, help: str, content: bool = False, 
 
 
 def _all_views() -> tuple:
-    from .views.base import ALL_VIEWS
+    """The registered views' names (``ckptfs.views.registry``: imported when first needed, not at import time)."""
+    from .views.registry import names
 
-    return ALL_VIEWS
+    return names()
 
 
 @dataclass

@@ -2,8 +2,16 @@
 
 Every layer speaks this interface. Sources (HDF5 datasets, external files, constant fills) and the
 mapping core's operations (transpose, slice, concat, permute, scale, cast, generated) are all
-``VirtualTensor`` subclasses that implement ``read(box)``. Layouts only ever call ``read_bytes``,
-which turns a C-order byte range into boxes and goes through the shared bounded ``BlockCache``.
+``VirtualTensor`` subclasses that implement ``read(box)``. File layouts only ever call ``read_into``
+(through ``ckptfs.layouts.pieces``), which turns a C-order byte range into cache blocks of the mount's
+bounded ``BlockCache``.
+
+Cache blocks: a tensor's bytes are cached in blocks of ``block_elems()`` elements under the key
+``(cache_key, block number)``. ``cache_key`` names the data, not the object: a tensor that only renames
+another (an alias) shares the other's key and blocks. Blocks are whole rows and, when the data is stored in
+chunks (``chunk_shape``, seen through transposes and other layout operations), whole chunk rows, so that
+consecutive blocks never decode the same chunk. ``element_source(index)`` says where one element comes from
+(``ckptfs explain``).
 
 A *box* is a tuple of ``(start, stop)`` pairs, one per dimension (``()`` for a 0-d tensor).
 ``read(box)`` returns a C-contiguous numpy array of ``dtype.storage`` with the box's shape.
@@ -17,6 +25,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from .cache import NO_CACHE, BlockCache
 from .dtypes import DType
 
 Box = tuple  # tuple[tuple[int, int], ...]
@@ -25,6 +34,8 @@ _ids = itertools.count(1)
 
 #: target size of one cached block of a tensor's bytes
 BLOCK_BYTES = 1 << 20
+#: largest block a chunk-aligned block may grow to (one chunk row can exceed BLOCK_BYTES)
+MAX_BLOCK_BYTES = 4 * BLOCK_BYTES
 
 
 def full_box(shape: Sequence[int]) -> Box:
@@ -70,6 +81,38 @@ def flat_range_to_boxes(shape: Sequence[int], start: int, stop: int) -> Iterator
             yield ((r1, r1 + 1),) + sub
 
 
+def aligned_block_elems(shape, chunks, itemsize: int, base: int, max_bytes: int) -> int:
+    """A cache-block size (elements) that starts every block on a chunk-row boundary, or ``base`` when not cheap.
+
+    A "chunk row" is ``chunks[0]`` whole rows (all trailing dimensions), so a block of k chunk rows decodes exactly
+    the chunks under it and consecutive blocks never share a chunk. The result is the largest multiple of one
+    chunk row not above ``base`` (at least one chunk row, if that fits in ``max_bytes``). ``base`` is kept when it
+    is already aligned, when the tensor fits in one block, or when one chunk row exceeds ``max_bytes``.
+    """
+    shape = tuple(int(n) for n in shape)
+    if not chunks or not shape or len(chunks) != len(shape):
+        return base
+    numel = math.prod(shape)
+    row = math.prod(shape[1:])
+    if numel == 0 or row == 0 or numel <= base:
+        return base
+    unit = min(int(chunks[0]), shape[0]) * row
+    if base % unit == 0:
+        return base
+    if unit * itemsize > max_bytes:
+        return base
+    return max(1, base // unit) * unit
+
+
+def unravel(index: int, shape: Sequence[int]) -> tuple:
+    """The multi-dimensional index of C-order element ``index`` of ``shape``."""
+    out = []
+    for n in reversed(tuple(shape)):
+        index, i = divmod(index, int(n)) if n else (index, 0)
+        out.append(i)
+    return tuple(reversed(out))
+
+
 class VirtualTensor(ABC):
     """A tensor whose bytes are computed on demand. Subclasses set ``shape``/``dtype`` and ``read``."""
 
@@ -102,6 +145,21 @@ class VirtualTensor(ABC):
         """The tensors this one reads from (empty for a source)."""
         return []
 
+    def element_source(self, index: tuple) -> "tuple[VirtualTensor, tuple] | None":
+        """The input tensor and index element ``index`` of this tensor is read from; None for a source, a
+        generated tensor, or an operation that combines several input elements."""
+        return None
+
+    def chunk_shape(self) -> tuple | None:
+        """The shape of the units this tensor's data is stored and decoded in, in its own coordinates (an HDF5
+        dataset's chunks, seen through layout operations); None when any box costs the same."""
+        return None
+
+    @property
+    def cache_key(self):
+        """The identity of this tensor's data in a block cache (a tensor that renames another shares its key)."""
+        return self.uid
+
     # -- data ---------------------------------------------------------------------------------------
     @abstractmethod
     def read(self, box: Box) -> np.ndarray:
@@ -121,14 +179,14 @@ class VirtualTensor(ABC):
     def _default_block_elems(self) -> int:
         item = self.dtype.itemsize
         target = max(1, BLOCK_BYTES // item)
+        base = target
         # find the smallest k such that one slab prod(shape[k:]) fits in the target
         for k in range(self.ndim + 1):
             slab = math.prod(self.shape[k:])
             if slab <= target:
-                if slab == 0:
-                    return target
-                return slab * max(1, target // slab)
-        return target
+                base = target if slab == 0 else slab * max(1, target // slab)
+                break
+        return aligned_block_elems(self.shape, self.chunk_shape(), item, base, MAX_BLOCK_BYTES)
 
     def read_flat(self, start: int, stop: int) -> np.ndarray:
         """Elements [start, stop) in C order, as a 1-D array (no caching)."""
@@ -137,24 +195,33 @@ class VirtualTensor(ABC):
             return np.empty(0, self.dtype.storage)
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    def read_bytes(self, start: int, stop: int, cache: "BlockCache | None" = None) -> bytes:
-        """Bytes [start, stop) of the tensor's C-order little-endian image, through the block cache."""
-        from .cache import default_cache
+    def read_into(self, start: int, out: memoryview, cache: "BlockCache | None" = None) -> int:
+        """Fill ``out`` with bytes [start, start + len(out)) of the tensor's C-order little-endian image, block by
+        block through ``cache`` (None: nothing is kept); returns the number of bytes written (fewer at the end)."""
+        stop = min(start + len(out), self.nbytes)
+        if start >= stop:
+            return 0
+        cache = cache if cache is not None else NO_CACHE
+        be = self.block_elems()
+        bb = be * self.dtype.itemsize
+        key = self.cache_key
+        pos = 0
+        for blk in range(start // bb, (stop - 1) // bb + 1):
+            data = cache.get_or_compute((key, blk), lambda blk=blk: self._block(blk, be))
+            lo = max(start - blk * bb, 0)
+            hi = min(stop - blk * bb, len(data))
+            out[pos:pos + hi - lo] = data[lo:hi]
+            pos += hi - lo
+        return pos
 
+    def read_bytes(self, start: int, stop: int, cache: "BlockCache | None" = None) -> bytes:
+        """Bytes [start, stop) of the tensor's C-order little-endian image (see ``read_into``)."""
         stop = min(stop, self.nbytes)
         if start >= stop:
             return b""
-        cache = cache if cache is not None else default_cache()
-        item = self.dtype.itemsize
-        be = self.block_elems()
-        bb = be * item
-        out = []
-        for blk in range(start // bb, (stop - 1) // bb + 1):
-            data = cache.get_or_compute((self.uid, blk), lambda blk=blk: self._block(blk, be))
-            lo = max(start - blk * bb, 0)
-            hi = min(stop - blk * bb, len(data))
-            out.append(data[lo:hi])  # memoryview slices: no copy until the one below
-        return bytes(out[0]) if len(out) == 1 else b"".join(out)
+        buf = bytearray(stop - start)
+        n = self.read_into(start, memoryview(buf), cache)
+        return bytes(buf[:n]) if n != len(buf) else bytes(buf)
 
     def _block(self, blk: int, be: int) -> memoryview:
         """One cache block: a read-only byte view of the block's elements (no copy beyond computing them)."""
@@ -163,6 +230,16 @@ class VirtualTensor(ABC):
         arr = np.ascontiguousarray(self.read_flat(e0, e1).reshape(-1)).astype(self.dtype.storage, copy=False)
         arr.flags.writeable = False
         return memoryview(arr).cast("B")
+
+
+def trace_element(tensor: VirtualTensor, index: tuple) -> list:
+    """``[(tensor, index), (input, index in it), …]`` down to where element ``index`` is read or computed."""
+    chain = [(tensor, tuple(index))]
+    while True:
+        nxt = chain[-1][0].element_source(chain[-1][1])
+        if nxt is None or len(chain) > 64:
+            return chain
+        chain.append((nxt[0], tuple(int(i) for i in nxt[1])))
 
 
 class ArrayTensor(VirtualTensor):

@@ -5,9 +5,10 @@
 (root is 1), every file's size is read once at construction (so it is exact and stable from the first
 ``getattr``), every entry's mtime is the checkpoint's mtime, files are mode 0444 and directories 0555.
 
-``build_tree(ckpt_path, options)`` opens the checkpoint, calls ``ckptfs.views.<name>.build(ctx)`` for each view in
-``options.views`` (a view whose module is absent, or whose builder raises, is *missing* with a reason; the others
-still mount), places each view's files under ``<name>/`` and writes a root ``README.txt`` saying what was mounted.
+``build_tree(ckpt_path, options)`` opens the checkpoint, creates the tree's own block cache (``options.cache_size``),
+runs the builder of each registered view named in ``options.views`` (``ckptfs.views.registry``; a view whose
+builder raises is *missing* with a reason, the others still mount), places each view's files in its folder and
+writes a root ``README.txt`` saying what was mounted.
 
 Test-only hook: when the environment variable ``CKPTFS_TEST_TREE=module:function`` is set, ``build_tree`` does not
 open the checkpoint; it calls ``function(ckpt_path, options)``, which returns ``{view_name: ViewResult | Exception}``,
@@ -27,9 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
+from .cache import BlockCache
 from .errors import CheckpointError, CkptfsError, TensorReadError
 from .options import MountOptions
-from .views.base import ALL_VIEWS, BytesFile, ViewContext, ViewResult
+from .views.base import BytesFile, ViewContext, ViewResult
 
 log = logging.getLogger("ckptfs.vfs")
 
@@ -38,7 +40,6 @@ DIR_MODE = stat_mod.S_IFDIR | 0o555
 BLKSIZE = 1 << 20  # st_blksize: tells readers (cp, cat) to use 1 MiB reads
 README_NAME = "README.txt"
 TEST_TREE_ENV = "CKPTFS_TEST_TREE"
-NOT_AVAILABLE = "not available in this build"
 
 
 class VirtualPathError(CkptfsError):
@@ -102,8 +103,9 @@ class VirtualTree:
     """Immutable tree built from ``{relative_path: VFile}`` (plus optional empty directories ``dirs``)."""
 
     def __init__(self, files: Mapping[str, Any], *, dirs: Iterable[str] = (), mtime_ns: int | None = None,
-                 closers: Iterable = ()):
+                 closers: Iterable = (), cache: BlockCache | None = None):
         self.mtime_ns = int(time.time_ns() if mtime_ns is None else mtime_ns)
+        self.cache = cache  # the block cache every file of this tree reads through (build_tree sizes it)
         self._closers = list(closers)
         self._warmers: list = []
         file_parts: dict = {}
@@ -286,9 +288,14 @@ class ViewOutcome:
 
 
 def view_dir(name: str) -> str:
-    """Where a view's files go: the hf view at the mount's root (so ``from_pretrained(mountpoint)`` works),
-    every other view under ``<name>/``."""
-    return "" if name == "hf" else name + "/"
+    """Where a view's files go, as its registry record says: the hf view at the mount's root (so
+    ``from_pretrained(mountpoint)`` works), every other view under ``<name>/``."""
+    from .views.registry import view
+
+    try:
+        return view(name).folder
+    except KeyError:
+        return name + "/"
 
 
 def outcome_from(name: str, result) -> ViewOutcome:
@@ -311,20 +318,9 @@ def outcome_from(name: str, result) -> ViewOutcome:
     return ViewOutcome(name, files, result.missing, [str(n) for n in (result.notes or [])])
 
 
-def run_builder(name: str, ctx: ViewContext) -> ViewOutcome:
-    """Import ``ckptfs.views.<name>`` lazily and run its ``build(ctx)``; failures make the view missing."""
-    modname = f"ckptfs.views.{name}"
-    if name not in ALL_VIEWS:
-        return ViewOutcome(name, missing=f"unknown view (known: {', '.join(ALL_VIEWS)})")
-    try:
-        mod = importlib.import_module(modname)
-    except ModuleNotFoundError as e:
-        if e.name == modname:
-            return ViewOutcome(name, missing=NOT_AVAILABLE)
-        return ViewOutcome(name, missing=f"cannot be loaded: {e}")
-    build = getattr(mod, "build", None)
-    if build is None:
-        return ViewOutcome(name, missing=NOT_AVAILABLE)
+def run_builder(view, ctx: ViewContext) -> ViewOutcome:
+    """Run a registered view's builder (``ckptfs.views.registry.View``); failures make the view missing."""
+    name, build = view.name, view.build
     try:
         result = build(ctx)
     except CkptfsError as e:
@@ -334,6 +330,15 @@ def run_builder(name: str, ctx: ViewContext) -> ViewOutcome:
         log.warning("view %s: internal error: %s: %s", name, type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
         result = e
     return outcome_from(name, result)
+
+
+def _run_view(name: str, ctx: ViewContext) -> ViewOutcome:
+    from .views.registry import names, view
+
+    try:
+        return run_builder(view(name), ctx)
+    except KeyError:
+        return ViewOutcome(name, missing=f"unknown view (known: {', '.join(names())})")
 
 
 def family_of(outcomes: list) -> str | None:
@@ -396,7 +401,8 @@ def readme_text(info: SourceInfo, outcomes: list) -> str:
     return "\n".join(lines) + "\n"
 
 
-def assemble_tree(info: SourceInfo, outcomes: list, *, mtime_ns: int | None = None, closers: Iterable = ()) -> VirtualTree:
+def assemble_tree(info: SourceInfo, outcomes: list, *, mtime_ns: int | None = None, closers: Iterable = (),
+                  cache: BlockCache | None = None) -> VirtualTree:
     """The mount's tree: each present view under ``<name>/`` plus the root README.txt."""
     files: dict = {}
     dirs = []
@@ -406,7 +412,7 @@ def assemble_tree(info: SourceInfo, outcomes: list, *, mtime_ns: int | None = No
             if view_dir(o.name):
                 dirs.append(view_dir(o.name).rstrip("/"))
     files[README_NAME] = BytesFile(readme_text(info, outcomes))
-    return VirtualTree(files, dirs=dirs, mtime_ns=mtime_ns, closers=closers)
+    return VirtualTree(files, dirs=dirs, mtime_ns=mtime_ns, closers=closers, cache=cache)
 
 
 # ---- building from a checkpoint ---------------------------------------------------------------------
@@ -417,19 +423,10 @@ def open_source(ckpt_path, options: MountOptions):
     path = Path(ckpt_path)
     if not path.exists():
         raise CheckpointError(path, "no such file or directory")
-    try:
-        from . import source
-    except ImportError as e:  # pragma: no cover - the package always exists
-        raise CheckpointError(path, f"checkpoint reader {NOT_AVAILABLE}") from e
-    opener = getattr(source, "open_checkpoint", None)
-    if opener is None:
-        raise CheckpointError(path, f"checkpoint reader {NOT_AVAILABLE}")
-    resolver = getattr(source, "resolve_checkpoint", None)
-    if resolver is not None:
-        path = Path(resolver(path))
-    elif path.is_dir():
-        raise CheckpointError(path, "is a directory (model_dir resolution not available in this build)")
-    return path, opener(path, allow_partial=options.allow_partial)
+    from .source import open_checkpoint, resolve_checkpoint
+
+    path = Path(resolve_checkpoint(path))
+    return path, open_checkpoint(path, allow_partial=options.allow_partial)
 
 
 def _file_identity(path) -> str | None:
@@ -481,25 +478,30 @@ def _load_test_factory(spec: str):
     return getattr(importlib.import_module(mod), func)
 
 
-def build_tree(ckpt_path, options: MountOptions | None = None) -> VirtualTree:
+def build_tree(ckpt_path, options: MountOptions | None = None, *, cache: BlockCache | None = None) -> VirtualTree:
     """Open the checkpoint and assemble every requested view into one ``VirtualTree``.
 
-    Raises ``CheckpointError`` if the checkpoint cannot be opened; a failing view only makes that view missing.
+    ``cache``: the block cache its files read through (default: its own, of ``options.cache_size``; the trees of a
+    run mount share one, ``ckptfs.runtree``). Raises ``CheckpointError`` if the checkpoint cannot be opened; a
+    failing view only makes that view missing.
     """
     options = options or MountOptions()
+    if cache is None:
+        cache = BlockCache(options.cache_size)  # this tree's own: never shared with, or replaced by, another tree
     spec = os.environ.get(TEST_TREE_ENV)
     if spec:  # test-only: synthetic views (see module docstring)
         path = Path(ckpt_path).absolute()
         results = _load_test_factory(spec)(path, options)
-        outcomes = [outcome_from(n, results.get(n, CkptfsError(None, NOT_AVAILABLE))) for n in options.views]
+        outcomes = [outcome_from(n, results.get(n, CkptfsError(None, "not given by the test tree")))
+                    for n in options.views]
         info = SourceInfo(path)
         closers: list = []
     else:
         path, ckpt = open_source(ckpt_path, options)
         path = path.absolute()
         ctx = ViewContext(checkpoint=ckpt, ckpt_path=path, stem=path.stem, options=options,
-                          crc_store=_crc_store(), identity=content_identity(path, options))
-        outcomes = [run_builder(n, ctx) for n in options.views]
+                          crc_store=_crc_store(), identity=content_identity(path, options), cache=cache)
+        outcomes = [_run_view(n, ctx) for n in options.views]
         info = SourceInfo(path, getattr(ckpt, "format_version", None), getattr(ckpt, "release", None),
                           getattr(ckpt, "success", None), [str(w) for w in getattr(ckpt, "warnings", []) or []])
         closers = [ckpt.close] if callable(getattr(ckpt, "close", None)) else []
@@ -507,4 +509,4 @@ def build_tree(ckpt_path, options: MountOptions | None = None) -> VirtualTree:
         mtime_ns = path.stat().st_mtime_ns
     except OSError:
         mtime_ns = None
-    return assemble_tree(info, outcomes, mtime_ns=mtime_ns, closers=closers)
+    return assemble_tree(info, outcomes, mtime_ns=mtime_ns, closers=closers, cache=cache)

@@ -16,8 +16,8 @@ import numpy as np
 
 from ckptfs.source.catalog import Container, OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
 from ckptfs.tensor import VirtualTensor
+from conftest import FIXTURES  # noqa: F401 - re-exported to the tests
 
-FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def read_all(vf, chunk: int = 1 << 20) -> bytes:
@@ -153,20 +153,18 @@ def copy_view_file_in_subprocess(view: str, src: Path, name: str, dest: Path, ca
     script = textwrap.dedent("""
         import tracemalloc
         from pathlib import Path
-        from ckptfs.cache import set_default_cache_size
         from ckptfs.source import open_checkpoint
         from ckptfs.views import %s as view
         from ckptfs.views.base import MountOptions, ViewContext
-        set_default_cache_size(%d)
         p = Path(%r)
         tracemalloc.start()
         ck = open_checkpoint(p)
-        vf = view.build(ViewContext(ck, p, p.stem, MountOptions())).files[%r]
+        vf = view.build(ViewContext(ck, p, p.stem, MountOptions(cache_size=%d))).files[%r]
         with open(%r, "wb") as f:
             for off in range(0, vf.size, 1 << 20):
                 f.write(vf.read(off, 1 << 20))
         print(vf.size, tracemalloc.get_traced_memory()[1])
-    """) % (view, cache_bytes, str(src), name, str(dest))
+    """) % (view, str(src), cache_bytes, name, str(dest))
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     size, peak = map(int, out.split())
     return size, peak

@@ -208,13 +208,12 @@ def test_memory_stays_bounded_while_copying_out(tmp_path):
         import sys, tracemalloc
         sys.path.insert(0, %r)
         from cshelp import RampTensor
-        from ckptfs.cache import set_default_cache_size
+        from ckptfs.cache import BlockCache
         from ckptfs.layouts.hdf5 import Hdf5Layout, TensorEntry
         from ckptfs.source.catalog import Container
-        set_default_cache_size(8 << 20)
         root = Container("dict", [f"t{i}" for i in range(4)], [TensorEntry(RampTensor(4 << 20, i)) for i in range(4)])
         tracemalloc.start()
-        lay = Hdf5Layout(root)
+        lay = Hdf5Layout(root, cache=BlockCache(8 << 20))
         n = 0
         with open(%r, "wb") as f:
             for off in range(0, lay.size, 1 << 20):

@@ -11,7 +11,6 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
-import ckptfs.cache
 from ckptfs.cache import BlockCache
 from ckptfs.dtypes import BY_NAME, UINT8
 from ckptfs.tensor import BLOCK_BYTES, VirtualTensor, box_shape
@@ -63,11 +62,9 @@ def storages(obj):
 
 
 @pytest.fixture
-def one_block_cache(monkeypatch):
-    """A process cache that holds one block, so a second pass over a tensor would be seen."""
-    cache = BlockCache(BLOCK_BYTES + 1024)
-    monkeypatch.setattr(ckptfs.cache, "_default", cache)
-    return cache
+def one_block_cache():
+    """A cache that holds one block, so a second pass over a tensor would be seen."""
+    return BlockCache(BLOCK_BYTES + 1024)
 
 
 def read_all(layout, chunk=128 << 10) -> bytes:
@@ -80,7 +77,7 @@ def zip_is_valid(data: bytes) -> bool:
 
 def test_sequential_copy_hashes_nothing_twice(one_block_cache):
     obj = make_obj()
-    layout = TorchZipLayout(obj, "m")
+    layout = TorchZipLayout(obj, "m", cache=one_block_cache)
     data = read_all(layout)
     for t in storages(obj):
         assert t.elems == t.numel, t.describe()
@@ -91,7 +88,8 @@ def test_sequential_copy_hashes_nothing_twice(one_block_cache):
 def test_central_directory_first_hashes_once(one_block_cache, tmp_path):
     obj = make_obj()
     store = CrcStore(tmp_path / "crc")
-    layout = TorchZipLayout(obj, "m", crc_store=store, identity="ckpt-1")
+    layout = TorchZipLayout(obj, "m", crc_store=store, identity="ckpt-1",
+                              cache=one_block_cache)
     cd = layout.read(layout.cd_offset, layout.size - layout.cd_offset)  # what torch.load reads first
     for t in storages(obj):
         assert t.elems == t.numel
@@ -107,24 +105,26 @@ def test_central_directory_first_hashes_once(one_block_cache, tmp_path):
 
     # a second mount of the same checkpoint: same identity and store → no hashing at all
     obj2 = make_obj()
-    layout2 = TorchZipLayout(obj2, "m", crc_store=CrcStore(tmp_path / "crc"), identity="ckpt-1")
+    layout2 = TorchZipLayout(obj2, "m", crc_store=CrcStore(tmp_path / "crc"), identity="ckpt-1",
+                              cache=one_block_cache)
     assert layout2.read(layout2.cd_offset, layout2.size - layout2.cd_offset) == cd
     assert all(t.elems == 0 for t in storages(obj2))
     # another identity (another checkpoint) does not reuse the values
     obj3 = make_obj()
-    layout3 = TorchZipLayout(obj3, "m", crc_store=store, identity="ckpt-2")
+    layout3 = TorchZipLayout(obj3, "m", crc_store=store, identity="ckpt-2", cache=one_block_cache)
     layout3.read(layout3.cd_offset, layout3.size - layout3.cd_offset)
     assert all(t.elems == t.numel for t in storages(obj3))
     # nor does another layout of the same checkpoint (other archive name)
     obj4 = make_obj()
-    layout4 = TorchZipLayout(obj4, "other", crc_store=store, identity="ckpt-1")
+    layout4 = TorchZipLayout(obj4, "other", crc_store=store, identity="ckpt-1",
+                              cache=one_block_cache)
     layout4.read(layout4.cd_offset, layout4.size - layout4.cd_offset)
     assert all(t.elems == t.numel for t in storages(obj4))
 
 
 def test_descriptor_after_partial_sequential_read_hashes_only_the_rest(one_block_cache):
     obj = OrderedDict(a=Pattern((10 << 20,), UINT8, 7))
-    layout = TorchZipLayout(obj, "m")
+    layout = TorchZipLayout(obj, "m", cache=one_block_cache)
     ent = [e for e in layout.entries if e.name == "m/data/0"][0]
     layout.read(0, ent.data_offset + (5 << 20))  # first 5 MiB of the data, in order (block 0 then evicted)
     layout.read(ent.data_offset + ent.size, 16)  # the data descriptor needs the CRC now
@@ -136,7 +136,7 @@ def test_unwritable_store_still_serves_right_crcs(tmp_path, one_block_cache):
     (tmp_path / "file").write_text("not a directory")
     store = CrcStore(tmp_path / "file" / "crc")
     obj = make_obj()
-    layout = TorchZipLayout(obj, "m", crc_store=store, identity="x")
+    layout = TorchZipLayout(obj, "m", crc_store=store, identity="x", cache=one_block_cache)
     layout.read(layout.cd_offset, 100)
     assert zip_is_valid(read_all(layout))
     assert store.save("k", {"a": 1}) is False

@@ -4,15 +4,14 @@ from __future__ import annotations
 import errno
 import random
 import stat
-import sys
-import types
 
 import pytest
 
 from ckptfs.errors import CheckpointError, CkptfsError, TensorReadError
 from ckptfs.views.base import BytesFile, MountOptions, ViewContext, ViewResult
-from ckptfs.vfs import (NOT_AVAILABLE, README_NAME, SourceInfo, VirtualPathError, VirtualTree, assemble_tree,
-                        build_tree, outcome_from, run_builder)
+from ckptfs.vfs import (README_NAME, SourceInfo, VirtualPathError, VirtualTree, assemble_tree, build_tree,
+                        outcome_from, run_builder)
+from ckptfs.views.registry import View
 
 from fusehelp import FAIL_FROM, FAILING, FIXTURES_CKPT, PatternFile, fake_tree
 
@@ -154,25 +153,29 @@ def _ctx():
     return ViewContext(checkpoint=None, ckpt_path="/nowhere.mdl", stem="nowhere", options=MountOptions())
 
 
-def test_run_builder_turns_every_failure_into_a_missing_view(monkeypatch):
-    monkeypatch.setitem(sys.modules, "ckptfs.views.torch", None)  # a module that does not exist
-    assert run_builder("torch", _ctx()).missing == NOT_AVAILABLE
-
+def test_run_builder_turns_every_failure_into_a_missing_view():
     def raising(exc):
-        m = types.ModuleType("fake")
-        m.build = lambda ctx: (_ for _ in ()).throw(exc)
-        return m
+        return View("cs", "cs/", lambda ctx: (_ for _ in ()).throw(exc))
 
-    monkeypatch.setitem(sys.modules, "ckptfs.views.cs", raising(CheckpointError("/p", "broken thing")))
-    assert run_builder("cs", _ctx()).missing == "/p: broken thing"
-    monkeypatch.setitem(sys.modules, "ckptfs.views.cs", raising(ZeroDivisionError("oops")))
-    o = run_builder("cs", _ctx())
+    assert run_builder(raising(CheckpointError("/p", "broken thing")), _ctx()).missing == "/p: broken thing"
+    o = run_builder(raising(ZeroDivisionError("oops")), _ctx())
     assert not o.present and "ZeroDivisionError" in o.missing and "oops" in o.missing
-    m = types.ModuleType("fake")
-    m.build = lambda ctx: ViewResult(files={"a/../b": BytesFile("x")})
-    monkeypatch.setitem(sys.modules, "ckptfs.views.cs", m)
-    assert "invalid file list" in run_builder("cs", _ctx()).missing
-    assert "unknown view" in run_builder("nope", _ctx()).missing
+    o = run_builder(View("cs", "cs/", lambda ctx: ViewResult(files={"a/../b": BytesFile("x")})), _ctx())
+    assert "invalid file list" in o.missing
+    o = run_builder(View("cs", "cs/", lambda ctx: {"x": BytesFile("x")}), _ctx())
+    assert "builder returned dict" in o.missing
+
+
+def test_an_unknown_view_name_is_refused_before_anything_is_built():
+    from ckptfs.options import from_kwargs
+
+    with pytest.raises(ValueError, match="nope"):
+        from_kwargs(views="hf,nope")
+    t = build_tree(FIXTURES_CKPT, MountOptions(views=("tensors", "nope")))  # given as a tuple: not parsed
+    try:
+        assert "unknown view" in t.read(README_NAME, 0, 1 << 20).decode()
+    finally:
+        t.close()
 
 
 def test_build_tree_refuses_a_bad_checkpoint(tmp_path):
@@ -232,9 +235,13 @@ def test_deferred_files_are_sized_on_first_use_and_warmed_in_the_background():
     def broken():
         raise TensorReadError("/x.mdl", "cannot lay out")
 
-    t = VirtualTree({"a/slow.bin": DeferredFile(factory), "bad.bin": DeferredFile(broken), "c": BytesFile(b"c")})
+    warmers_done_at_close = []
+    t = VirtualTree({"a/slow.bin": DeferredFile(factory), "bad.bin": DeferredFile(broken), "c": BytesFile(b"c")},
+                    closers=[lambda: warmers_done_at_close.append(not any(th.is_alive() for th in warmers))])
     assert t.file_count == 3 and not built.is_set()  # building the tree sized nothing deferred
     t.warm()
+    warmers = list(t._warmers)
+    assert len(warmers) == 2  # one per deferred file
     release.set()
     assert t.attr("a/slow.bin").size == 10 and built.is_set()
     assert t.read("a/slow.bin", 3, 4) == b"3456"
@@ -243,4 +250,4 @@ def test_deferred_files_are_sized_on_first_use_and_warmed_in_the_background():
     with pytest.raises(TensorReadError):
         t.read("bad.bin", 0, 1)
     t.close()  # joins the warm-up threads before closing sources
-    assert all(not th.is_alive() for th in t._warmers) if t._warmers else True
+    assert warmers_done_at_close == [True]

@@ -108,12 +108,9 @@ def export_file(tree: VirtualTree, vpath: str, dest, *, progress: bool = False, 
 
 
 def run(args) -> int:
-    from ..cache import set_default_cache_size
     from ..vfs import build_tree
 
-    options = mount_options.from_args(args)
-    set_default_cache_size(options.cache_size)
-    tree = build_tree(args.ckpt, options)
+    tree = build_tree(args.ckpt, mount_options.from_args(args))
     try:
         _export(tree, args)
     finally:

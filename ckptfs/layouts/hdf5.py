@@ -9,8 +9,8 @@ int8, keys with ``/`` become groups, bytes objects as null-dataspace datasets wi
 
 The trade: cstorch writes every non-0-d dataset chunked with the LZ4 filter (32004). Here every
 tensor dataset is CONTIGUOUS, allocated early, unfiltered and never filled, so its data is one
-byte range at a fixed offset (``dset.id.get_offset()``) that ``read`` fills from
-``tensor.read_bytes``. cstorch's loader reads any h5py dataset, so the file loads the same; we give
+byte range at a fixed offset (``dset.id.get_offset()``): the file is planned as pieces
+(``ckptfs.layouts.pieces``) — metadata segments, zero gaps, and each tensor's bytes at its offset. cstorch's loader reads any h5py dataset, so the file loads the same; we give
 up LZ4 to gain laziness and O(#keys) memory. The skeleton is written through h5py's file-object
 driver into an in-memory sparse buffer, so the never-written data regions cost nothing.
 One more difference from cstorch: the root group tracks creation order (HDF5 1.8 object header with
@@ -28,11 +28,12 @@ from typing import Any
 import h5py
 import numpy as np
 
-from ..cache import BlockCache, default_cache
+from ..cache import BlockCache
 from ..dtypes import DType
 from ..errors import CheckpointError
 from ..tensor import VirtualTensor
 from . import hdf5_spec
+from .pieces import Literal, PiecedFile, TensorBytes, Zeros
 
 FORMAT_VERSION = 0.5
 CSTORCH_VERSION = "2.10.0"
@@ -337,12 +338,29 @@ def _check_disjoint(segments, regions, size):
         raise RuntimeError("data region beyond end of file")
 
 
-class Hdf5Layout:
+def plan_pieces(segments, regions, size: int, names: dict | None = None) -> list:
+    """The file as pieces: metadata ``segments`` [(offset, bytes)] and tensor ``regions`` [(offset, tensor)] in
+    offset order, the gaps between them zeros."""
+    names = names or {}
+    spans = sorted([(o, Literal(d, "HDF5 metadata")) for o, d in segments]
+                   + [(o, TensorBytes(t, names.get(id(t), t.describe()))) for o, t in regions], key=lambda x: x[0])
+    pieces, pos = [], 0
+    for off, piece in spans:
+        if off > pos:
+            pieces.append(Zeros(off - pos, "HDF5 free space"))
+        pieces.append(piece)
+        pos = off + piece.size
+    if size > pos:
+        pieces.append(Zeros(size - pos, "HDF5 free space"))
+    return pieces
+
+
+class Hdf5Layout(PiecedFile):
     """The bytes of a lazily generated format-0.5 ``.mdl``: ``size`` and ``read(offset, n)``.
 
     ``root``: a ``Container`` tree whose leaves are entries (``TensorEntry`` … ``LinkEntry``); the same
     entry object under two keys is written once and linked, like cstorch does for repeated objects.
-    The skeleton is built on first use of ``size`` or ``read``.
+    The skeleton is built (the file planned) on first use of ``size`` or ``read``.
     """
 
     def __init__(self, root, *, cstorch_version: str = CSTORCH_VERSION, format_version: float = FORMAT_VERSION,
@@ -351,61 +369,23 @@ class Hdf5Layout:
         self.path = path
         self.cstorch_version = cstorch_version
         self.format_version = format_version
-        self.cache = cache
         self.items = resolve_entries(root, path)
         self.notes = [f"{k}: dtype {e.tensor.dtype.name} has no RtFx code; cstorch 2.10 cannot write it"
                       for k, e in self.items if isinstance(e, TensorEntry) and not e.numpy
                       and e.tensor.dtype.name not in RTFX_CODES]
-        self._lock = threading.Lock()
-        self._built = None
+        super().__init__(name=str(path) if path is not None else "HDF5 file", cache=cache, plan=self._plan_file)
 
-    def _pieces(self):
-        with self._lock:
-            if self._built is None:
-                try:
-                    segments, regions, size = build_skeleton(
-                        self.items, cstorch_version=self.cstorch_version, format_version=self.format_version,
-                        spec_text=hdf5_spec.spec_attr(self.root))
-                except (ValueError, KeyError, OSError) as e:
-                    raise CheckpointError(self.path, f"cannot lay out the HDF5 file: {e}") from e
-                pieces = sorted([(o, len(d), d) for o, d in segments] + [(o, t.nbytes, t) for o, t in regions],
-                                key=lambda p: p[0])
-                self._built = ([p[0] for p in pieces], pieces, size)
-            return self._built
-
-    @property
-    def size(self) -> int:
-        return self._pieces()[2]
+    def _plan_file(self) -> list:
+        try:
+            segments, regions, size = build_skeleton(
+                self.items, cstorch_version=self.cstorch_version, format_version=self.format_version,
+                spec_text=hdf5_spec.spec_attr(self.root))
+        except (ValueError, KeyError, OSError) as e:
+            raise CheckpointError(self.path, f"cannot lay out the HDF5 file: {e}") from e
+        names = {id(e.tensor): k for k, e in reversed(self.items) if isinstance(e, TensorEntry)}
+        return plan_pieces(segments, regions, size, names)
 
     @property
     def metadata_bytes(self) -> int:
         """Bytes of HDF5 metadata held in memory (no tensor data)."""
-        return sum(p[1] for p in self._pieces()[1] if isinstance(p[2], bytes))
-
-    def read(self, offset: int, n: int) -> bytes:
-        starts, pieces, size = self._pieces()
-        lo, hi = max(0, offset), min(size, offset + n)
-        if lo >= hi:
-            return b""
-        cache = self.cache if self.cache is not None else default_cache()
-        out, pos = [], lo
-        i = max(0, bisect.bisect_right(starts, lo) - 1)
-        while pos < hi:
-            if i < len(pieces) and pieces[i][0] + pieces[i][1] <= pos:
-                i += 1
-                continue
-            if i >= len(pieces) or pieces[i][0] > pos:  # a hole: free space or padding
-                nxt = pieces[i][0] if i < len(pieces) else size
-                z = min(hi, nxt)
-                out.append(b"\0" * (z - pos))
-                pos = z
-                continue
-            start, length, src = pieces[i]
-            z = min(hi, start + length)
-            if isinstance(src, bytes):
-                out.append(src[pos - start:z - start])
-            else:
-                out.append(src.read_bytes(pos - start, z - start, cache))
-            pos = z
-            i += 1
-        return out[0] if len(out) == 1 else b"".join(out)
+        return sum(p.size for p in self.plan().pieces if isinstance(p, Literal))

@@ -20,8 +20,8 @@ import struct
 
 from ..cache import BlockCache
 from ..dtypes import DType
-from ..errors import TensorReadError
 from ..tensor import VirtualTensor
+from .pieces import Literal, PiecedFile, TensorBytes
 
 MAGIC = b"\x93NUMPY"
 ARRAY_ALIGN = 64
@@ -57,30 +57,13 @@ def npy_header(descr, shape, fortran_order: bool = False) -> bytes:
     raise ValueError(f"npy header too long ({len(text)} characters)")
 
 
-class NpyLayout:
-    """A virtual ``.npy`` file for one tensor: exact ``size`` and ``read(offset, n)``."""
+class NpyLayout(PiecedFile):
+    """A virtual ``.npy`` file for one tensor: its header, then its bytes (``ckptfs.layouts.pieces``)."""
 
     def __init__(self, tensor: VirtualTensor, *, name: str | None = None, cache: BlockCache | None = None):
         self.tensor = tensor
-        self.name = name  # only used in error messages
-        self.cache = cache
         self.header_bytes: bytes = npy_header(tensor.dtype.storage.str, tensor.shape)
         self.data_start: int = len(self.header_bytes)
-        self.size: int = self.data_start + tensor.nbytes
-
-    def read(self, offset: int, n: int) -> bytes:
-        if offset < 0 or n < 0:
-            raise ValueError(f"invalid read offset={offset} n={n}")
-        end = min(offset + n, self.size)
-        if offset >= end:
-            return b""
-        hs = self.data_start
-        head = self.header_bytes[offset:min(end, hs)] if offset < hs else b""
-        if end <= hs:
-            return head
-        a, b = max(offset - hs, 0), end - hs
-        data = self.tensor.read_bytes(a, b, self.cache)
-        if len(data) != b - a:
-            raise TensorReadError(self.name or self.tensor.describe(),
-                                  f"produced {len(data)} bytes for range [{a}, {b})")
-        return head + data if head else data
+        label = name or tensor.describe()
+        super().__init__([Literal(self.header_bytes, "npy header"), TensorBytes(tensor, label)],
+                         name=label, cache=cache)

@@ -6,20 +6,21 @@ library's dtype enum order, see ``DTYPE_ORDER``) then by name, their data laid o
 that order; the header holds ``__metadata__`` first (when given) and then the tensors in data order,
 with compact JSON separators and non-ASCII characters written raw.
 
-The size and the header come from metadata alone. ``read(offset, n)`` reads only the byte ranges of
-the tensors overlapping the request, through ``VirtualTensor.read_bytes`` (the bounded block cache).
+The size and the header come from metadata alone. The file is planned as pieces (``ckptfs.layouts.pieces``):
+the header, then each tensor's bytes; a read touches only the tensors overlapping it, through the mount's
+block cache.
 """
 from __future__ import annotations
 
 import json
 import struct
-from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Sequence
 
 from ..cache import BlockCache
-from ..errors import CkptfsError, TensorReadError
+from ..errors import CkptfsError
 from ..tensor import VirtualTensor
+from .pieces import Literal, PiecedFile, TensorBytes
 
 #: safetensors 0.8 dtype codes, ascending: the writer sorts tensors by this rank, descending
 DTYPE_ORDER = ("BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0",
@@ -82,44 +83,20 @@ def header_bytes_for(entries: Sequence[SafetensorsEntry], metadata: dict | None)
     return struct.pack("<Q", len(text)) + text
 
 
-class SafetensorsLayout:
+class SafetensorsLayout(PiecedFile):
     """A virtual ``.safetensors`` file: exact ``size`` and ``read(offset, n)`` from virtual tensors."""
 
     def __init__(self, tensors: Sequence[tuple[str, VirtualTensor]], metadata: dict | None = PT_METADATA,
-                 *, cache: BlockCache | None = None):
+                 *, cache: BlockCache | None = None, name: str = "safetensors file"):
         self.entries: list[SafetensorsEntry] = plan_entries(list(tensors))
         self.metadata = dict(metadata) if metadata is not None else None
-        self.cache = cache
         self.header_bytes: bytes = header_bytes_for(self.entries, self.metadata)
         self.data_start: int = len(self.header_bytes)
         self.data_size: int = self.entries[-1].end if self.entries else 0
-        self.size: int = self.data_start + self.data_size
-        self._ends = [e.end for e in self.entries]
+        super().__init__([Literal(self.header_bytes, "safetensors header")]
+                         + [TensorBytes(e.tensor, e.name) for e in self.entries], name=name, cache=cache)
 
     @property
     def data_offsets(self) -> dict[str, tuple[int, int]]:
         """name → (begin, end) relative to the data section, as in the header."""
         return {e.name: (e.begin, e.end) for e in self.entries}
-
-    def read(self, offset: int, n: int) -> bytes:
-        if offset < 0 or n < 0:
-            raise ValueError(f"invalid read offset={offset} n={n}")
-        end = min(offset + n, self.size)
-        if offset >= end:
-            return b""
-        parts = []
-        hs = self.data_start
-        if offset < hs:
-            parts.append(self.header_bytes[offset:min(end, hs)])
-        lo, hi = max(offset - hs, 0), end - hs
-        i = bisect_right(self._ends, lo)  # first entry ending after lo
-        while i < len(self.entries) and self.entries[i].begin < hi:
-            e = self.entries[i]
-            a, b = max(lo, e.begin) - e.begin, min(hi, e.end) - e.begin
-            if b > a:
-                data = e.tensor.read_bytes(a, b, self.cache)
-                if len(data) != b - a:
-                    raise TensorReadError(e.name, f"produced {len(data)} bytes for range [{a}, {b})")
-                parts.append(data)
-            i += 1
-        return parts[0] if len(parts) == 1 else b"".join(parts)

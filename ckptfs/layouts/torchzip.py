@@ -1,8 +1,9 @@
 """The torch.save zip archive (torch 2.13 byte layout) of a nested object with virtual-tensor leaves.
 
 ``TorchZipLayout(obj, archive_name)`` knows its exact ``size`` and every offset from metadata alone
-(data.pkl, record names and sizes); ``read(offset, n)`` produces exactly those bytes and reads only
-the tensor byte ranges that overlap the request. The output equals ``torch.save(obj)`` byte for byte
+(data.pkl, record names and sizes) and plans the file as pieces (``ckptfs.layouts.pieces``): per record its
+local header, its payload or tensor bytes, its data descriptor; then the central directory and the tail. A read
+touches only the tensor byte ranges that overlap it. The output equals ``torch.save(obj)`` byte for byte
 (each leaf becoming a distinct tensor over one storage per distinct ``VirtualTensor``), except the
 40 digits of ``.data/serialization_id`` (and, with CRCs, that record's CRC). See
 docs/torch-safetensors-hf-bytes.md §1–3.
@@ -22,10 +23,12 @@ import threading
 import zlib
 from dataclasses import dataclass
 
+from ..cache import BlockCache
 from ..errors import CkptfsError
 from ..tensor import VirtualTensor
 from .crc import CrcStore
 from .pickle2 import Global, PersistentId, PickleTypeError, Reduce, dumps2
+from .pieces import Computed, Literal, PiecedFile, TensorBytes
 
 __all__ = ["TorchZipLayout", "ZipEntry", "build_data_pkl", "contiguous_strides"]
 
@@ -81,6 +84,17 @@ def build_data_pkl(obj) -> tuple[bytes, list[VirtualTensor]]:
         return Reduce(func, (pid, 0, size, stride, False, Reduce(_OD, ())) + extra)
 
     return dumps2(obj, reducer), storages
+
+
+def _storage_labels(obj) -> dict:
+    """For a flat state dict: ``{id(tensor): its first key}`` (how ``ckptfs explain`` names a storage)."""
+    if not isinstance(obj, dict):
+        return {}
+    labels: dict = {}
+    for k, v in obj.items():
+        if isinstance(v, VirtualTensor):
+            labels.setdefault(id(v), str(k))
+    return labels
 
 
 @dataclass(frozen=True)
@@ -165,11 +179,11 @@ class _Record:
                            min(self.header_offset, U32)) + self.name + extra
 
 
-class TorchZipLayout:
+class TorchZipLayout(PiecedFile):
     """``torch.save(obj)`` as a lazily generated file: ``size`` and ``read(offset, n)``."""
 
     def __init__(self, obj, archive_name: str, *, crc: str = "exact", crc_store: CrcStore | None = None,
-                 identity: str | None = None):
+                 identity: str | None = None, cache: BlockCache | None = None):
         if crc not in ("exact", "zero"):
             raise CkptfsError(archive_name, f"unknown zip CRC mode {crc!r} (expected 'exact' or 'zero')")
         self.archive_name = archive_name
@@ -184,6 +198,7 @@ class TorchZipLayout:
             raise CkptfsError(archive_name, "object nesting too deep to write to a torch file") from None
         self.storages = storages
         self.signature = self._signature(pkl, storages)
+        labels = _storage_labels(obj)
 
         prefix = archive_name + "/"
         sid = b"%040d" % (int.from_bytes(hashlib.sha256(self.signature.encode()).digest(), "big") % 10**40)
@@ -206,15 +221,13 @@ class TorchZipLayout:
                 rec.crc = 0
             self._records.append(rec)
             pos = rec.end
-        self._starts = [r.header_offset for r in self._records]
         self.cd_offset = pos
-        self._cd_starts = []
+        self._cd_starts = []  # each record's central directory entry, relative to the central directory
         for r in self._records:
-            self._cd_starts.append(pos)
+            self._cd_starts.append(pos - self.cd_offset)
             pos += r.cd_len()
         self.cd_size = pos - self.cd_offset
         self.tail_offset = pos
-        self.size = pos + _TAIL
         self._tail = self._build_tail()
 
         self._unknown = sum(r.crc is None for r in self._records)  # CRCs still to compute
@@ -223,6 +236,7 @@ class TorchZipLayout:
         self._unsaved = 0
         if self._store is not None and self._unknown:
             self._load_store()
+        super().__init__(self._pieces(labels), name=archive_name, cache=cache)
 
     # -- metadata ----------------------------------------------------------------------------------
     @property
@@ -246,53 +260,44 @@ class TorchZipLayout:
                            min(self.cd_size, U32), min(self.cd_offset, U32), 0)
         return eocd64 + loc + eocd
 
-    # -- reading -----------------------------------------------------------------------------------
-    def read(self, offset: int, n: int) -> bytes:
-        """Bytes [offset, offset + n) of the file (fewer at the end of the file)."""
-        offset = max(0, int(offset))
-        end = min(offset + max(0, int(n)), self.size)
-        if offset >= end:
-            return b""
-        parts: list[bytes] = []
-        recs = self._records
-        if offset < self.cd_offset:
-            i = bisect.bisect_right(self._starts, offset) - 1
-            while i < len(recs) and recs[i].header_offset < end:
-                self._read_record(recs[i], offset, end, parts)
-                i += 1
-        if offset < self.tail_offset and end > self.cd_offset:
-            i = max(0, bisect.bisect_right(self._cd_starts, offset) - 1)
-            j = bisect.bisect_left(self._cd_starts, end)
-            self._ensure_crcs(recs[i:j])
-            for k in range(i, j):
-                start = self._cd_starts[k]
-                entry = recs[k].cd_entry(recs[k].crc)
-                parts.append(entry[max(offset - start, 0):end - start])
-        if end > self.tail_offset:
-            parts.append(self._tail[max(offset - self.tail_offset, 0):end - self.tail_offset])
-        return parts[0] if len(parts) == 1 else b"".join(parts)
-
-    def _read_record(self, rec: _Record, lo: int, hi: int, parts: list) -> None:
-        h = rec.header_offset
-        if lo < rec.data_offset:
-            parts.append(rec.local_header()[max(lo - h, 0):min(hi, rec.data_offset) - h])
-        a, b = max(lo, rec.data_offset) - rec.data_offset, min(hi, rec.data_end) - rec.data_offset
-        if a < b:
+    # -- pieces ------------------------------------------------------------------------------------
+    def _pieces(self, labels: dict) -> list:
+        pieces: list = []
+        for rec in self._records:
+            pieces.append(Literal(rec.local_header(), f"zip local header of {rec.name.decode()}"))
             if rec.payload is not None:
-                parts.append(rec.payload[a:b])
+                pieces.append(Literal(rec.payload, f"zip record {rec.name.decode()}"))
             else:
-                data = rec.tensor.read_bytes(a, b)
-                parts.append(data)
-                if rec.crc is None:
-                    self._fold(rec, a, data)
-        if hi > rec.data_end and rec.size:
-            self._ensure_crcs((rec,))
-            d0 = rec.data_end
-            parts.append(rec.descriptor(rec.crc)[max(lo - d0, 0):hi - d0])
+                label = labels.get(id(rec.tensor))
+                name = rec.name.decode() + (f" ({label})" if label else "")
+                fold = None if rec.crc is not None else (lambda a, data, rec=rec: self._fold(rec, a, data))
+                pieces.append(TensorBytes(rec.tensor, name, on_read=fold))
+            if rec.size:
+                pieces.append(Computed(rec.end - rec.data_end, lambda a, b, rec=rec: self._descriptor(rec)[a:b],
+                                       f"zip data descriptor of {rec.name.decode()} (its CRC-32)"))
+        pieces.append(Computed(self.cd_size, self._central_directory, "zip central directory (CRC-32s)"))
+        pieces.append(Literal(self._tail, "zip64 end records"))
+        return pieces
+
+    def _descriptor(self, rec: _Record) -> bytes:
+        self._ensure_crcs((rec,))
+        return rec.descriptor(rec.crc)
+
+    def _central_directory(self, a: int, b: int) -> bytes:
+        """Bytes [a, b) of the central directory: the entries overlapping them, their CRCs made known first."""
+        i = bisect.bisect_right(self._cd_starts, a) - 1
+        j = bisect.bisect_left(self._cd_starts, b)
+        recs = self._records[i:j]
+        self._ensure_crcs(recs)
+        entries = b"".join(r.cd_entry(r.crc) for r in recs)
+        base = self._cd_starts[i]
+        return entries[a - base:b - base]
 
     # -- CRCs --------------------------------------------------------------------------------------
     def _fold(self, rec: _Record, a: int, data: bytes) -> None:
         """Extend ``rec``'s running CRC with freshly read bytes at ``a`` if they continue it."""
+        if rec.crc is not None:  # set once, never unset: no lock needed to see it
+            return
         with self._lock:
             if rec.crc is not None or not (a <= rec.hashed < a + len(data)):
                 return
@@ -321,7 +326,7 @@ class TorchZipLayout:
                     block = max(1, t.block_elems() * t.dtype.itemsize)
                     pos = rec.hashed
                     stop = min(rec.size, (pos // block + 1) * block)
-                    self._fold(rec, pos, t.read_bytes(pos, stop))
+                    self._fold(rec, pos, t.read_bytes(pos, stop, self.cache))
                     hashed_any = True
             if hashed_any and self._store is not None:
                 with self._lock:

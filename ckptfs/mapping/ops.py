@@ -56,6 +56,16 @@ class Transpose(VirtualTensor):
     def sources(self):
         return [self.src]
 
+    def element_source(self, index):
+        src = [0] * self.ndim
+        for d, p in enumerate(self.perm):
+            src[p] = index[d]
+        return self.src, tuple(src)
+
+    def chunk_shape(self):
+        c = self.src.chunk_shape()
+        return tuple(c[p] for p in self.perm) if c else None
+
     def describe(self) -> str:
         return f"transpose{list(self.perm)}({self.src.describe()})"
 
@@ -81,6 +91,15 @@ class Slice(VirtualTensor):
     def sources(self):
         return [self.src]
 
+    def element_source(self, index):
+        idx = list(index)
+        idx[self.dim] += self.start
+        return self.src, tuple(idx)
+
+    def chunk_shape(self):
+        c = self.src.chunk_shape()
+        return c if c and self.start % c[self.dim] == 0 else None
+
     def describe(self) -> str:
         return f"slice(dim={self.dim}, {self.start}:{self.stop}) of {self.src.describe()}"
 
@@ -102,6 +121,13 @@ class Select(VirtualTensor):
 
     def sources(self):
         return [self.src]
+
+    def element_source(self, index):
+        return self.src, tuple(index[:self.dim]) + (self.index,) + tuple(index[self.dim:])
+
+    def chunk_shape(self):
+        c = self.src.chunk_shape()
+        return c[:self.dim] + c[self.dim + 1:] if c else None
 
     def describe(self) -> str:
         return f"select(dim={self.dim}, index={self.index}) of {self.src.describe()}"
@@ -143,6 +169,17 @@ class Concat(VirtualTensor):
     def sources(self):
         return list(self.srcs)
 
+    def element_source(self, index):
+        i = int(np.searchsorted(self.offsets, index[self.dim], side="right")) - 1
+        idx = list(index)
+        idx[self.dim] -= self.offsets[i]
+        return self.srcs[i], tuple(idx)
+
+    def chunk_shape(self):
+        cs = {s.chunk_shape() for s in self.srcs}
+        c = cs.pop() if len(cs) == 1 else None
+        return c if c and all(o % c[self.dim] == 0 for o in self.offsets[1:-1]) else None
+
     def describe(self) -> str:
         return f"concat(dim={self.dim}: " + ", ".join(s.describe() for s in self.srcs) + ")"
 
@@ -172,6 +209,13 @@ class Stack(VirtualTensor):
 
     def sources(self):
         return list(self.srcs)
+
+    def element_source(self, index):
+        return self.srcs[index[self.dim]], tuple(index[:self.dim]) + tuple(index[self.dim + 1:])
+
+    def chunk_shape(self):
+        c = self.srcs[0].chunk_shape()
+        return c[:self.dim] + (1,) + c[self.dim:] if c else None
 
     def describe(self) -> str:
         return f"stack(dim={self.dim}: " + ", ".join(s.describe() for s in self.srcs) + ")"
@@ -235,6 +279,13 @@ class PermuteRows(VirtualTensor):
     def sources(self):
         return [self.src]
 
+    def element_source(self, index):
+        return self.src, (int(self.source_rows(index[0], index[0] + 1)[0]),) + tuple(index[1:])
+
+    def chunk_shape(self):
+        c = self.src.chunk_shape()  # whole heads of whole chunk rows read the same source rows
+        return (math.lcm(c[0], self.head_dim),) + c[1:] if c else None
+
     def describe(self) -> str:
         return (f"permute_rows({self.direction}, heads={self.heads}, head_dim={self.head_dim}, "
                 f"rotary_dim={self.rotary_dim}) of {self.src.describe()}")
@@ -245,7 +296,22 @@ class PermuteRows(VirtualTensor):
 AFFINE_STEPS = ("mul", "div", "add", "sub")
 
 
-class Affine(VirtualTensor):
+class Elementwise(VirtualTensor):
+    """An operation whose element ``i`` is computed from element ``i`` of one input ``src`` alone."""
+
+    src: VirtualTensor
+
+    def sources(self):
+        return [self.src]
+
+    def element_source(self, index):
+        return self.src, index
+
+    def chunk_shape(self):
+        return self.src.chunk_shape()
+
+
+class Affine(Elementwise):
     """Elementwise ``x * s``, ``x / s``, ``x + c``, ``x - c`` steps, exactly as torch computes them.
 
     Each step is one torch operation with a Python scalar: float32 tensors compute in float32 with the
@@ -286,15 +352,12 @@ class Affine(VirtualTensor):
                 x = floats.widen(floats.narrow(x, self.dtype), self.dtype)
         return floats.narrow(x, self.dtype)
 
-    def sources(self):
-        return [self.src]
-
     def describe(self) -> str:
         sym = {"mul": "*", "div": "/", "add": "+", "sub": "-"}
         return "(" + self.src.describe() + "".join(f" {sym[o]} {v!r}" for o, v in self.steps) + ")"
 
 
-class Cast(VirtualTensor):
+class Cast(Elementwise):
     """``src`` converted to ``dtype`` like ``torch.Tensor.to(dtype)`` (fp32 -> bf16 rounds to nearest even)."""
 
     def __init__(self, src: VirtualTensor, dtype: DType | str):
@@ -309,9 +372,6 @@ class Cast(VirtualTensor):
     def read(self, box: Box) -> np.ndarray:
         box = _check_box(self, box)
         return floats.cast(self.src.read(box), self.src.dtype, self.dtype)
-
-    def sources(self):
-        return [self.src]
 
     def describe(self) -> str:
         return f"cast({self.dtype.name}) of {self.src.describe()}"

@@ -29,8 +29,8 @@ the LZ4 library cannot be loaded). ``read`` returns None (the caller then uses h
 a box out of range, a closed dataset, or a box touching an unallocated chunk of a dataset whose fill value HDF5
 would not apply (fill time "never" / undefined fill value).
 
-Block alignment: ``aligned_block_elems`` rounds a tensor's cache-block size to whole chunk rows (``chunks[0]`` rows
-of all trailing dimensions), so consecutive blocks never decode the same chunk (``H5DatasetTensor.block_elems``).
+Block alignment: ``aligned_block_elems`` (``ckptfs.tensor``) rounds a tensor's cache-block size to whole chunk rows
+(``chunks[0]`` rows of all trailing dimensions), so consecutive blocks never decode the same chunk.
 
 Threads: ``CKPTFS_DECODE_THREADS`` (default ``os.cpu_count()``; 1 = serial, in the calling thread) or
 ``set_decode_threads(n)``.
@@ -53,6 +53,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+
+from ..tensor import aligned_block_elems  # noqa: F401 - cache-block alignment to chunk rows lives with the blocks
 
 LZ4_FILTER_ID = 32004
 ENV_THREADS = "CKPTFS_DECODE_THREADS"
@@ -343,31 +345,6 @@ def plan(dset) -> "LZ4ChunkReader | None":
         return LZ4ChunkReader(dset) if why_not(dset) is None else None
     except (OSError, RuntimeError, ValueError, TypeError, KeyError):
         return None
-
-
-def aligned_block_elems(shape, chunks, itemsize: int, base: int, max_bytes: int) -> int:
-    """A cache-block size (elements) that starts every block on a chunk-row boundary, or ``base`` when not cheap.
-
-    A "chunk row" is ``chunks[0]`` whole rows (all trailing dimensions), so a block of k chunk rows decodes exactly
-    the chunks under it and consecutive blocks never share a chunk. The result is the largest multiple of one
-    chunk row not above ``base`` (at least one chunk row, if that fits in ``max_bytes``). ``base`` is kept when it
-    is already aligned, when the tensor fits in one block, or when one chunk row exceeds ``max_bytes``.
-    """
-    shape = tuple(int(n) for n in shape)
-    if not chunks or not shape or len(chunks) != len(shape):
-        return base
-    numel = math.prod(shape)
-    row = math.prod(shape[1:])
-    if numel == 0 or row == 0 or numel <= base:
-        return base
-    unit = min(int(chunks[0]), shape[0]) * row
-    if base % unit == 0:
-        return base
-    if unit * itemsize > max_bytes:
-        return base
-    return max(1, base // unit) * unit
-
-
 
 
 class LZ4ChunkReader:

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..dtypes import BFLOAT16, DType
 from ..errors import SourceChangedError, TensorReadError
-from ..tensor import BLOCK_BYTES, Box, VirtualTensor, box_shape
+from ..tensor import Box, VirtualTensor, box_shape
 from . import lz4chunks
 from .confine import Confinement, RefusedReference, open_regular
 from .h5safe import H5Refused, open_dataset
@@ -45,7 +45,6 @@ class H5DatasetTensor(VirtualTensor):
         self._chunks = chunks  # the dataset's chunk shape when the catalog read its header (saves an open)
         self._dset = None
         self._lz4 = (None, None)  # (dataset, LZ4ChunkReader | None) planned for that dataset object
-        self._block_elems = None
 
     def describe(self) -> str:
         where = "" if self.store.path == self.store.checkpoint_path else f" of {self.store.path.name}"
@@ -83,22 +82,14 @@ class H5DatasetTensor(VirtualTensor):
             self._lz4 = (d, reader)
         return reader
 
-    def block_elems(self) -> int:
-        """The default block size rounded to whole chunk rows (``lz4chunks.aligned_block_elems``), so that
-        consecutive cache blocks never decode the same chunk. Computed once: block keys must stay stable."""
-        be = self._block_elems
-        if be is None:
-            be = base = super().block_elems()
-            chunks = self._chunks
-            if chunks is None and self._dset is None:
-                try:
-                    chunks = self.dataset().chunks
-                except TensorReadError:
-                    chunks = None
-            if chunks:
-                be = lz4chunks.aligned_block_elems(self.shape, chunks, self.dtype.itemsize, base, 4 * BLOCK_BYTES)
-            self._block_elems = be
-        return be
+    def chunk_shape(self):
+        """The dataset's chunk shape: cache blocks are whole chunk rows (``VirtualTensor.block_elems``), so that
+        consecutive blocks never decode the same chunk."""
+        try:
+            chunks = self.dataset().chunks
+        except TensorReadError:
+            return None
+        return tuple(int(c) for c in chunks) if chunks else None
 
     def read(self, box: Box) -> np.ndarray:
         shape = box_shape(box)

@@ -11,10 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..cache import BlockCache
 from ..options import MountOptions  # noqa: F401 - views read ctx.options; declared in ckptfs.options
-
-ALL_VIEWS = ("hf", "cs", "torch", "tensors")
-
 
 class VFile(Protocol):
     size: int
@@ -87,7 +85,8 @@ class ViewResult:
 
 @dataclass
 class ViewContext:
-    """What ``ckptfs.views.<name>.build(ctx) -> ViewResult`` receives (built once per mount by ``vfs.build_tree``).
+    """What a view's ``build(ctx) -> ViewResult`` receives (built once per mount by ``vfs.build_tree``; the views are
+    registered in ``ckptfs.views.registry``).
 
     A view's ``ViewResult.files`` paths are relative to the view's own directory ``<name>/`` in the mount
     (``hf`` returning ``config.json`` appears as ``hf/config.json``); a path that already starts with
@@ -100,3 +99,8 @@ class ViewContext:
     options: MountOptions
     crc_store: Any = None  # ckptfs.layouts.crc.CrcStore persisting zip CRCs across mounts (None: not persisted)
     identity: str | None = None  # the checkpoint file (realpath, size, mtime, inode) + content-shaping options
+    cache: BlockCache | None = None  # the mount's block cache, handed to every layout (default: one sized by options)
+
+    def __post_init__(self):
+        if self.cache is None:
+            self.cache = BlockCache(self.options.cache_size)

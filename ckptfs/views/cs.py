@@ -123,7 +123,7 @@ def build(ctx) -> ViewResult:
         result.missing = f"{ctx.stem}.mdl: the checkpoint holds nothing ckptfs can write"
         return result
     try:
-        lay = Hdf5Layout(entries, path=ctx.ckpt_path)
+        lay = Hdf5Layout(entries, path=ctx.ckpt_path, cache=ctx.cache)
     except CkptfsError as e:
         result.missing = f"{ctx.stem}.mdl: {e.problem}"
         return result

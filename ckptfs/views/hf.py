@@ -11,11 +11,25 @@ from .base import BytesFile, ViewResult
 
 
 class Alias(VirtualTensor):
-    """The same data under a second name (safetensors cannot share bytes between names)."""
+    """The same data under a second name (safetensors cannot share bytes between names). Its bytes are the
+    target's cache blocks: same ``cache_key``, same block size, so a tied tensor is computed once."""
 
     def __init__(self, target: VirtualTensor):
         super().__init__(target.shape, target.dtype)
         self.target = target
+
+    @property
+    def cache_key(self):
+        return self.target.cache_key
+
+    def block_elems(self) -> int:
+        return self.target.block_elems()
+
+    def chunk_shape(self):
+        return self.target.chunk_shape()
+
+    def element_source(self, index):
+        return self.target, index
 
     def read(self, box):
         return self.target.read(box)
@@ -43,8 +57,10 @@ def _untie(named: list) -> list:
     return out
 
 
-def weight_files(named: list, *, max_shard_size: int, zip_crc: str, crc_store=None, identity: str | None = None) -> dict:
-    """Both HF weight formats for ``named`` [(hf name, tensor)]: {relative path: VFile}."""
+def weight_files(named: list, *, max_shard_size: int, zip_crc: str, crc_store=None, identity: str | None = None,
+                 cache=None) -> dict:
+    """Both HF weight formats for ``named`` [(hf name, tensor)]: {relative path: VFile}, reading through ``cache``
+    (the mount's block cache; both formats share its blocks)."""
     from ..layouts.safetensors import SafetensorsLayout
     from ..layouts.shards import index_json, plan_shards, shard_filenames
     from ..layouts.torchzip import TorchZipLayout
@@ -55,7 +71,7 @@ def weight_files(named: list, *, max_shard_size: int, zip_crc: str, crc_store=No
     shards = plan_shards(st_named, max_shard_size)
     names = shard_filenames("model", ".safetensors", len(shards))
     for fname, shard in zip(names, shards):
-        files[fname] = SafetensorsLayout(shard, metadata={"format": "pt"})
+        files[fname] = SafetensorsLayout(shard, metadata={"format": "pt"}, cache=cache, name=fname)
     files["model.safetensors.index.json"] = BytesFile(index_json(shards, names))
 
     shards = plan_shards(named, max_shard_size)
@@ -63,7 +79,7 @@ def weight_files(named: list, *, max_shard_size: int, zip_crc: str, crc_store=No
     for fname, shard in zip(names, shards):
         ident = f"{identity}:{fname}" if identity else None
         files[fname] = TorchZipLayout(OrderedDict(shard), fname.rsplit(".", 1)[0], crc=zip_crc,
-                                      crc_store=crc_store, identity=ident)
+                                      crc_store=crc_store, identity=ident, cache=cache)
     files["pytorch_model.bin.index.json"] = BytesFile(index_json(shards, names))
     return files
 
@@ -101,7 +117,8 @@ def build(ctx) -> ViewResult:
             files[base + name] = _json_file(content)
         weights = weight_files(model.tensors, max_shard_size=opts.max_shard_size, zip_crc=opts.zip_crc,
                                crc_store=getattr(ctx, "crc_store", None),
-                               identity=f"{identity}:{folder}" if identity and folder else identity)
+                               identity=f"{identity}:{folder}" if identity and folder else identity,
+                               cache=ctx.cache)
         files.update({base + name: f for name, f in weights.items()})
     notes = [f"hf: family {hf.family} (model name {hf.model_name}), class {hf.hf_class}"
              + (f", params {hf.params_path}" if hf.params_path else "")]

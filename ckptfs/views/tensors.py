@@ -123,7 +123,8 @@ def plan_paths(keys: list) -> tuple[dict, list]:
 def build(ctx) -> ViewResult:
     leaves = ctx.checkpoint.tensors()
     paths, notes = plan_paths([(key, npy_suffix(leaf.tensor.dtype)) for key, leaf in leaves.items()])
-    files = {"tensors/" + paths[key]: NpyLayout(leaf.tensor, name=key) for key, leaf in leaves.items()}
+    files = {"tensors/" + paths[key]: NpyLayout(leaf.tensor, name=key, cache=ctx.cache)
+             for key, leaf in leaves.items()}
     if not files:
         return ViewResult(missing="the checkpoint holds no tensors")
     return ViewResult(files=files, notes=notes)

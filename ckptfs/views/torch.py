@@ -87,7 +87,7 @@ def build(ctx) -> ViewResult:
 
     def layout(obj, name: str):
         return TorchZipLayout(obj, name, crc=crc, crc_store=store,
-                              identity=f"{ident}:torch/{name}.pt" if ident else None)
+                              identity=f"{ident}:torch/{name}.pt" if ident else None, cache=ctx.cache)
 
     obj = to_object(ckpt.root, result.notes)
     if obj is OMIT:

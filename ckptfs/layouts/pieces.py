@@ -1,0 +1,253 @@
+"""One engine for files made of pieces: every generated file format is planned as a sorted list of pieces, and
+only this module reads them.
+
+A file is the concatenation of its pieces, each one of:
+
+* ``Literal(data)`` — bytes known when the file is planned (a safetensors or npy header, a pickle, a zip local
+  header, HDF5 metadata);
+* ``Zeros(size)`` — zero bytes (HDF5 free space and alignment);
+* ``TensorBytes(tensor, start, size, name)`` — bytes ``[start, start + size)`` of a virtual tensor's C-order image,
+  read through the mount's block cache; an ``on_read(offset in piece, bytes)`` hook sees them as they are read
+  (a torch zip folds them into a record's CRC);
+* ``Computed(size, compute, what)`` — bytes produced on demand by ``compute(a, b)`` (the bytes ``[a, b)`` of the
+  piece): a zip central directory or data descriptor, whose CRCs need the tensors' bytes first.
+
+``PiecedFile(pieces, name=…, cache=…)`` has an exact ``size`` and the single read loop, ``readinto(offset, out)``:
+it clips the request, finds the first piece with one bisect, lets each overlapping piece fill its share of the
+one buffer ``out``, and checks that every piece produced exactly its share (an error names the file and the
+piece); ``read(offset, n)`` is ``readinto`` a new buffer. A file
+whose plan is expensive passes ``plan=`` instead of ``pieces`` and is planned on first use. ``explain(offset)``
+says which piece serves a byte and, for tensor bytes, which element, cache block and source region
+(``ckptfs explain``).
+
+A new output format only plans pieces: see docs/architecture.md, "Adding an output format".
+"""
+from __future__ import annotations
+
+import threading
+from bisect import bisect_right
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from ..cache import BlockCache
+from ..errors import TensorReadError
+from ..tensor import VirtualTensor, trace_element, unravel
+
+
+# -- pieces -----------------------------------------------------------------------------------------------------
+
+
+class Literal:
+    """Bytes known when the file is planned."""
+
+    __slots__ = ("data", "size", "what")
+
+    def __init__(self, data: bytes, what: str = "bytes"):
+        self.data = data
+        self.size = len(data)
+        self.what = what
+
+    def fill(self, out: memoryview, a: int, cache) -> int:
+        out[:] = self.data[a:a + len(out)]
+        return len(out)
+
+    def explain(self, a: int) -> list:
+        return [f"{self.what}: {self.size} bytes known when the file was planned"]
+
+
+class Zeros:
+    """``size`` zero bytes."""
+
+    __slots__ = ("size", "what")
+
+    def __init__(self, size: int, what: str = "zeros"):
+        self.size = int(size)
+        self.what = what
+
+    def fill(self, out: memoryview, a: int, cache) -> int:
+        out[:] = bytes(len(out))
+        return len(out)
+
+    def explain(self, a: int) -> list:
+        return [f"{self.what}: {self.size} zero bytes"]
+
+
+class TensorBytes:
+    """Bytes ``[start, start + size)`` of ``tensor``'s C-order little-endian image."""
+
+    __slots__ = ("tensor", "start", "size", "name", "on_read")
+
+    def __init__(self, tensor: VirtualTensor, name: str, start: int = 0, size: int | None = None,
+                 on_read: Callable[[int, memoryview], None] | None = None):
+        self.tensor = tensor
+        self.name = name
+        self.start = int(start)
+        self.size = tensor.nbytes - self.start if size is None else int(size)
+        self.on_read = on_read
+
+    @property
+    def what(self) -> str:
+        return f"tensor {self.name}"
+
+    def fill(self, out: memoryview, a: int, cache) -> int:
+        n = self.tensor.read_into(self.start + a, out, cache)
+        if self.on_read is not None and n:
+            self.on_read(a, out[:n])
+        return n
+
+    def explain(self, a: int) -> list:
+        t = self.tensor
+        byte = self.start + a
+        item = t.dtype.itemsize
+        element = unravel(byte // item, t.shape) if t.shape else ()
+        bb = t.block_elems() * item
+        blk = byte // bb
+        lines = [f"tensor {self.name}: {t.describe()}",
+                 f"  byte {byte} of its {t.nbytes} = byte {byte % item} of element {list(element)} "
+                 f"({t.dtype.name}, {item} bytes each)",
+                 f"  cache block {blk}: tensor bytes [{blk * bb}, {min((blk + 1) * bb, t.nbytes)})"]
+        for src, idx in trace_element(t, element)[1:]:
+            chunks = src.chunk_shape()
+            where = ""
+            if chunks and len(chunks) == len(idx):
+                where = f", chunk {[i // c for i, c in zip(idx, chunks)]} of chunks {list(chunks)}"
+            lines.append(f"  <- element {list(idx)} of {src.describe()}{where}")
+        return lines
+
+
+class Computed:
+    """``size`` bytes produced on demand: ``compute(a, b)`` returns bytes ``[a, b)`` of the piece."""
+
+    __slots__ = ("size", "compute", "what")
+
+    def __init__(self, size: int, compute: Callable[[int, int], bytes], what: str):
+        self.size = int(size)
+        self.compute = compute
+        self.what = what
+
+    def fill(self, out: memoryview, a: int, cache) -> int:
+        data = self.compute(a, a + len(out))
+        n = len(data)
+        if n == len(out):
+            out[:] = data
+        return n
+
+    def explain(self, a: int) -> list:
+        return [f"{self.what}: {self.size} bytes computed when read"]
+
+
+Piece = Literal | Zeros | TensorBytes | Computed
+
+
+# -- the file ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Pieces with their start offsets (empty pieces dropped) and the file size."""
+
+    starts: list
+    pieces: list
+    size: int
+
+    @classmethod
+    def of(cls, pieces: Sequence) -> "Plan":
+        starts, kept, pos = [], [], 0
+        for p in pieces:
+            if p.size < 0:
+                raise ValueError(f"{p.what}: negative size {p.size}")
+            if p.size:
+                starts.append(pos)
+                kept.append(p)
+                pos += p.size
+        return cls(starts, kept, pos)
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What serves byte ``offset`` of a file (``ckptfs explain``)."""
+
+    file: str
+    offset: int
+    size: int
+    piece: int = -1  # index among the file's pieces (-1: past the end)
+    pieces: int = 0
+    start: int = 0  # the piece's first byte in the file
+    end: int = 0
+    lines: list = field(default_factory=list)
+
+    def text(self) -> str:
+        if self.piece < 0:
+            return f"{self.file}: offset {self.offset} is past the end ({self.size} bytes)"
+        head = (f"{self.file}: byte {self.offset} of {self.size} is in piece {self.piece + 1} of {self.pieces}, "
+                f"file bytes [{self.start}, {self.end}), offset {self.offset - self.start} in the piece")
+        return "\n".join([head] + [f"  {ln}" for ln in self.lines])
+
+
+class PiecedFile:
+    """A generated file made of pieces: exact ``size``, ``read(offset, n)`` and ``explain(offset)``."""
+
+    def __init__(self, pieces: Sequence | None = None, *, name: str, cache: BlockCache | None = None,
+                 plan: Callable[[], Sequence] | None = None):
+        if (pieces is None) == (plan is None):
+            raise TypeError("give pieces or plan")
+        self.name = name
+        self.cache = cache
+        self._planner = plan
+        self._plan_lock = threading.Lock()
+        self._plan: Plan | None = Plan.of(pieces) if pieces is not None else None
+
+    def plan(self) -> Plan:
+        """The pieces (planned on first use when the file was given ``plan=``)."""
+        p = self._plan
+        if p is None:
+            with self._plan_lock:
+                if self._plan is None:
+                    self._plan = Plan.of(self._planner())
+                p = self._plan
+        return p
+
+    @property
+    def size(self) -> int:
+        return self.plan().size
+
+    def readinto(self, offset: int, out: memoryview) -> int:
+        """Fill ``out`` with bytes ``[offset, offset + len(out))`` of the file (fewer at its end); returns the count.
+
+        The one read loop of every pieced file: one bisect, then each overlapping piece fills its share of ``out``
+        and must produce exactly that many bytes."""
+        if offset < 0:
+            raise ValueError(f"{self.name}: invalid read at offset {offset}")
+        plan = self.plan()
+        end = min(offset + len(out), plan.size)
+        if offset >= end:
+            return 0
+        i = bisect_right(plan.starts, offset) - 1
+        pos = offset
+        while pos < end:
+            piece, start = plan.pieces[i], plan.starts[i]
+            a = pos - start
+            k = min(end - start, piece.size) - a
+            got = piece.fill(out[pos - offset:pos - offset + k], a, self.cache)
+            if got != k:
+                raise TensorReadError(self.name, f"{piece.what} produced {got} bytes for its bytes [{a}, {a + k})")
+            pos += k
+            i += 1
+        return end - offset
+
+    def read(self, offset: int, n: int) -> bytes:
+        """Bytes ``[offset, offset + n)`` of the file, fewer at its end (``readinto`` a buffer of that size)."""
+        if n < 0:
+            raise ValueError(f"{self.name}: invalid read of {n} bytes at offset {offset}")
+        buf = bytearray(max(0, min(n, self.size - offset)))
+        self.readinto(offset, memoryview(buf))
+        return bytes(buf)
+
+    def explain(self, offset: int) -> Explanation:
+        plan = self.plan()
+        if not 0 <= offset < plan.size:
+            return Explanation(self.name, offset, plan.size)
+        i = bisect_right(plan.starts, offset) - 1
+        piece, start = plan.pieces[i], plan.starts[i]
+        return Explanation(self.name, offset, plan.size, i, len(plan.pieces), start, start + piece.size,
+                           piece.explain(offset - start))
