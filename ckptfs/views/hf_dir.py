@@ -27,19 +27,13 @@ from .overlay import collect_overlays, discover_tokenizer
 from .special_tokens import token_ids
 
 BIN_FOLDER = "bin"
-GENERATED_SMALL = ("config.json", "generation_config.json")
 _SAFETENSORS = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 _BIN = re.compile(r"^pytorch_model(-\d{5}-of-\d{5})?\.bin$")
-_INDEX = {"model.safetensors.index.json": _SAFETENSORS, "pytorch_model.bin.index.json": _BIN}
+_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
 def json_file(obj) -> BytesFile:
     return BytesFile(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-
-
-def _split(path: str) -> tuple:
-    folder, name = posixpath.split(path)
-    return folder, name
 
 
 def _weights(names: list, kind) -> list:
@@ -48,14 +42,14 @@ def _weights(names: list, kind) -> list:
 
 def folder_files(files: dict, folder: str) -> dict:
     """{name: VFile} of the generated files directly in ``folder``."""
-    return {name: f for path, f in files.items() for d, name in [_split(path)] if d == folder}
+    return {name: f for path, f in files.items() for d, name in [posixpath.split(path)] if d == folder}
 
 
 def arrange_weights(own: dict, fmt: str) -> tuple:
     """(files kept in the folder, files for its ``bin/`` folder) of one model folder's generated files ``own``."""
     names = sorted(own)
     st, binf = _weights(names, _SAFETENSORS), _weights(names, _BIN)
-    small = {n: f for n, f in own.items() if n not in st and n not in binf and n not in _INDEX}
+    small = {n: f for n, f in own.items() if n not in st and n not in binf and n not in _INDEXES}
     keep, sub = dict(small), {}
     for fmt_name, shards, index in (("safetensors", st, "model.safetensors.index.json"),
                                     ("bin", binf, "pytorch_model.bin.index.json")):
