@@ -4,7 +4,7 @@
     tree = ckptfs.open("checkpoint_1000.mdl")             # same files as `ckptfs mount`
     tree.listdir("")                                       # ['README.txt', 'config.json', ..., 'cs', 'tensors', 'torch']
     head = tree.read("model.safetensors", 0, 8)            # any byte range of any file, computed on demand
-    ckptfs.export("checkpoint_1000.mdl", "pytorch_model.bin", "out.bin")
+    ckptfs.export("checkpoint_1000.mdl", "bin/pytorch_model.bin", "out.bin")
     state = ckptfs.load("checkpoint_1000.mdl")             # the state dict as torch objects, nothing unpickled
 """
 from __future__ import annotations

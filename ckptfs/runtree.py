@@ -137,6 +137,7 @@ class RunTree:
         self._build = build or build_tree
         self._scanner = RunScanner(self.model_dir)
         self._lock = threading.RLock()
+        self._scan_lock = threading.Lock()  # one scan at a time, applied in the order taken
         self._numbers = itertools.count(1)
         self._handles_ids = itertools.count(1)
         self._slots: dict = {}  # folder name -> Slot, the complete checkpoints listed now
@@ -160,18 +161,19 @@ class RunTree:
             if not force and now - self._scanned < self.poll:
                 return self._listing
             self._scanned = now
-        try:
-            listing = self._scanner.scan()
-        except CheckpointError as e:  # keep serving what was there (a transient error must not empty the mount)
+        with self._scan_lock:
+            try:
+                listing = self._scanner.scan()
+            except CheckpointError as e:  # keep serving what was there (a transient error must not empty the mount)
+                with self._lock:
+                    if self._scan_error != str(e):
+                        log.warning("%s (the listing stays as it was)", e)
+                    self._scan_error = str(e)
+                    return self._listing
             with self._lock:
-                if self._scan_error != str(e):
-                    log.warning("%s (the listing stays as it was)", e)
-                self._scan_error = str(e)
-                return self._listing
-        with self._lock:
-            self._scan_error = None
-            self._apply(listing)
-            return listing
+                self._scan_error = None
+                self._apply(listing)
+                return listing
 
     @property
     def listing(self) -> RunListing:

@@ -170,3 +170,29 @@ def test_checkpoint_changed_under_a_live_mount_never_mixes_bytes(tmp_path, how):
     else:  # …or reads that need the changed file fail, said once in the log
         assert "model.safetensors" in failed and "torch/checkpoint.pt" in failed, failed
         assert len(changed) == 1 and "changed since it was opened" in changed[0], log
+
+
+# -- 4. names -----------------------------------------------------------------------------------------------------
+
+
+def test_colliding_nul_and_overlong_keys_are_all_reachable(tmp_path):
+    from ckptfs.source import open_checkpoint
+    from untrusted_help import craft_names
+
+    ckpt = craft_names(tmp_path / "ck")
+    with open_checkpoint(ckpt) as c:
+        want = {k: leaf.tensor.read_all().tobytes() for k, leaf in c.tensors().items()}
+    with mounted(ckpt, env=real_env(), timeout=300) as mnt:
+        assert os.statvfs(mnt).f_namemax == 255
+        names, files = [], []
+        for root, dirs, fnames in os.walk(mnt / "tensors"):
+            names += dirs + fnames
+            files += [Path(root) / n for n in fnames]
+        assert names and all(len(os.fsencode(n)) <= 255 for n in names), max(names, key=len)
+        got = sorted(np.load(p).tobytes() for p in files)  # every file opens through the kernel
+        assert got == sorted(want.values())  # one file per tensor: nothing hidden, nothing twice
+        readme = _readme(mnt)
+        for line in (ln for ln in readme.splitlines() if ln.strip().startswith("tensors: key ")):
+            served = line.rsplit("served as ", 1)[1].split(" (")[0]
+            assert (mnt / "tensors" / served).is_file(), line  # README points at the right file
+        assert readme.count("tensors: key ") >= 3

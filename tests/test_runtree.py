@@ -270,3 +270,16 @@ def test_ls_and_info_of_a_model_dir_list_the_run(tmp_path):
 
     single = _ckptfs("ls", "--single", d)
     assert single.returncode == 0 and "model/" in single.stdout  # the latest checkpoint's keys, as before
+
+
+def test_params_are_found_per_checkpoint_as_for_one(tmp_path):
+    d = model_dir(tmp_path / "run")
+    (d / "train").mkdir()
+    (d / "params.yaml").rename(d / "train" / "params_train.yaml")  # the Model Zoo run layout
+    save(d, 5)
+    tree = run_tree(d)
+    try:
+        assert json.loads(tree.read("latest/config.json", 0, 1 << 20))["model_type"] == "llama"
+        assert "params_train.yaml" in tree.read("checkpoint_5/README.txt", 0, 1 << 20).decode()
+    finally:
+        tree.close()

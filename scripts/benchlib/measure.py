@@ -94,16 +94,18 @@ def discover(ctx: Ctx, ck: Ckpt, local: Path) -> dict:
         check = stat_and_index_check(ctx, ck, m)
         hf = hf_dir(m.mountpoint)
         names = sorted(os.listdir(hf))
+        if (hf / "bin").is_dir():  # --hf-format both: the .bin files are in the HF folder's bin/ folder
+            names = [n for n in names if n != "bin"] + sorted(f"bin/{n}" for n in os.listdir(hf / "bin"))
         sizes = {n: os.stat(hf / n).st_size for n in names}
         local.mkdir(parents=True, exist_ok=True)
-        small = [n for n in names if n.endswith(".json")]
+        small = [n for n in names if n.endswith(".json") and "/" not in n]
         for n in small:
             shutil.copyfile(hf / n, local / n)
         rel = str(hf.relative_to(m.mountpoint)) if hf != m.mountpoint else ""
     finally:
         m.stop()
     st = [n for n in names if n.startswith("model") and n.endswith(".safetensors")]
-    bins = [n for n in names if n.startswith("pytorch_model") and n.endswith(".bin")]
+    bins = [n for n in names if n.rpartition("/")[2].startswith("pytorch_model") and n.endswith(".bin")]
     if not st or not bins:
         raise StepError(f"HF view has no weights (files: {names})")
     return {"hf_rel": rel, "files": names, "sizes": sizes, "safetensors": st, "bins": bins, "small": small,
