@@ -23,11 +23,12 @@ import pytest
 
 from ckptfs.errors import CheckpointError, TensorReadError
 from ckptfs.views.base import BytesFile, ViewResult
+from conftest import FIXTURES, run_ckptfs
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 MiB = 1 << 20
-FIXTURES_CKPT = TESTS / "fixtures" / "llama" / "cs" / "checkpoint.mdl"  # a real Cerebras checkpoint
+FIXTURES_CKPT = FIXTURES / "llama" / "cs" / "checkpoint.mdl"  # a real Cerebras checkpoint
 
 
 # ---- synthetic files ---------------------------------------------------------------------------------
@@ -140,9 +141,8 @@ needs_fuse = pytest.mark.skipif(fuse_unusable_reason() is not None,
 
 
 def ckptfs(*args, env=None, timeout=120, **kw) -> subprocess.CompletedProcess:
-    """Run ``python -m ckptfs ARGS`` and capture its output."""
-    return subprocess.run([sys.executable, "-m", "ckptfs", *map(str, args)], env=env or fake_env(),
-                          capture_output=True, timeout=timeout, **kw)
+    """Run ``python -m ckptfs ARGS`` (by default over the synthetic views) and capture its output."""
+    return run_ckptfs(*args, env=env or fake_env(), timeout=timeout, **kw)
 
 
 def _fusermount() -> str:

@@ -3,7 +3,6 @@ h5py, ckptfs's source reader and ``ckptfs info`` accept. Tiny sizes only; no tim
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
 from benchlib import gen, noread  # noqa: E402
+from conftest import run_ckptfs  # noqa: E402
 
 FIXTURE_DIMS = gen.LlamaDims(hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, vocab=128, max_positions=64, tied=True)
 TINY = gen.LlamaDims(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=96)
@@ -92,13 +92,10 @@ def test_unallocated_checkpoint_is_metadata_only(tmp_path):
 
 
 def test_ckptfs_info_accepts_generated_checkpoint(tmp_path):
-    if not (REPO / "ckptfs" / "commands" / "info.py").exists():
-        pytest.skip("ckptfs info not built yet")
     out = tmp_path / "checkpoint_0.mdl"
     gen.write_checkpoint(out, TINY, "bf16")
     gen.write_params(tmp_path / "params.yaml", TINY)
-    r = subprocess.run([sys.executable, "-m", "ckptfs", "info", str(out)], capture_output=True, text=True,
-                       cwd=REPO, timeout=120)
+    r = run_ckptfs("info", out, cwd=REPO, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip()
 

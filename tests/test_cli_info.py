@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -13,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-FIX = Path(__file__).parent / "fixtures"
+from conftest import FIXTURES as FIX, run_ckptfs
+
 ROOT = Path(__file__).parent.parent
 EDGE = FIX / "cstorch_edge_cases"
 ALL_MDL = sorted(FIX.rglob("*.mdl"))
@@ -21,8 +20,7 @@ GOOD_MDL = [p for p in ALL_MDL if p.name != "intkeys.mdl"]
 
 
 def ckptfs(*args):
-    return subprocess.run([sys.executable, "-m", "ckptfs", *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    return run_ckptfs(*args, cwd=ROOT, text=True, timeout=120)
 
 
 def _attrs(p: Path) -> dict:

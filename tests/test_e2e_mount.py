@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from fusehelp import concurrent_random_reads, fake_env, mounted, needs_fuse
+from conftest import FIXTURES, run_ckptfs
 
 pytestmark = [needs_fuse, pytest.mark.timeout(900)]
 
-FIXTURES = Path(__file__).parent / "fixtures"
 CASES = ["gpt2", "llama", "mistral", "mixtral"]
 
 
@@ -29,11 +29,7 @@ def real_env() -> dict:
 
 
 def ckptfs(*args, check=True) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, "-m", "ckptfs", *map(str, args)], capture_output=True, env=real_env(),
-                       timeout=300)
-    if check:
-        assert r.returncode == 0, r.stderr.decode()
-    return r
+    return run_ckptfs(*args, env=real_env(), timeout=300, check=check)
 
 
 def weight_files(mnt: Path) -> list:

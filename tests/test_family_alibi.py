@@ -22,7 +22,7 @@ from ckptfs.mapping.convert import to_hf
 from ckptfs.mapping.detect import cs_model_tensors, infer_from_keys
 from ckptfs.mapping.registry import default_registry
 from ckptfs.tensor import ArrayTensor
-from test_mapping_helpers import FIXTURES, checkpoint_from_model, open_fixture
+from mappinghelp import FIXTURES, checkpoint_from_model, open_fixture
 
 MINE = {"falcon", "bloom", "mpt"}
 
@@ -171,7 +171,7 @@ def test_falcon_layouts_give_the_original_outputs(layout, headless, tmp_path):
 
 def test_falcon_qkv_row_block_reads_only_its_group(tmp_path):
     """A row block of the fused tensor touches only the q/k/v rows of the groups it covers."""
-    from test_mapping_helpers import RecordingTensor
+    from mappinghelp import RecordingTensor
 
     rng = np.random.default_rng(0)
     q, k, v = (RecordingTensor(rng.standard_normal(s).astype(np.float32)) for s in ((32, 8), (16, 8), (16, 8)))

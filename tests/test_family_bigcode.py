@@ -15,7 +15,7 @@ import yaml
 from ckptfs.errors import ConfigError
 from ckptfs.mapping.convert import to_hf
 from ckptfs.mapping.detect import detect_family
-from test_mapping_helpers import FIXTURES, checkpoint_from_model, open_fixture
+from mappinghelp import FIXTURES, checkpoint_from_model, open_fixture
 from ckptfs.tensor import ArrayTensor
 
 

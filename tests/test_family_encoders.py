@@ -16,7 +16,7 @@ from ckptfs.errors import ConfigError
 from ckptfs.mapping.convert import to_hf
 from ckptfs.mapping.detect import detect_family
 from ckptfs.tensor import ArrayTensor
-from test_mapping_helpers import FIXTURES, checkpoint_from_model, model_tensors, open_fixture, open_path
+from mappinghelp import FIXTURES, checkpoint_from_model, model_tensors, open_fixture, open_path
 
 NUM_LABELS = 3
 

@@ -19,7 +19,7 @@ from ckptfs.mapping.convert import to_hf
 from ckptfs.mapping.detect import detect_family
 from ckptfs.mapping.registry import Registry, default_registry, mapping_dirs
 from ckptfs.mapping.transforms.mllama import patch_linear_to_conv
-from test_mapping_helpers import FIXTURES, RecordingTensor, checkpoint_from_model, model_tensors, open_fixture
+from mappinghelp import FIXTURES, RecordingTensor, checkpoint_from_model, model_tensors, open_fixture
 
 
 def _bytes(model) -> dict:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import struct
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,8 +19,8 @@ from ckptfs.dtypes import BY_NAME, DType, by_name
 from ckptfs.errors import CkptfsError
 from ckptfs.layouts.safetensors import DTYPE_ORDER, SafetensorsLayout
 from ckptfs.tensor import ArrayTensor, VirtualTensor, box_shape
+from conftest import FIXTURES
 
-FIXTURES = Path(__file__).parent / "fixtures"
 
 #: every ckptfs dtype the safetensors format can hold
 ST_DTYPES = [d for d in BY_NAME.values() if d.safetensors in DTYPE_ORDER]

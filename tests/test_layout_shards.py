@@ -21,8 +21,9 @@ from ckptfs.layouts.shards import index_filename, index_json, plan_shards, shard
 from ckptfs.layouts.units import parse_size
 from ckptfs.tensor import ArrayTensor
 from test_layout_safetensors import PatternTensor, array_tensor_from_torch
+from conftest import FIXTURES
 
-LLAMA = Path(__file__).parent / "fixtures" / "llama" / "hf"
+LLAMA = FIXTURES / "llama" / "hf"
 
 
 # -- units ----------------------------------------------------------------------------------------------

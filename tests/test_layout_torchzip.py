@@ -8,7 +8,6 @@ import subprocess
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +20,7 @@ from ckptfs.dtypes import BY_NAME, DType
 from ckptfs.errors import CkptfsError
 from ckptfs.tensor import ArrayTensor, VirtualTensor
 from ckptfs.layouts.torchzip import TorchZipLayout
+from conftest import FIXTURES
 
 DTYPES = sorted(BY_NAME.values(), key=lambda d: d.name)
 
@@ -156,7 +156,7 @@ def layout_bytes(layout, chunk=None) -> bytes:
 def llama_state():
     from safetensors.numpy import load_file
 
-    arrays = load_file(str(Path(__file__).parent / "fixtures" / "llama" / "hf" / "model.safetensors"))
+    arrays = load_file(str(FIXTURES / "llama" / "hf" / "model.safetensors"))
     return OrderedDict((k, ArrayTensor(v)) for k, v in arrays.items())
 
 

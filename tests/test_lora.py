@@ -18,7 +18,7 @@ from ckptfs.mapping.lora import find_lora, lora_settings, parse_groups
 from ckptfs.mapping.lora_fold import LoraFold, fma32, fma_matmul
 from ckptfs.mapping.params import find_params
 from ckptfs.mapping.registry import default_registry
-from test_mapping_helpers import FIXTURES, RecordingTensor, checkpoint_from_model, open_fixture
+from mappinghelp import FIXTURES, RecordingTensor, checkpoint_from_model, open_fixture
 
 CASES = ["lora_gpt2", "lora_llama"]
 

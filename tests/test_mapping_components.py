@@ -13,8 +13,8 @@ from ckptfs.mapping.components import params_at, unused_settings
 from ckptfs.mapping.convert import to_hf
 from ckptfs.mapping.registry import Registry, default_registry, mapping_dirs
 from ckptfs.source import open_checkpoint
+from conftest import FIXTURES
 
-FIXTURES = Path(__file__).parent / "fixtures"
 
 DPR_LIKE = """
 family: twin

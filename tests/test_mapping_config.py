@@ -15,7 +15,7 @@ from ckptfs.mapping.config import convert_config
 from ckptfs.mapping.convert import to_hf
 from ckptfs.mapping.detect import detect_family
 from ckptfs.mapping.registry import default_registry
-from test_mapping_helpers import (FIXTURES, RecordingTensor, checkpoint_from_model, model_tensors, open_fixture,
+from mappinghelp import (FIXTURES, RecordingTensor, checkpoint_from_model, model_tensors, open_fixture,
                                   open_path)
 
 

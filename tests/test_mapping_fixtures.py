@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ckptfs.mapping.convert import to_hf
-from test_mapping_helpers import FIXTURES, open_fixture
+from mappinghelp import FIXTURES, open_fixture
 
 CASES = ["gpt2", "llama", "mistral", "mixtral", "gemma2", "bf16_llama", "train_gpt2"]
 

@@ -14,7 +14,7 @@ from ckptfs.errors import MappingError
 from ckptfs.mapping import ops
 from ckptfs.mapping.floats import bf16_bits_to_f32, cast, f32_to_bf16_bits
 from ckptfs.tensor import full_box
-from test_mapping_helpers import RecordingTensor
+from mappinghelp import RecordingTensor
 
 
 def rand(shape, seed=0):

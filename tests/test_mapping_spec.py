@@ -12,7 +12,7 @@ from ckptfs.mapping.convert import to_hf
 from ckptfs.mapping.expr import ExprError, Scope, evaluate, parse
 from ckptfs.mapping.pattern import KeyPattern, PatternError
 from ckptfs.mapping.registry import Registry, default_registry, list_models, mapping_dirs
-from test_mapping_helpers import RecordingTensor, checkpoint_from_model
+from mappinghelp import RecordingTensor, checkpoint_from_model
 
 REQUIRED_NAMES = {"gpt2", "gpt2-headless", "llama", "llamaV2", "code-llama", "wizardlm", "llama-headless",
                   "llamaV2-headless", "code-llama-headless", "wizardlm-headless", "mistral", "mistral-headless",

@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 from ckptfs.cli import main
 from ckptfs.mapping.registry import list_models
+from conftest import run_ckptfs
 
 
 def test_table_lists_every_name(capsys):
@@ -37,6 +36,5 @@ def test_filter_and_unknown(capsys):
 
 
 def test_runs_as_a_program():
-    out = subprocess.run([sys.executable, "-m", "ckptfs", "models", "--hide-notes"], capture_output=True,
-                         text=True, check=True).stdout
+    out = run_ckptfs("models", "--hide-notes", text=True, check=True).stdout
     assert "code-llama-headless" in out and "NOTES" not in out

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import FIXTURES, run_ckptfs
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -31,10 +33,8 @@ def test_wheel_installed_outside_the_repo_finds_its_mappings(tmp_path):
     where, n = r.stdout.split()
     assert Path(where).is_relative_to(site)  # the installed copy, not the checkout
     assert int(n) >= 15
-    ckpt = REPO / "tests" / "fixtures" / "llama" / "cs" / "checkpoint.mdl"
-    r = subprocess.run([sys.executable, "-m", "ckptfs", "info", str(ckpt)], capture_output=True, text=True,
-                       cwd=tmp_path, env=env)
+    ckpt = FIXTURES / "llama" / "cs" / "checkpoint.mdl"
+    r = run_ckptfs("info", ckpt, text=True, cwd=tmp_path, env=env)
     assert r.returncode == 0 and "llama" in r.stdout, r.stderr
-    r = subprocess.run([sys.executable, "-m", "ckptfs", "export", str(ckpt), "config.json", "-"], capture_output=True,
-                       text=True, cwd=tmp_path, env=env)
+    r = run_ckptfs("export", ckpt, "config.json", "-", text=True, cwd=tmp_path, env=env)
     assert r.returncode == 0 and '"LlamaForCausalLM"' in r.stdout, r.stderr

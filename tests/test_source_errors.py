@@ -15,8 +15,8 @@ from safetensors.numpy import save_file
 from ckptfs.errors import CheckpointError, TensorReadError
 from ckptfs.source import TensorLeaf, UnreadableLeaf, open_checkpoint
 from ckptfs.source.materialize import to_torch
+from conftest import FIXTURES as FIX
 
-FIX = Path(__file__).parent / "fixtures"
 EDGE = FIX / "cstorch_edge_cases"
 TMP_FIXTURES = sorted(EDGE.glob("*.mdl.*.tmp"))
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pickle
 import shutil
-from pathlib import Path
 
 import h5py
 import numpy as np
@@ -16,8 +15,9 @@ from ckptfs.errors import TensorReadError
 from ckptfs.source import TensorLeaf, ValueLeaf, open_checkpoint
 from ckptfs.source.materialize import to_torch
 from ckptfs.source.tensors import box_runs, float_to_bf16_bits
+from conftest import FIXTURES
 
-FIX = Path(__file__).parent / "fixtures" / "legacy_emulated"
+FIX = FIXTURES / "legacy_emulated"
 
 
 def _replace_with_null_dataset(f: h5py.File, name: str, attrs: dict, dtype="f4"):

@@ -16,8 +16,8 @@ from safetensors.numpy import load_file
 
 from ckptfs.source import OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf, open_checkpoint
 from ckptfs.source.materialize import Opaque, Unreadable, to_torch
+from conftest import FIXTURES as FIX
 
-FIX = Path(__file__).parent / "fixtures"
 EDGE = FIX / "cstorch_edge_cases"
 
 

@@ -9,8 +9,9 @@ import pytest
 
 from ckptfs.errors import CheckpointError
 from ckptfs.source import open_checkpoint, resolve_checkpoint
+from conftest import FIXTURES
 
-SRC = Path(__file__).parent / "fixtures" / "cstorch_edge_cases" / "src.mdl"
+SRC = FIXTURES / "cstorch_edge_cases" / "src.mdl"
 
 
 def _ckpt(d: Path, name: str) -> Path:

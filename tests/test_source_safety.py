@@ -18,8 +18,8 @@ from ckptfs.source import OpaqueLeaf, open_checkpoint
 from ckptfs.source.legacy_spec import SpecUnpickler, decode_legacy_spec
 from ckptfs.source.materialize import Opaque, to_torch
 from ckptfs.source.pytree import SpecError
+from conftest import FIXTURES as FIX, run_ckptfs
 
-FIX = Path(__file__).parent / "fixtures"
 ROOT = Path(__file__).parent.parent
 
 
@@ -34,7 +34,7 @@ class _CreatesFile:
 
 
 def _ckptfs(*args):
-    return subprocess.run([sys.executable, "-m", "ckptfs", *map(str, args)], cwd=ROOT, capture_output=True, text=True)
+    return run_ckptfs(*args, cwd=ROOT, text=True)
 
 
 def test_pickled_object_is_never_unpickled(tmp_path):

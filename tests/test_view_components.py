@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 import ckptfs
+from conftest import FIXTURES
 
-FIXTURES = Path(__file__).parent / "fixtures"
 # one shard each (no index, as save_pretrained writes it); the .bin format in the folder's complete HF folder bin/
 WEIGHTS = {"model.safetensors", "bin"}
 BIN_FOLDER = {"config.json", "pytorch_model.bin"}

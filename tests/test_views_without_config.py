@@ -3,15 +3,13 @@ while the cs/, torch/ and tensors/ views still work (issue #3)."""
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 import ckptfs
+from conftest import FIXTURES, run_ckptfs
 
-FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def _lonely_checkpoint(tmp_path) -> Path:
@@ -36,7 +34,7 @@ def test_missing_params_leave_hf_out_with_the_reason_and_keep_other_views(tmp_pa
     out.write_bytes(data)
     state = torch.load(out, weights_only=True)
     assert "embedding_layer.word_embeddings.weight" in state["model"]
-    r = subprocess.run([sys.executable, "-m", "ckptfs", "info", str(ckpt)], capture_output=True, text=True)
+    r = run_ckptfs("info", ckpt, text=True)
     assert r.returncode == 0 and "no Cerebras params YAML found" in r.stdout
 
 
