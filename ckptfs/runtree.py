@@ -13,10 +13,11 @@ Live: a lookup rescans the model_dir when the last scan is older than ``poll`` s
 save completed, disappears when its file is deleted, and ``latest`` moves with them.
 
 Trees are built lazily — a checkpoint's tree on the first access inside its folder (listing the root builds nothing)
-— and at most ``keep`` trees that no open file uses are kept; the least recently used one is closed when another
-is built. ``open`` pins the tree an entry was looked up in until ``release``: the handle serves that tree's bytes to
-the end, and the tree holds its checkpoint file open, so a checkpoint deleted or replaced meanwhile still reads
-correctly. A handle never switches trees, so no file ever mixes two checkpoints' bytes.
+— and at most ``keep`` trees that no open file uses are kept; the least recently used one is closed when another is
+built. The run's trees read through one block cache of ``--cache-size``. ``open`` pins the tree an entry was looked
+up in until ``release``: the handle serves that tree's bytes to the end, and the tree holds its checkpoint file
+open, so a checkpoint deleted or replaced meanwhile still reads correctly. A handle never switches trees, so no file
+ever mixes two checkpoints' bytes.
 
 The kernel caches file pages per path, so two files are never served under one name at once: a checkpoint file
 that replaces one whose generated files are still open is held back (README.txt says so) until they are closed,
@@ -47,6 +48,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
 
+from .cache import BlockCache
 from .errors import CheckpointError, CkptfsError
 from .options import MountOptions
 from .source.rundir import RunCheckpoint, RunListing, RunScanner
@@ -134,7 +136,8 @@ class RunTree:
         self.options = options or MountOptions()
         self.keep = max(1, int(keep))
         self.poll = float(poll)
-        self._build = build or build_tree
+        self.cache = BlockCache(self.options.cache_size)  # shared by the run's trees: --cache-size bounds the run
+        self._build = build or self._build_checkpoint
         self._scanner = RunScanner(self.model_dir)
         self._lock = threading.RLock()
         self._scan_lock = threading.Lock()  # one scan at a time, applied in the order taken
@@ -248,6 +251,9 @@ class RunTree:
                 self._built[slot] = None
                 self._evict()
                 return tree
+
+    def _build_checkpoint(self, path, options: MountOptions) -> VirtualTree:
+        return build_tree(path, options, cache=self.cache)
 
     def _evict(self) -> None:
         idle = [s for s in self._built if s.pins == 0]

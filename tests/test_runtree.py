@@ -7,7 +7,6 @@ import errno
 import json
 import os
 import subprocess
-import sys
 from datetime import datetime
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from ckptfs.options import MountOptions
 from ckptfs.runtree import LATEST, RunTree, is_run, open_run
 from ckptfs.source.rundir import IN_PROGRESS, RunScanner, parse_name
 from ckptfs.vfs import VirtualPathError
+from conftest import run_ckptfs
 from runhelp import NORM_HF, model_dir, norm_of, save, save_partial, set_success, write_copy
 
 HF_ONLY = MountOptions(views=("hf",))
@@ -242,8 +242,7 @@ def test_single_and_files_are_not_runs(tmp_path):
 
 def _ckptfs(*args) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "CKPTFS_TEST_TREE"}
-    return subprocess.run([sys.executable, "-m", "ckptfs", *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=300)
+    return run_ckptfs(*args, env=env, text=True, timeout=300)
 
 
 def test_ls_and_info_of_a_model_dir_list_the_run(tmp_path):
@@ -281,5 +280,18 @@ def test_params_are_found_per_checkpoint_as_for_one(tmp_path):
     try:
         assert json.loads(tree.read("latest/config.json", 0, 1 << 20))["model_type"] == "llama"
         assert "params_train.yaml" in tree.read("checkpoint_5/README.txt", 0, 1 << 20).decode()
+    finally:
+        tree.close()
+
+
+def test_the_runs_trees_share_one_block_cache(tmp_path):
+    d = model_dir(tmp_path / "run")
+    save(d, 1)
+    save(d, 2)
+    tree = RunTree(d, MountOptions(views=("hf",), cache_size=1 << 20), poll=0)
+    try:
+        entries = [tree.lookup(f"checkpoint_{s}/model.safetensors") for s in (1, 2)]
+        assert all(e.tree.cache is tree.cache for e in entries) and tree.cache.max_bytes == 1 << 20
+        assert [float(norm_of(tree.read(e, 0, 1 << 30))[0]) for e in entries] == [1, 2]  # one cache, no mixing
     finally:
         tree.close()
