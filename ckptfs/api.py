@@ -6,6 +6,7 @@
     head = tree.read("model.safetensors", 0, 8)            # any byte range of any file, computed on demand
     ckptfs.export("checkpoint_1000.mdl", "bin/pytorch_model.bin", "out.bin")
     state = ckptfs.load("checkpoint_1000.mdl")             # the state dict as torch objects, nothing unpickled
+    run = ckptfs.open_run("model_dir")                     # a whole run: checkpoint_<step>/…, latest, README.txt
 """
 from __future__ import annotations
 
@@ -23,6 +24,15 @@ def open(ckpt, **options):  # noqa: A001 - mirrors the file-system verb
     from .vfs import build_tree
 
     return build_tree(Path(ckpt), _options(**options))
+
+
+def open_run(model_dir, **options):
+    """The live tree of a training run, as ``ckptfs mount MODEL_DIR`` shows it (``ckptfs.runtree.RunTree``):
+    ``checkpoint_<step>/…`` for every complete checkpoint, ``latest`` (``readlink``; ``latest/…`` paths are
+    followed), README.txt. Options as for ``open``; close it when done."""
+    from .runtree import open_run as _open_run
+
+    return _open_run(Path(model_dir), _options(**options))
 
 
 def export(ckpt, virtual_path: str, dest, **options) -> int:

@@ -295,3 +295,15 @@ def test_the_runs_trees_share_one_block_cache(tmp_path):
         assert [float(norm_of(tree.read(e, 0, 1 << 30))[0]) for e in entries] == [1, 2]  # one cache, no mixing
     finally:
         tree.close()
+
+
+def test_the_python_api_opens_a_run(tmp_path):
+    import ckptfs
+
+    d = model_dir(tmp_path / "run")
+    save(d, 3)
+    run = ckptfs.open_run(d, views="hf", max_shard_size="5GB")
+    try:
+        assert run.readlink("latest") == "checkpoint_3" and safetensors_norm(run, "latest") == 3
+    finally:
+        run.close()
