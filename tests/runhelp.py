@@ -15,8 +15,10 @@ import h5py
 import hdf5plugin  # noqa: F401  (the LZ4 filter, to write the fixture's compressed datasets)
 import numpy as np
 
+from conftest import FIXTURES
+
 TESTS = Path(__file__).resolve().parent
-LLAMA = TESTS / "fixtures" / "llama" / "cs"
+LLAMA = FIXTURES / "llama" / "cs"
 NORM_CS = "model.transformer_decoder.norm.weight"
 NORM_HF = "model.norm.weight"
 

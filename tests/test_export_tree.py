@@ -13,7 +13,7 @@ import pytest
 import ckptfs
 from ckptfs.commands.export_tree import export_tree
 from ckptfs.errors import CkptfsError
-from conftest import FIXTURES
+from conftest import FIXTURES, run_ckptfs
 from fusehelp import fake_env, mounted, needs_fuse
 from tokhelp import make_tokenizer
 
@@ -28,8 +28,7 @@ def real_env() -> dict:
 
 
 def cli(*args, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckptfs", *map(str, args)], capture_output=True, env=real_env(),
-                          timeout=300, **kw)
+    return run_ckptfs(*args, env=real_env(), timeout=300, **kw)
 
 
 def listing(root: Path) -> dict:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import h5py
@@ -19,6 +17,7 @@ import torch
 from ckptfs.errors import SourceChangedError, TensorReadError
 from ckptfs.source import TensorLeaf, UnreadableLeaf, open_checkpoint
 from ckptfs.source.confine import Confinement, RefusedReference
+from conftest import run_ckptfs
 from untrusted_help import (ALLOWED_WITH_OUTSIDE, EDGE, FIXTURES, HOSTILE_KEYS, MARK, REFERENCE_KEYS, SECRET,
                             craft_hostile_metadata, craft_references, secret_files)
 
@@ -27,8 +26,7 @@ ROOT = Path(__file__).parent.parent
 
 
 def _ckptfs(*args):
-    return subprocess.run([sys.executable, "-m", "ckptfs", *map(str, args)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    return run_ckptfs(*args, cwd=ROOT, text=True, timeout=120)
 
 
 @pytest.fixture(scope="module")
