@@ -85,11 +85,12 @@ class H5DatasetTensor(VirtualTensor):
     def chunk_shape(self):
         """The dataset's chunk shape: cache blocks are whole chunk rows (``VirtualTensor.block_elems``), so that
         consecutive blocks never decode the same chunk."""
-        try:
-            chunks = self.dataset().chunks
-        except TensorReadError:
-            return None
-        return tuple(int(c) for c in chunks) if chunks else None
+        if self._chunks is None and self._dset is None:
+            try:
+                self.dataset()
+            except TensorReadError:
+                return None
+        return tuple(int(c) for c in self._chunks) if self._chunks else None
 
     def read(self, box: Box) -> np.ndarray:
         shape = box_shape(box)
