@@ -45,10 +45,11 @@ def explain_file(tree: VirtualTree, vpath: str, offset: int) -> str:
     if getattr(f, "deferred", False):
         f = f.resolve()
     explain = getattr(f, "explain", None)
-    if explain is None:
+    if explain is None:  # not made of pieces: say what kind of file it is
         if offset >= e.size:
             return f"/{e.path}: offset {offset} is past the end ({e.size} bytes)"
-        return f"/{e.path}: byte {offset} of {e.size}: a small file generated whole when the tree is built"
+        kind = (type(f).__doc__ or type(f).__name__).strip().splitlines()[0]
+        return f"/{e.path}: byte {offset} of {e.size}: {type(f).__name__}: {kind}"
     return replace(explain(offset), file="/" + e.path).text()
 
 
