@@ -204,3 +204,27 @@ def test_external_file_modified_after_opening(tmp_path):
             t.read_all()
     with open_checkpoint(tmp_path / "ext" / "from_st.mdl") as c:  # reopened: the new version is served
         assert c.leaves["model.v"].tensor.read_all().shape == data.shape
+
+
+# -- loops over tensor bytes make progress or fail -------------------------------------------------------------
+
+
+
+
+def test_a_tensor_that_yields_no_bytes_fails_instead_of_spinning():
+    from ckptfs.dtypes import FLOAT32
+    from ckptfs.layouts.npy import NpyLayout
+    from ckptfs.layouts.torchzip import TorchZipLayout
+    from ckptfs.tensor import VirtualTensor
+
+    class NoBytes(VirtualTensor):  # announces 4 KiB but produces nothing (what a bad shape once did)
+        def read(self, box):
+            return np.empty(0, np.float32)
+
+    t = NoBytes((1024,), FLOAT32)
+    zf = TorchZipLayout({"w": t}, "archive", crc="exact")
+    with pytest.raises(TensorReadError, match="no bytes"):
+        zf.read(zf.cd_offset, zf.cd_size)  # the central directory needs the CRC: its pass stops with an error
+    npy = NpyLayout(t)
+    with pytest.raises(TensorReadError):
+        npy.read(0, npy.size)

@@ -24,7 +24,7 @@ import zlib
 from dataclasses import dataclass
 
 from ..cache import BlockCache
-from ..errors import CkptfsError
+from ..errors import CkptfsError, TensorReadError
 from ..tensor import VirtualTensor
 from .crc import CrcStore
 from .pickle2 import Global, PersistentId, PickleTypeError, Reduce, dumps2
@@ -328,6 +328,10 @@ class TorchZipLayout(PiecedFile):
                     stop = min(rec.size, (pos // block + 1) * block)
                     self._fold(rec, pos, t.read_bytes(pos, stop, self.cache))
                     hashed_any = True
+                    if rec.crc is None and rec.hashed <= pos:  # every pass makes progress or fails
+                        raise TensorReadError(self.archive_name, f"{rec.name.decode()}: the tensor gave no bytes at "
+                                                                 f"offset {pos} of {rec.size} (its CRC-32 cannot be "
+                                                                 "computed)")
             if hashed_any and self._store is not None:
                 with self._lock:
                     self._save_store()
