@@ -104,9 +104,29 @@ def params_yaml(params: dict) -> str:
     return yaml.safe_dump(_plain(params), indent=4, sort_keys=False, allow_unicode=True)
 
 
+#: keys the upgraded file can hold: one ``<key>.__metadata__`` root attribute each plus four more, in a root group
+#: whose attribute creation order is tracked (HDF5 numbers them with a 16-bit index: at most 65,535)
+MAX_KEYS = 65_535 - 4
+
+
+def count_keys(node) -> int:
+    """Flat keys of a layout tree (``to_entries``): one per leaf."""
+    if isinstance(node, Container):
+        return sum(count_keys(c) for c in node.children)
+    return 1
+
+
+def too_many_keys(stem: str, n: int) -> str:
+    return (f"{stem}.mdl not generated: the checkpoint has {n:,} keys, more than the {MAX_KEYS:,} an upgraded "
+            f"checkpoint can hold here (one root attribute per key; HDF5 numbers a group's attributes with a "
+            f"16-bit index)")
+
+
 def build(ctx) -> ViewResult:
     ckpt = ctx.checkpoint
     result = ViewResult()
+    if len(ckpt.leaves) > MAX_KEYS:  # said before anything is built (an HDF5 error on first stat was EINVAL)
+        return ViewResult(missing=too_many_keys(ctx.stem, len(ckpt.leaves)))
     up = upgrade_checkpoint(ckpt, ctx.options)
     result.notes.extend(up.notes)
     if not ckpt.success:
@@ -121,6 +141,9 @@ def build(ctx) -> ViewResult:
     entries = to_entries(up.root, result.notes)
     if entries is OMIT:
         result.missing = f"{ctx.stem}.mdl: the checkpoint holds nothing ckptfs can write"
+        return result
+    if count_keys(entries) > MAX_KEYS:
+        result.missing = too_many_keys(ctx.stem, count_keys(entries))
         return result
     try:
         lay = Hdf5Layout(entries, path=ctx.ckpt_path, cache=ctx.cache)
