@@ -46,10 +46,12 @@ def export(ckpt, virtual_path: str, dest, **options) -> int:
         tree.close()
 
 
-def load(ckpt, *, allow_partial: bool = False):
-    """The checkpoint's state as torch objects — a safe ``cstorch.load``: pickled objects stay ``Opaque`` bytes."""
+def load(ckpt, *, allow_partial: bool = False, allow_external=()):
+    """The checkpoint's state as torch objects — a safe ``cstorch.load``: pickled objects stay ``Opaque`` bytes, and
+    files it refers to are read only from its own folder and the ``allow_external`` folders."""
     from .source import open_checkpoint, resolve_checkpoint
     from .source.materialize import to_torch
 
-    with open_checkpoint(resolve_checkpoint(Path(ckpt)), allow_partial=allow_partial) as c:
+    with open_checkpoint(resolve_checkpoint(Path(ckpt)), allow_partial=allow_partial,
+                         allow_external=allow_external) as c:
         return to_torch(c)

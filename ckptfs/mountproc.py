@@ -15,12 +15,13 @@ import shutil
 import stat as stat_mod
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import CkptfsError
-from .options import MountOptions, cache_dir, to_argv
+from .options import CACHE_DIR_ENV, MountOptions, cache_dir, check_options, to_argv
 from .vfs import README_NAME, build_tree, check_source
 
 log = logging.getLogger("ckptfs.mount")
@@ -135,7 +136,22 @@ def unmount(mountpoint) -> str:
 
 
 def log_dir() -> Path:
-    return cache_dir() / "logs"
+    """Where a background server writes its log: ``logs/`` under ckptfs's cache directory when that can be created
+    and written; else a private folder under the system's temporary directory (a read-only HOME or cache directory
+    must not stop a mount); else a ``MountError`` saying what to set."""
+    wanted = cache_dir() / "logs"
+    for d in (wanted, Path(tempfile.gettempdir()) / f"ckptfs-{os.getuid()}" / "logs"):
+        try:
+            d.mkdir(parents=True, exist_ok=True, mode=0o700)
+            st = os.lstat(d.parent if d != wanted else d)
+            if d != wanted and (not stat_mod.S_ISDIR(st.st_mode) or st.st_uid != os.getuid()):
+                continue  # a shared temporary directory: only a folder of our own
+            if os.access(d, os.W_OK | os.X_OK):
+                return d
+        except OSError:
+            continue
+    raise MountError(wanted, "cannot create a folder for the server's log (read-only home or cache directory?): "
+                             f"set {CACHE_DIR_ENV} to a writable folder")
 
 
 def server_argv(ckpt, mountpoint, options: MountOptions, *, allow_other: bool = False, debug: bool = False) -> list:
@@ -211,14 +227,17 @@ def start_background(ckpt, mountpoint, options: MountOptions, *, allow_other: bo
 
     ``check()``, if given, runs while the server starts (validation in parallel with its start-up); if it raises,
     the server is stopped, nothing stays mounted, and the error propagates."""
-    d = log_dir()
-    d.mkdir(parents=True, exist_ok=True)
-    log_path = d / f"mount-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    log_path = log_dir() / f"mount-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     env = dict(os.environ)
     pkg_parent = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(x for x in (pkg_parent, env.get("PYTHONPATH")) if x)
     argv = [sys.executable, "-m", "ckptfs", *server_argv(ckpt, mountpoint, options, allow_other=allow_other, debug=debug)]
-    with open(log_path, "ab") as logf:
+    try:
+        logf = open(log_path, "ab")
+    except OSError as e:
+        raise MountError(log_path, f"cannot write the server's log ({e.strerror or e}): set {CACHE_DIR_ENV} to a "
+                                   "writable folder") from None
+    with logf:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, cwd="/",
                                 env=env, start_new_session=True, close_fds=True)
     try:
@@ -251,6 +270,7 @@ def mount(ckpt, mountpoint, options: MountOptions | None = None, *, foreground: 
     a background server answers.
     """
     options = options or MountOptions()
+    check_options(options)  # a --config that does not exist or does not parse: one line, nothing mounted
     mp = check_mountpoint(mountpoint)
     from .fusefs import CACHE_TIMEOUT, load_mfusepy, serve
 

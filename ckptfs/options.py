@@ -35,10 +35,14 @@ from .cache import DEFAULT_CACHE_BYTES
 from .layouts.units import format_size, parse_size
 
 
+#: the environment variable naming ckptfs's cache directory
+CACHE_DIR_ENV = "CKPTFS_CACHE_DIR"
+
+
 def cache_dir() -> Path:
     """Where ckptfs keeps state between runs (persisted zip CRCs under ``crc/``, server logs under ``logs/``):
     ``$CKPTFS_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/ckptfs`` (default ``~/.cache/ckptfs``)."""
-    env = os.environ.get("CKPTFS_CACHE_DIR")
+    env = os.environ.get(CACHE_DIR_ENV)
     if env:
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -195,6 +199,10 @@ class MountOptions:
                           help="CRC-32 of torch zip records: exact (computed) or zero (faster; torch does not check)")
     cache_size: int = option(DEFAULT_CACHE_BYTES, "--cache-size", SIZE,
                              help="memory for converted tensor blocks, e.g. 256MiB")
+    allow_external: tuple = option((), "--allow-external", DIRECTORY, repeat=True, content=True,
+                                   help="a folder outside the checkpoint's own whose files the checkpoint may refer "
+                                        "to (external tensors; repeatable). Default: only files inside the "
+                                        "checkpoint's folder are ever read")
     allow_partial: bool = option(False, "--allow-partial", FLAG,
                                  help="open a partially written checkpoint (no __SUCCESS__ marker), salvaging what its "
                                       "datasets describe")
@@ -205,6 +213,18 @@ class MountOptions:
                                         help="dataloader state directory for the cs view")
     shuffle_seed: int | None = option(None, "--shuffle-seed", INT, content=True,
                                       help="dataloader shuffle seed for the cs view")
+
+
+def check_options(options: MountOptions) -> None:
+    """One-line errors for options that cannot work, raised before anything is built or mounted: a ``--config``
+    that does not exist, is not a regular file, does not parse (or is an alias bomb: ``mapping.safe_yaml``) or is
+    not a mapping. (Directories are checked when parsed: the ``DIRECTORY`` kind.)"""
+    if options.config is not None:
+        from .errors import ConfigError
+        from .mapping.safe_yaml import load_params_yaml
+
+        if not isinstance(load_params_yaml(options.config), dict):
+            raise ConfigError(options.config, "params YAML (--config) is not a mapping of sections")
 
 
 @cache

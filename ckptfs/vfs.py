@@ -30,7 +30,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 from .cache import BlockCache
 from .errors import CheckpointError, CkptfsError, TensorReadError
-from .options import MountOptions
+from .options import MountOptions, check_options
 from .views.base import BytesFile, ViewContext, ViewResult
 
 log = logging.getLogger("ckptfs.vfs")
@@ -250,12 +250,18 @@ class VirtualTree:
         self._closers = []
 
 
+#: longest name of one path component (bytes), as statfs announces
+NAME_MAX = 255
+
+
 def _checked_parts(path) -> tuple:
     raw = str(path)
     parts = tuple(p for p in raw.split("/") if p)
     for p in parts:
         if p in (".", "..") or "\0" in p:
             raise CkptfsError(raw, "invalid path component")
+        if len(p.encode("utf-8", "surrogateescape")) > NAME_MAX:
+            raise CkptfsError(raw, f"path component longer than {NAME_MAX} bytes")
     return parts
 
 
@@ -271,6 +277,7 @@ class SourceInfo:
     release: str | None = None
     success: bool | None = None
     warnings: list = field(default_factory=list)
+    resolved_from: Path | None = None  # the model_dir the checkpoint was resolved from (its latest checkpoint)
 
 
 @dataclass
@@ -380,6 +387,9 @@ def readme_text(info: SourceInfo, outcomes: list) -> str:
         lines.append(f"family:         {fam}")
     if info.success is False:
         lines.append("complete:       no (no __SUCCESS__ marker; mounted with --allow-partial)")
+    if info.resolved_from is not None:
+        lines.append(f"resolved from:  {info.resolved_from} (its latest checkpoint when mounted; this mount keeps "
+                     "serving that one: remount to see a newer checkpoint)")
     lines += ["", "views:"]
     for o in outcomes:
         if o.present:
@@ -426,7 +436,7 @@ def open_source(ckpt_path, options: MountOptions):
     from .source import open_checkpoint, resolve_checkpoint
 
     path = Path(resolve_checkpoint(path))
-    return path, open_checkpoint(path, allow_partial=options.allow_partial)
+    return path, open_checkpoint(path, allow_partial=options.allow_partial, allow_external=options.allow_external)
 
 
 def _file_identity(path) -> str | None:
@@ -486,6 +496,7 @@ def build_tree(ckpt_path, options: MountOptions | None = None, *, cache: BlockCa
     failing view only makes that view missing.
     """
     options = options or MountOptions()
+    check_options(options)
     if cache is None:
         cache = BlockCache(options.cache_size)  # this tree's own: never shared with, or replaced by, another tree
     spec = os.environ.get(TEST_TREE_ENV)
@@ -503,7 +514,8 @@ def build_tree(ckpt_path, options: MountOptions | None = None, *, cache: BlockCa
                           crc_store=_crc_store(), identity=content_identity(path, options), cache=cache)
         outcomes = [_run_view(n, ctx) for n in options.views]
         info = SourceInfo(path, getattr(ckpt, "format_version", None), getattr(ckpt, "release", None),
-                          getattr(ckpt, "success", None), [str(w) for w in getattr(ckpt, "warnings", []) or []])
+                          getattr(ckpt, "success", None), [str(w) for w in getattr(ckpt, "warnings", []) or []],
+                          Path(ckpt_path).absolute() if Path(ckpt_path).is_dir() else None)
         closers = [ckpt.close] if callable(getattr(ckpt, "close", None)) else []
     try:
         mtime_ns = path.stat().st_mtime_ns

@@ -196,3 +196,58 @@ def test_colliding_nul_and_overlong_keys_are_all_reachable(tmp_path):
             served = line.rsplit("served as ", 1)[1].split(" (")[0]
             assert (mnt / "tensors" / served).is_file(), line  # README points at the right file
         assert readme.count("tensors: key ") >= 3
+
+
+# -- --allow-external --------------------------------------------------------------------------------------------
+
+
+def test_allow_external_opts_a_folder_in_through_the_mount(tmp_path):
+    outside = tmp_path / "outside"
+    ckpt = craft_references(tmp_path / "ck", outside)
+    with mounted(ckpt, "--allow-external", outside, env=real_env(), timeout=300) as mnt:
+        for key in ALLOWED_WITH_OUTSIDE:
+            assert (mnt / "tensors" / f"{key}.npy").read_bytes().endswith(MARK * 4), key
+        for key in set(REFERENCE_KEYS) - set(ALLOWED_WITH_OUTSIDE):  # HDF5's own indirections stay refused
+            assert not (mnt / "tensors" / f"{key}.npy").exists(), key
+
+
+# -- 6. operational errors ----------------------------------------------------------------------------------------
+
+
+def test_unusable_home_and_cache_directory_still_mount(tmp_path):
+    from conftest import FIXTURES, run_ckptfs
+    from fusehelp import force_unmount
+
+    env = real_env(HOME="/proc/ckptfs-no-home")  # nothing can be created there, not even by root
+    for var in ("XDG_CACHE_HOME", "CKPTFS_CACHE_DIR"):
+        env.pop(var, None)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    try:
+        r = run_ckptfs("mount", FIXTURES / "llama" / "cs" / "checkpoint.mdl", mnt, env=env, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert "Traceback" not in r.stderr + r.stdout
+        assert json.loads((mnt / "config.json").read_text())["model_type"] == "llama"
+        assert run_ckptfs("umount", mnt, env=env, timeout=120).returncode == 0
+    finally:
+        force_unmount(mnt)
+
+
+@pytest.mark.parametrize("content", [None, "model: [1, 2\n", "- just\n- a list\n"],
+                         ids=["missing", "unparsable", "not-a-mapping"])
+@pytest.mark.parametrize("command", ["mount", "export"])
+def test_bad_config_is_one_line_exit_2_and_nothing_mounted(tmp_path, content, command):
+    from conftest import FIXTURES, run_ckptfs
+
+    cfg = tmp_path / "params.yaml"
+    if content is not None:
+        cfg.write_text(content)
+    out = tmp_path / "out"
+    out.mkdir()
+    ck = FIXTURES / "llama" / "cs" / "checkpoint.mdl"
+    args = ("mount", ck, out) if command == "mount" else ("export", ck, "config.json", out / "config.json")
+    r = run_ckptfs(*args, "--config", cfg, env=real_env(), text=True, timeout=300)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(cfg) in lines[0] and "params YAML" in lines[0], r.stderr
+    assert not os.path.ismount(out) and not (out / "config.json").exists()

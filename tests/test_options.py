@@ -23,8 +23,8 @@ def every_option_set(tmp_path) -> mo.MountOptions:
     return mo.MountOptions(config=cfg, model="llama", trainer_index=1, lora="keep", views=("cs", "hf"),
                            max_shard_size=123_000,
                            hf_format="bin", overlay=(tmp_path,),
-                           zip_crc="zero", cache_size=64 << 20, allow_partial=True, data_iter_dir=tmp_path,
-                           shuffle_seed=7, single=True)
+                           zip_crc="zero", cache_size=64 << 20, allow_partial=True, allow_external=(tmp_path,),
+                           data_iter_dir=tmp_path, shuffle_seed=7, single=True)
 
 
 def test_the_sample_sets_every_declared_option(tmp_path):

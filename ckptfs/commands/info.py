@@ -23,7 +23,7 @@ def add_parser(subparsers):
     p.add_argument("ckpt", metavar="CKPT", help="checkpoint .mdl file, or a model_dir: its checkpoints (steps, sizes, "
                                                 "completeness, latest) and the latest one's summary (--single: only that)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    mount_options.add_arguments(p, only=("allow_partial", "single"))
+    mount_options.add_arguments(p, only=("allow_partial", "allow_external", "single"))
     return p
 
 
@@ -149,7 +149,7 @@ def run(args) -> int:
         listing = scan_run(args.ckpt)
         s = None
         if listing.latest is not None:
-            with open_checkpoint(listing.latest.path) as ckpt:
+            with open_checkpoint(listing.latest.path, allow_external=args.allow_external or ()) as ckpt:
                 s = summarize(ckpt)
         if args.json:
             print(json.dumps({"run": as_json(listing), "latest_checkpoint": asdict(s) if s else None}, indent=2,
@@ -157,7 +157,8 @@ def run(args) -> int:
         else:
             print(format_run(listing, human_bytes) + ("\n\nlatest checkpoint:\n" + format_text(s) if s else ""))
         return 0
-    with open_checkpoint(args.ckpt, allow_partial=args.allow_partial) as ckpt:
+    with open_checkpoint(args.ckpt, allow_partial=args.allow_partial,
+                         allow_external=args.allow_external or ()) as ckpt:
         s = summarize(ckpt)
     if args.json:
         print(json.dumps(asdict(s), indent=2, default=str))

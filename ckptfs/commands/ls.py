@@ -21,7 +21,7 @@ def add_parser(subparsers):
     p.add_argument("ckpt", metavar="CKPT", help="checkpoint .mdl file, or a model_dir: its checkpoints (steps, sizes, "
                                                 "completeness, latest); with --single, its latest checkpoint's keys")
     p.add_argument("-l", "--long", action="store_true", help="also show shapes, dtypes and values")
-    mount_options.add_arguments(p, only=("allow_partial", "single"))
+    mount_options.add_arguments(p, only=("allow_partial", "allow_external", "single"))
     return p
 
 
@@ -74,7 +74,8 @@ def run(args) -> int:
 
         print(format_run(scan_run(args.ckpt), human_bytes))
         return 0
-    with open_checkpoint(args.ckpt, allow_partial=args.allow_partial) as ckpt:
+    with open_checkpoint(args.ckpt, allow_partial=args.allow_partial,
+                         allow_external=args.allow_external or ()) as ckpt:
         out = sys.stdout
         for line in format_lines(ckpt, args.long):
             out.write(line + "\n")
