@@ -251,3 +251,20 @@ def test_bad_config_is_one_line_exit_2_and_nothing_mounted(tmp_path, content, co
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and str(cfg) in lines[0] and "params YAML" in lines[0], r.stderr
     assert not os.path.ismount(out) and not (out / "config.json").exists()
+
+
+def test_single_model_dir_mount_keeps_the_checkpoint_it_resolved(tmp_path):
+    import shutil
+
+    from conftest import FIXTURES
+
+    run = tmp_path / "model_dir"
+    run.mkdir()
+    shutil.copy(FIXTURES / "llama" / "cs" / "params.yaml", run / "params.yaml")
+    shutil.copy(FIXTURES / "llama" / "cs" / "checkpoint.mdl", run / "checkpoint_10.mdl")
+    with mounted(run, "--single", env=real_env(), timeout=300) as mnt:
+        readme = _readme(mnt)
+        assert f"resolved from:  {run}" in readme and "checkpoint_10.mdl" in readme and "keeps serving" in readme
+        before = (mnt / "model.safetensors").read_bytes()
+        shutil.copy(FIXTURES / "gpt2" / "cs" / "checkpoint.mdl", run / "checkpoint_20.mdl")  # a newer save
+        assert _readme(mnt) == readme and (mnt / "model.safetensors").read_bytes() == before
