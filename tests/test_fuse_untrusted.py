@@ -268,3 +268,22 @@ def test_single_model_dir_mount_keeps_the_checkpoint_it_resolved(tmp_path):
         before = (mnt / "model.safetensors").read_bytes()
         shutil.copy(FIXTURES / "gpt2" / "cs" / "checkpoint.mdl", run / "checkpoint_20.mdl")  # a newer save
         assert _readme(mnt) == readme and (mnt / "model.safetensors").read_bytes() == before
+
+
+# -- 5. resource bounds ---------------------------------------------------------------------------------------------
+
+
+def test_yaml_alias_bomb_next_to_the_checkpoint_is_refused_in_one_line(tmp_path):
+    from test_mapping_safe_yaml import alias_bomb
+    from untrusted_help import copy_llama
+
+    ckpt = copy_llama(tmp_path / "ck")
+    (tmp_path / "ck" / "params.yaml").write_text(alias_bomb())  # ~1 KB that expands to 10^8 leaves
+    with mounted_server(ckpt, env=real_env(), timeout=300) as srv:
+        readme = _readme(srv.mnt)
+        hf_line = next(ln for ln in readme.splitlines() if ln.strip().startswith("(root)"))
+        assert "missing" in hf_line and "alias" in hf_line, hf_line
+        assert any("alias" in ln for ln in readme.splitlines() if ln.strip().startswith("cs:")), readme
+        assert (srv.mnt / "torch" / "checkpoint.pt").stat().st_size > 0 and (srv.mnt / "tensors").is_dir()
+        rss_kb = int(open(f"/proc/{srv.proc.pid}/status").read().split("VmRSS:")[1].split()[0])
+    assert rss_kb < 1 << 20, rss_kb  # nothing expanded the document (an expanded bomb takes gigabytes)
