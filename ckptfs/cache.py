@@ -2,7 +2,13 @@
 tensor data is kept in memory.
 
 Each mounted tree owns one (``VirtualTree.cache``, sized by ``--cache-size``) and hands it to every file it
-serves; nothing here is process-wide except ``NO_CACHE``, which keeps nothing (reads outside any tree)."""
+serves; nothing here is process-wide except ``NO_CACHE``, which keeps nothing (reads outside any tree).
+
+Concurrent readers (the FUSE server's worker threads, the read-ahead) that miss the same block compute it once:
+the first computes, the others wait for its result (or its exception). ``peek`` and ``prefetch`` serve the
+read-ahead: whether a block is kept, and computing one only if nobody has it or is computing it. A ``streaming``
+cache (the FUSE server's) drops blocks that were read whole (``taken``).
+"""
 from __future__ import annotations
 
 import threading
@@ -12,12 +18,30 @@ from typing import Callable, Hashable
 DEFAULT_CACHE_BYTES = 256 << 20
 
 
+class _Pending:
+    """A block being computed by one thread; others wait on ``done``."""
+
+    __slots__ = ("done", "value", "error")
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.value = None
+        self.error: BaseException | None = None
+
+
 class BlockCache:
     """LRU of ``bytes`` values bounded by total size; values larger than the bound are not kept."""
 
     def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES):
         self.max_bytes = int(max_bytes)
         self._data: "OrderedDict[Hashable, bytes]" = OrderedDict()
+        self._pending: dict = {}
+        self._taken: dict = {}  # key -> bytes of that block readers have copied out so far
+        # the FUSE server's cache (the kernel's page cache keeps what was read): a block is dropped once all its bytes
+        # were read (``taken``), and a small read of a block not kept decodes only its own chunks
+        # (``VirtualTensor.read_into``) instead of the whole block
+        self.streaming = False
+        self.read_ahead = 0  # bytes a sequential read of a pieced file prepares after itself (``ckptfs.readahead``)
         self._size = 0
         self._lock = threading.Lock()
         self.hits = 0
@@ -27,6 +51,11 @@ class BlockCache:
     def size(self) -> int:
         return self._size
 
+    def peek(self, key: Hashable) -> bool:
+        """True when ``key`` is kept or being computed (no LRU update, no counting)."""
+        with self._lock:
+            return key in self._data or key in self._pending
+
     def get_or_compute(self, key: Hashable, compute: Callable[[], bytes]) -> bytes:
         with self._lock:
             val = self._data.get(key)
@@ -35,26 +64,78 @@ class BlockCache:
                 self.hits += 1
                 return val
             self.misses += 1
-        val = compute()
-        self.put(key, val)
+            pend = self._pending.get(key)
+            mine = pend is None
+            if mine:
+                pend = self._pending[key] = _Pending()
+        if not mine:  # another thread computes this block: wait for it
+            pend.done.wait()
+            if pend.error is not None:
+                raise pend.error
+            return pend.value
+        try:
+            val = compute()
+        except BaseException as e:
+            pend.error = e
+            with self._lock:
+                self._pending.pop(key, None)
+            pend.done.set()
+            raise
+        pend.value = val
+        self.put(key, val, _pending=pend)
+        pend.done.set()
         return val
 
-    def put(self, key: Hashable, val: bytes) -> None:
-        if len(val) > self.max_bytes:
+    def prefetch(self, key: Hashable, compute: Callable[[], bytes]) -> None:
+        """Compute and keep ``key`` unless it is kept or being computed (errors are left for the real read)."""
+        if self.max_bytes <= 0 or self.peek(key):
+            return
+        try:
+            self.get_or_compute(key, compute)
+        except Exception:  # noqa: BLE001 - the reader that needs the block reports it
+            pass
+
+    def taken(self, key: Hashable, nbytes: int) -> None:
+        """A reader copied ``nbytes`` of block ``key`` out. With ``streaming`` (the FUSE server's cache), a block
+        is dropped once every byte of it has been taken: behind FUSE the kernel's page cache keeps what was read,
+        a sequential reader (cp, a loader) does not come back, and the freed memory is reused for the next block
+        instead of fresh pages (faulting new pages in costs more than the copy itself: ~1.5 GB/s here). A reader
+        that does come back (another file holding the same tensor) recomputes the block."""
+        if not self.streaming:
             return
         with self._lock:
+            val = self._data.get(key)
+            if val is None:
+                return
+            got = self._taken.get(key, 0) + nbytes
+            if got < len(val):
+                self._taken[key] = got
+                return
+            del self._data[key]
+            self._taken.pop(key, None)
+            self._size -= len(val)
+
+    def put(self, key: Hashable, val: bytes, _pending: _Pending | None = None) -> None:
+        with self._lock:
+            if _pending is not None and self._pending.get(key) is _pending:
+                del self._pending[key]
+            if len(val) > self.max_bytes:
+                return
             old = self._data.pop(key, None)
             if old is not None:
                 self._size -= len(old)
+            self._taken.pop(key, None)
             self._data[key] = val
             self._size += len(val)
             while self._size > self.max_bytes and self._data:
-                _, v = self._data.popitem(last=False)
+                k, v = self._data.popitem(last=False)
+                self._taken.pop(k, None)
                 self._size -= len(v)
 
     def clear(self) -> None:
         with self._lock:
             self._data.clear()
+            self._taken.clear()
             self._size = 0
 
 

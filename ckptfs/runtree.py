@@ -377,6 +377,16 @@ class RunTree:
             raise VirtualPathError("/" + e.path, f"invalid read of {n} bytes at offset {offset}", errno.EINVAL)
         return e.file.read(offset, max(0, min(n, e.size - offset)))
 
+    def readinto(self, path_or_entry, offset: int, out: memoryview) -> int:
+        """``read`` straight into ``out`` (the FUSE server's read); the count."""
+        e = path_or_entry if isinstance(path_or_entry, RunEntry) else self.lookup(path_or_entry)
+        if e.inner is not None:
+            with self._using(e):
+                return e.tree.readinto(e.inner, offset, out)
+        data = self.read(e, offset, len(out))
+        out[:len(data)] = data
+        return len(data)
+
     def open(self, entry: RunEntry) -> int:
         """A file handle: until ``release`` it serves the tree ``entry`` was looked up in (kept open)."""
         if entry.is_dir or entry.is_link:

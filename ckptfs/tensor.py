@@ -36,6 +36,8 @@ _ids = itertools.count(1)
 BLOCK_BYTES = 1 << 20
 #: largest block a chunk-aligned block may grow to (one chunk row can exceed BLOCK_BYTES)
 MAX_BLOCK_BYTES = 4 * BLOCK_BYTES
+#: a read of at most this many bytes of a block a streaming cache does not hold decodes only its own chunks
+SMALL_READ = 64 << 10
 
 
 def full_box(shape: Sequence[int]) -> Box:
@@ -207,12 +209,41 @@ class VirtualTensor(ABC):
         key = self.cache_key
         pos = 0
         for blk in range(start // bb, (stop - 1) // bb + 1):
-            data = cache.get_or_compute((key, blk), lambda blk=blk: self._block(blk, be))
             lo = max(start - blk * bb, 0)
-            hi = min(stop - blk * bb, len(data))
-            out[pos:pos + hi - lo] = data[lo:hi]
-            pos += hi - lo
+            hi = min(stop - blk * bb, bb)
+            if cache.streaming and hi - lo <= SMALL_READ and not cache.peek((key, blk)):
+                n = self._read_small(blk * bb + lo, blk * bb + hi, out[pos:])  # a peek: only its own chunks
+            else:
+                data = cache.get_or_compute((key, blk), lambda blk=blk: self._block(blk, be))
+                n = min(hi, len(data)) - lo
+                out[pos:pos + n] = data[lo:lo + n]
+                cache.taken((key, blk), n)
+            pos += n
         return pos
+
+    def _read_small(self, a: int, b: int, out: memoryview) -> int:
+        """Bytes [a, b) of the image read as exactly the elements under them (not cached): only the chunks holding
+        those elements are decoded."""
+        b = min(b, self.nbytes)
+        item = self.dtype.itemsize
+        e0, e1 = a // item, -(-b // item)
+        arr = np.ascontiguousarray(self.read_flat(e0, e1)).astype(self.dtype.storage, copy=False)
+        data = memoryview(arr).cast("B")
+        out[:b - a] = data[a - e0 * item:b - e0 * item]
+        return b - a
+
+    def prefetch(self, start: int, stop: int, cache: BlockCache) -> None:
+        """Queue the cache blocks under bytes [start, stop) for the read-ahead thread (``ckptfs.readahead``)."""
+        from .readahead import READ_AHEAD
+
+        stop = min(stop, self.nbytes)
+        if start >= stop:
+            return
+        be = self.block_elems()
+        bb = be * self.dtype.itemsize
+        key = self.cache_key
+        for blk in range(start // bb, (stop - 1) // bb + 1):
+            READ_AHEAD.submit(cache, (key, blk), lambda blk=blk: self._block(blk, be))
 
     def read_bytes(self, start: int, stop: int, cache: "BlockCache | None" = None) -> bytes:
         """Bytes [start, stop) of the tensor's C-order little-endian image (see ``read_into``)."""

@@ -31,7 +31,7 @@ from typing import Any, Iterable, Iterator, Mapping
 from .cache import BlockCache
 from .errors import CheckpointError, CkptfsError, TensorReadError
 from .options import MountOptions, check_options
-from .views.base import BytesFile, ViewContext, ViewResult
+from .views.base import BytesFile, ViewContext, ViewResult, readinto_file
 
 log = logging.getLogger("ckptfs.vfs")
 
@@ -210,6 +210,22 @@ class VirtualTree:
         if len(data) != want:
             raise TensorReadError("/" + e.path, f"produced {len(data)} bytes for a read of {want} at offset {offset}")
         return data
+
+    def readinto(self, path_or_entry, offset: int, out: memoryview) -> int:
+        """Fill ``out`` with bytes ``[offset, offset+len(out))`` of a file, clipped at its end; the count (exactly
+        that many or an exception). The FUSE server's read: the bytes go straight into the request's buffer."""
+        e = path_or_entry if isinstance(path_or_entry, Entry) else self.lookup(path_or_entry)
+        if e.is_dir:
+            raise VirtualPathError("/" + e.path, "is a directory", errno.EISDIR)
+        if offset < 0:
+            raise VirtualPathError("/" + e.path, f"invalid read at offset {offset}", errno.EINVAL)
+        want = max(0, min(len(out), e.size - offset))
+        if want == 0:
+            return 0
+        got = readinto_file(e.file, offset, out[:want])
+        if got != want:
+            raise TensorReadError("/" + e.path, f"produced {got} bytes for a read of {want} at offset {offset}")
+        return want
 
     def iter_blocks(self, path_or_entry, block: int = 8 << 20) -> Iterator[bytes]:
         """A whole file in order, ``block`` bytes at a time (bounded memory)."""

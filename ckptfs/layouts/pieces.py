@@ -95,6 +95,10 @@ class TensorBytes:
             self.on_read(a, out[:n])
         return n
 
+    def prefetch(self, a: int, b: int, cache) -> None:
+        """Queue bytes ``[a, b)`` of the piece for the read-ahead thread."""
+        self.tensor.prefetch(self.start + a, self.start + min(b, self.size), cache)
+
     def explain(self, a: int) -> list:
         t = self.tensor
         byte = self.start + a
@@ -140,6 +144,10 @@ Piece = Literal | Zeros | TensorBytes | Computed
 
 
 # -- the file ---------------------------------------------------------------------------------------------------
+
+#: a read at least this large is taken as part of a sequential stream (the kernel's read-ahead requests are 128 KiB
+#: to 1 MiB; a 4 KiB peek is not) and prepares the bytes after it when the cache has ``read_ahead`` on
+SEQUENTIAL_READ = 128 << 10
 
 
 @dataclass(frozen=True)
@@ -196,6 +204,7 @@ class PiecedFile:
         self._planner = plan
         self._plan_lock = threading.Lock()
         self._plan: Plan | None = Plan.of(pieces) if pieces is not None else None
+        self._last_end = -1  # where the last read ended: a read starting there is sequential (read-ahead)
 
     def plan(self) -> Plan:
         """The pieces (planned on first use when the file was given ``plan=``)."""
@@ -233,7 +242,19 @@ class PiecedFile:
                 raise TensorReadError(self.name, f"{piece.what} produced {got} bytes for its bytes [{a}, {a + k})")
             pos += k
             i += 1
+        cache = self.cache
+        if cache is not None and cache.read_ahead and (len(out) >= SEQUENTIAL_READ or offset == self._last_end):
+            self._read_ahead(plan, i, end, end + cache.read_ahead, cache)
+        self._last_end = end
         return end - offset
+
+    def _read_ahead(self, plan: Plan, i: int, a: int, b: int, cache) -> None:
+        """Queue the tensor bytes of file bytes ``[a, b)`` (pieces from ``i`` on) for the read-ahead thread."""
+        while i < len(plan.pieces) and plan.starts[i] < b:
+            piece, start = plan.pieces[i], plan.starts[i]
+            if isinstance(piece, TensorBytes):
+                piece.prefetch(max(a - start, 0), b - start, cache)
+            i += 1
 
     def read(self, offset: int, n: int) -> bytes:
         """Bytes ``[offset, offset + n)`` of the file, fewer at its end (``readinto`` a buffer of that size)."""

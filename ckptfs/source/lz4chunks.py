@@ -656,10 +656,14 @@ class _Job:
             src_sel.append(slice(lo - i * cd, hi - i * cd))
             dst_off += (lo - a) * out.strides[d]
             dst_shape.append(hi - lo)
-        src = np.ndarray((nrun,) + r.chunks, r.udtype, buf, offset, (step,) + r._cstrides)  # noqa: SLF001
+        # a chunk's rows along the last dimension are whole and contiguous on both sides: copy each as one opaque
+        # item of c * item bytes (numpy then copies whole rows instead of element by element: several times faster
+        # for the narrow chunks h5py picks, e.g. 32 columns of bf16)
+        row = np.dtype((np.void, c * item))
+        src = np.ndarray((nrun,) + r.chunks[:-1], row, buf, offset, (step,) + r._cstrides[:-1])  # noqa: SLF001
         src = src[tuple(src_sel)]
-        dst = np.ndarray(tuple(dst_shape) + (nrun, c), r.udtype, out, dst_off, out.strides[:-1] + (c * item, item))
-        np.copyto(dst, src.transpose(r._run_axes), casting="no")  # noqa: SLF001
+        dst = np.ndarray(tuple(dst_shape) + (nrun,), row, out, dst_off, out.strides[:-1] + (c * item,))
+        np.copyto(dst, src.transpose(r._run_axes[:-1]), casting="no")  # noqa: SLF001
 
     def one(self, buf, p: int, size: int, mask: int, idx: tuple, raw1: bool) -> None:
         """One chunk (grid indices ``idx``) stored at ``buf[p:p+size]``, copied or decoded into the output."""

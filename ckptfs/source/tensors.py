@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,9 @@ from .h5safe import H5Refused, open_dataset
 from .h5store import H5Store, one_line
 from .validate import dataset_problem
 from .watch import FileIdentity
+
+
+_open_lock = threading.Lock()
 
 
 def _shape_str(shape) -> str:
@@ -58,6 +62,12 @@ class H5DatasetTensor(VirtualTensor):
         d = self._dset
         if d is not None:
             return d
+        with _open_lock:  # concurrent FUSE readers open (and plan) each dataset once
+            if self._dset is None:
+                self._open_dataset()
+            return self._dset
+
+    def _open_dataset(self) -> None:
         f = self.store.file(f"tensor {self.key}")
         try:
             d, info = open_dataset(f, self.name)  # never crosses into another file (h5safe)
@@ -71,8 +81,8 @@ class H5DatasetTensor(VirtualTensor):
         if why:
             raise self._fail(why)
         self._chunks = info.chunks
+        self._lz4 = (d, lz4chunks.plan(d) if self.ndim else None)
         self._dset = d
-        return d
 
     def _chunk_reader(self, d):
         """The LZ4 chunk reader planned for dataset object ``d`` (None: plain h5py reads)."""

@@ -20,6 +20,17 @@ class VFile(Protocol):
     def read(self, offset: int, n: int) -> bytes: ...
 
 
+def readinto_file(vf, offset: int, out: memoryview) -> int:
+    """Fill ``out`` with bytes of virtual file ``vf`` from ``offset``: straight into ``out`` when the file can
+    (``readinto(offset, out)``, every pieced layout), else a copy of ``read``. Returns the count."""
+    fill = getattr(vf, "readinto", None)
+    if fill is not None:
+        return fill(offset, out)
+    data = vf.read(offset, len(out))
+    out[:len(data)] = data
+    return len(data)
+
+
 class BytesFile:
     """A small file whose whole content is known up front (config.json, index JSON, README.txt)."""
 
@@ -74,6 +85,9 @@ class DeferredFile:
 
     def read(self, offset: int, n: int) -> bytes:
         return self.resolve().read(offset, n)
+
+    def readinto(self, offset: int, out: memoryview) -> int:
+        return readinto_file(self.resolve(), offset, out)
 
 
 @dataclass

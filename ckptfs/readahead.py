@@ -1,0 +1,62 @@
+"""Server-side read-ahead: while the FUSE loop copies one cache block out, a worker thread computes the next ones.
+
+A pieced file (``ckptfs.layouts.pieces``) that serves a sequential read asks for the bytes after it to be prepared
+(``BlockCache.read_ahead`` bytes, 0 = off; the FUSE server turns it on): each tensor block under that range that is
+neither cached nor being computed is queued here and computed by one background thread into the same cache. Most of
+that work releases the GIL (``preadv`` from the disk, numpy copies, LZ4 decoding through ctypes), so the disk, the
+decoder and the FUSE loop's copies to the kernel overlap instead of taking turns. A reader that reaches a block
+still being computed waits for it (``BlockCache.get_or_compute``) instead of computing it again.
+
+The queue is bounded (``MAX_QUEUED`` blocks): read-ahead never builds a backlog larger than a few blocks, and a
+failure is left for the reader that needs the block to report.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Callable, Hashable
+
+#: blocks queued at most; further requests are dropped (the reader computes them itself)
+MAX_QUEUED = 8
+
+
+class ReadAhead:
+    """One background thread computing queued cache blocks, most recently requested last."""
+
+    def __init__(self, max_queued: int = MAX_QUEUED):
+        self.max_queued = max_queued
+        self._queue: deque = deque()
+        self._queued: set = set()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, cache, key: Hashable, compute: Callable[[], bytes]) -> None:
+        """Compute block ``key`` of ``cache`` in the background unless it is kept, computing or queued."""
+        ident = (id(cache), key)
+        if cache.peek(key):
+            return
+        with self._cond:
+            if ident in self._queued or len(self._queue) >= self.max_queued:
+                return
+            self._queued.add(ident)
+            self._queue.append((ident, cache, key, compute))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="ckptfs-readahead", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                ident, cache, key, compute = self._queue.popleft()
+            try:
+                cache.prefetch(key, compute)
+            finally:
+                with self._cond:
+                    self._queued.discard(ident)
+
+
+#: the process's read-ahead thread (started on first use)
+READ_AHEAD = ReadAhead()
