@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""ckptfs benchmark (issue #7): generated llama checkpoints, throughput and latency through the mount, PASS/FAIL.
+"""ckptfs benchmark (issues #7, #14): generated llama checkpoints, throughput and latency through the mount, PASS/FAIL.
 
     .venv/bin/python scripts/bench.py [--size 1.5GiB] [--dtype bf16|fp32|both] [--workdir DIR]
                                       [--json bench-out/bench.json] [--quick] [--repeat 3] [--cache-size 256MiB]
@@ -10,7 +10,10 @@
 2. Measures (each 3x, median; page cache dropped before every run when root; every FUSE run on a fresh mount):
    raw h5py read of every tensor (the baseline); ``cp`` of the safetensors and .bin weights (CRC exact, cold CRC
    store, and CRC zero) to /dev/null; ``ckptfs export``; ``from_pretrained`` through the mount vs a local copy of
-   the same files; ``torch.load(mmap=True)`` first open of a .bin (cold and warm CRC store); 70B mount and ``ls -lR``
+   the same files; first read of the weights with the checkpoint in the page cache, beside a trivial passthrough
+   FUSE filesystem of the same binding (the ceiling); 4 KiB from every tensor vs every tensor whole; checkpoint ->
+   loaded model end to end (mount + from_pretrained + umount) vs ``ckptfs export`` + local from_pretrained;
+   ``torch.load(mmap=True)`` first open of a .bin (cold and warm CRC store); 70B mount and ``ls -lR``
    time and index read; that no tensor data is read to answer stat/index; the servers' peak RSS.
 3. Prints one line per target, writes the JSON report. Exit 0 when every item was measured (targets may FAIL),
    1 when something crashed or could not be measured, 2 on bad arguments.
@@ -143,6 +146,9 @@ def run_dtype(r: Runner, ctx: measure.Ctx, ck: measure.Ckpt) -> None:
     r.item(f"{d}.datacheck", sysutil.probe, "datacheck", ck.path, *[local / n for n in layout["safetensors"]],
            env=ctx.env)
     r.item(f"{d}.from_pretrained", measure.from_pretrained, ctx, ck, layout, local)
+    r.item(f"{d}.first_read_warm", measure.first_read_warm, ctx, ck, layout, local)
+    r.item(f"{d}.partial_reads", measure.partial_reads, ctx, ck, layout)
+    r.item(f"{d}.end_to_end", measure.end_to_end, ctx, ck, layout)
     r.item(f"{d}.torch_first_open", measure.torch_first_open, ctx, ck, layout)
     shutil.rmtree(local, ignore_errors=True)
 

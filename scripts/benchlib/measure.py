@@ -312,3 +312,114 @@ def metadata_scale(ctx: Ctx, ck: Ckpt) -> dict:
             "index_read": _summary(idx, index_bytes=len(data)),
             "server_rchar_during_ls_and_index": rchar,
             "note": "datasets are unallocated, so no tensor bytes exist on disk; rchar is metadata + FUSE requests"}
+
+
+def first_read_warm(ctx: Ctx, ck: Ckpt, layout: dict, local: Path) -> dict:
+    """First read of the safetensors weights from a fresh mount with the checkpoint already in the page cache
+    (so the server's own cost shows, not the disk's), beside a trivial passthrough FUSE filesystem of the same
+    binding serving the local copy of the same files (warm too): the ceiling for this binding and machine."""
+    names = layout["safetensors"]
+    nbytes = sum(layout["sizes"][n] for n in names)
+    runs, ceiling = [], []
+    for _ in range(ctx.repeat):
+        with ctx.mount(ck, "first-read-warm") as m:
+            src = m.mountpoint / layout["hf_rel"]
+            _read_through(ck.path)
+            t = 0.0
+            for n in names:
+                dt, _ = sysutil.timed(["cp", src / n, "/dev/null"])
+                t += dt
+            runs.append(t)
+        with passthrough_mount(ctx, local) as mnt:
+            for n in names:
+                _read_through(local / n)
+            t = 0.0
+            for n in names:
+                dt, _ = sysutil.timed(["cp", mnt / n, "/dev/null"])
+                t += dt
+            ceiling.append(t)
+    return {"mount": _summary(runs, nbytes), "passthrough": _summary(ceiling, nbytes)}
+
+
+def _read_through(path: Path) -> None:
+    with open(path, "rb", buffering=0) as f:
+        while f.read(8 << 20):
+            pass
+
+
+@contextlib.contextmanager
+def passthrough_mount(ctx: Ctx, src: Path):
+    """``benchlib/passthrough.py`` serving ``src`` on a fresh mount point (foreground process, unmounted after)."""
+    mnt = ctx.workdir / "mnt" / f"passthrough-{next(_ids):03d}"
+    mnt.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("passthrough.py")), str(src), str(mnt)],
+                            env=ctx.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.ismount(mnt):
+            if proc.poll() is not None:
+                raise StepError(f"passthrough server exited: {proc.stderr.read().decode(errors='replace')[-300:]}")
+            if time.monotonic() > deadline:
+                raise StepError("passthrough server did not mount within 60 s")
+            time.sleep(0.02)
+        yield mnt
+    finally:
+        subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
+            proc.kill()
+            proc.wait()
+        with contextlib.suppress(OSError):
+            mnt.rmdir()
+
+
+def partial_reads(ctx: Ctx, ck: Ckpt, layout: dict) -> dict:
+    """4 KiB from the start of every tensor of the safetensors weights vs every tensor read whole, each on a fresh
+    mount with the page cache dropped (interleaved runs)."""
+    runs: dict = {"peek": [], "whole": []}
+    info: dict = {}
+    for _ in range(ctx.repeat):
+        for kind in ("peek", "whole"):
+            with ctx.mount(ck, f"partial-{kind}") as m:
+                files = [m.mountpoint / layout["hf_rel"] / n for n in layout["safetensors"]]
+                drop_caches()
+                r = probe(kind, *files, env=ctx.env)
+                runs[kind].append(r["seconds"])
+                info[kind] = {"tensors": r["tensors"], "bytes": r["bytes"]}
+    out = {k: {**_summary(v), **info[k]} for k, v in runs.items()}
+    out["ratio"] = round(out["peek"]["median_s"] / out["whole"]["median_s"], 4)
+    return out
+
+
+def end_to_end(ctx: Ctx, ck: Ckpt, layout: dict) -> dict:
+    """Checkpoint -> loaded HF model, cold: ``ckptfs mount`` + ``from_pretrained`` (touching every weight page) +
+    ``ckptfs umount``, beside the eager path it replaces: ``ckptfs export`` of the HF files (safetensors) to a local
+    folder + ``from_pretrained`` of it. Wall time of everything a user waits for."""
+    runs: dict = {"mount": [], "eager": []}
+    for _ in range(ctx.repeat):
+        m = ctx.mount(ck, "end-to-end")
+        drop_caches()
+        t0 = time.perf_counter()
+        m.start()
+        try:
+            probe("from_pretrained", m.mountpoint / layout["hf_rel"], env=_hf_env(ctx))
+        finally:
+            m.stop()
+        runs["mount"].append(time.perf_counter() - t0)
+        out_dir = ctx.workdir / f"eager-{next(_ids):03d}"
+        drop_caches()
+        t0 = time.perf_counter()
+        argv = ckptfs_argv("export", ck.path, out_dir, "--config", ck.params, "--views", "hf", "--hf-format",
+                           "safetensors")
+        if ctx.max_shard_size:
+            argv += ["--max-shard-size", ctx.max_shard_size]
+        sysutil.run(argv, env=_env_with_cache(ctx, "eager"))
+        hf = out_dir / "hf" if (out_dir / "hf").is_dir() else out_dir
+        probe("from_pretrained", hf, env=_hf_env(ctx))
+        runs["eager"].append(time.perf_counter() - t0)
+        shutil.rmtree(out_dir, ignore_errors=True)
+    out = {k: _summary(v) for k, v in runs.items()}
+    out["ratio"] = round(out["mount"]["median_s"] / out["eager"]["median_s"], 3)
+    return out

@@ -8,6 +8,7 @@ work itself:
   4 KiB page of every parameter is touched, so lazily mapped weights are really read;
 * ``torchload FILE``: ``torch.load(FILE, mmap=True, weights_only=True)`` (the first-open latency);
 * ``mount_breakdown CKPT PARAMS``: import time of the ckptfs mount modules and one ``build_tree``;
+* ``peek SAFETENSORS…`` / ``whole SAFETENSORS…``: 4 KiB from the start of every tensor, or every tensor whole;
 * ``datacheck CKPT SAFETENSORS…``: HF tensors that are plain copies (embeddings, lm_head, a down_proj, the final
   norm) hold exactly the CS datasets' bytes.
 """
@@ -117,7 +118,51 @@ def mount_breakdown(ckpt: str, params: str) -> dict:
     return {"imports_s": t1 - t0, "build_tree_s": t2 - t1, "heavy_modules_loaded": heavy}
 
 
-PROBES = {"mount_breakdown": mount_breakdown, "raw": raw, "from_pretrained": from_pretrained, "torchload": torchload, "datacheck": datacheck}
+def _tensor_ranges(paths) -> list:
+    """(path, absolute start, end) of every tensor of the safetensors files (headers read before the clock)."""
+    out = []
+    for p in paths:
+        header, base = _safetensors_header(p)
+        for name, v in header.items():
+            if name != "__metadata__":
+                a, b = v["data_offsets"]
+                if b > a:
+                    out.append((p, base + a, base + b))
+    return out
+
+
+def peek(*paths: str) -> dict:
+    """4 KiB from the start of every tensor of the safetensors files (``pread`` on one open file each)."""
+    import os
+
+    ranges = _tensor_ranges(paths)
+    fds = {p: os.open(p, os.O_RDONLY) for p in paths}
+    t0 = time.perf_counter()
+    got = sum(len(os.pread(fds[p], min(4096, b - a), a)) for p, a, b in ranges)
+    secs = time.perf_counter() - t0
+    for fd in fds.values():
+        os.close(fd)
+    return {"seconds": secs, "tensors": len(ranges), "bytes": got}
+
+
+def whole(*paths: str) -> dict:
+    """Every tensor of the safetensors files read whole, in file order (8 MiB reads)."""
+    import os
+
+    ranges = _tensor_ranges(paths)
+    fds = {p: os.open(p, os.O_RDONLY) for p in paths}
+    t0 = time.perf_counter()
+    got = 0
+    for p, a, b in ranges:
+        for off in range(a, b, 8 << 20):
+            got += len(os.pread(fds[p], min(8 << 20, b - off), off))
+    secs = time.perf_counter() - t0
+    for fd in fds.values():
+        os.close(fd)
+    return {"seconds": secs, "tensors": len(ranges), "bytes": got}
+
+
+PROBES = {"peek": peek, "whole": whole, "mount_breakdown": mount_breakdown, "raw": raw, "from_pretrained": from_pretrained, "torchload": torchload, "datacheck": datacheck}
 
 if __name__ == "__main__":
     print(json.dumps(PROBES[sys.argv[1]](*sys.argv[2:])))

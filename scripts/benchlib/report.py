@@ -1,17 +1,19 @@
 """Turn the benchmark's measurements into target lines (PASS / FAIL / INFO / ERROR), a table and the JSON report.
 
-PASS/FAIL lines are the issue #7 targets; INFO lines are reported numbers without a target (and unmet stretch
+PASS/FAIL lines are the issue #7 targets at the issue #14 levels; INFO lines are reported numbers without a target (and unmet stretch
 goals); ERROR means the item could not be measured, which makes the whole run incomplete (exit 1).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-CP_TARGET = 0.7  # cp of converted weights ≥ 0.7 × raw h5py read throughput
-CP_STRETCH = 1.0
-FROM_PRETRAINED_TARGET = 1.3  # via the mount ≤ 1.3 × the local pre-converted copy
-MOUNT_70B_TARGET_S = 1.0
-LS_70B_TARGET_S = 1.0
+CP_TARGET = 1.0  # cp of converted weights ≥ 1.0 × raw h5py read throughput (issue #14; #7 asked 0.7)
+CP_STRETCH = 1.5
+FROM_PRETRAINED_TARGET = 1.15  # via the mount ≤ 1.15 × the local pre-converted copy (#7: 1.3)
+FIRST_READ_WARM_MB_S = 1000  # first read of a file, checkpoint in the page cache ≥ 1 GB/s
+PARTIAL_TARGET = 0.15  # 4 KiB from every tensor ≤ 15% of reading every tensor whole
+MOUNT_70B_TARGET_S = 0.5  # (#7: 1.0 s)
+LS_70B_TARGET_S = 0.5
 RSS_BASE_BYTES = 300 * 10**6  # peak server RSS ≤ 300 MB + --cache-size
 
 
@@ -78,6 +80,7 @@ def target_lines(results: dict, errors: dict, dtypes: list, cache_bytes: int) ->
         else:
             lines.append(Line(name, f"{fp['ratio']:.2f}x ({fp['mount']['median_s']:.2f} vs {fp['local']['median_s']:.2f} s)",
                               f"<= {FROM_PRETRAINED_TARGET:.2f}x", "PASS" if fp["ratio"] <= FROM_PRETRAINED_TARGET else "FAIL"))
+        lines += _issue14_lines(d, r, errors)
         tl = r.get("torch_first_open")
         e = _err(f"{d}: torch.load(mmap) first open", errors, [f"{d}.torch_first_open", f"{d}.layout"])
         if e or tl is None:
@@ -138,6 +141,38 @@ def target_lines(results: dict, errors: dict, dtypes: list, cache_bytes: int) ->
         lines.append(Line(f"server peak RSS (VmHWM, {len(peaks)} mounts)", f"{max(peaks) / 1e6:.0f} MB",
                           f"<= {limit / 1e6:.0f} MB", "PASS" if max(peaks) <= limit else "FAIL"))
     return lines
+
+
+def _issue14_lines(d: str, r: dict, errors: dict) -> list:
+    """First read with a warm source (and the passthrough ceiling), 4 KiB peeks, end to end vs eager export."""
+    out = []
+    fw = r.get("first_read_warm")
+    name = f"{d}: first read, checkpoint in page cache"
+    e = _err(name, errors, [f"{d}.first_read_warm", f"{d}.layout"])
+    if e or fw is None:
+        out.append(e or Line(name, "not measured", "", "ERROR"))
+    else:
+        mb = fw["mount"]["mb_s"]
+        out.append(Line(name, f"{mb:.0f} MB/s (passthrough ceiling {fw['passthrough']['mb_s']:.0f} MB/s)",
+                        f">= {FIRST_READ_WARM_MB_S} MB/s", "PASS" if mb >= FIRST_READ_WARM_MB_S else "FAIL"))
+    pr = r.get("partial_reads")
+    name = f"{d}: 4 KiB of every tensor / every tensor whole"
+    e = _err(name, errors, [f"{d}.partial_reads", f"{d}.layout"])
+    if e or pr is None:
+        out.append(e or Line(name, "not measured", "", "ERROR"))
+    else:
+        out.append(Line(name, f"{pr['ratio'] * 100:.1f}% ({pr['peek']['median_s']:.3f} vs {pr['whole']['median_s']:.2f} s, "
+                              f"{pr['peek']['tensors']} tensors)", f"<= {PARTIAL_TARGET * 100:.0f}%",
+                        "PASS" if pr["ratio"] <= PARTIAL_TARGET else "FAIL"))
+    ee = r.get("end_to_end")
+    name = f"{d}: checkpoint -> loaded model, mount vs eager export"
+    e = _err(name, errors, [f"{d}.end_to_end", f"{d}.layout"])
+    if e or ee is None:
+        out.append(e or Line(name, "not measured", "", "ERROR"))
+    else:
+        out.append(Line(name, f"{ee['mount']['median_s']:.2f} vs {ee['eager']['median_s']:.2f} s "
+                              f"({ee['ratio']:.2f}x)", "", "INFO"))
+    return out
 
 
 def table(lines: list) -> str:
