@@ -67,6 +67,18 @@ def pin_malloc() -> bool:
     return (mallopt(_M_TRIM_THRESHOLD, 512 << 20) == 1) and ok
 
 
+def trim_memory() -> bool:
+    """Give the memory freed while the tree was built back to the system (``malloc_trim``; with the trim threshold
+    ``pin_malloc`` sets, glibc would otherwise keep it for good). Best effort; False if not glibc."""
+    import gc
+
+    gc.collect()
+    try:
+        return bool(ctypes.CDLL(None).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 def _erofs(*_args, **_kw):
     raise OSError(errno.EROFS, os.strerror(errno.EROFS))
 

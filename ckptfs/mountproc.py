@@ -272,7 +272,7 @@ def mount(ckpt, mountpoint, options: MountOptions | None = None, *, foreground: 
     options = options or MountOptions()
     check_options(options)  # a --config that does not exist or does not parse: one line, nothing mounted
     mp = check_mountpoint(mountpoint)
-    from .fusefs import CACHE_TIMEOUT, load_mfusepy, serve
+    from .fusefs import CACHE_TIMEOUT, load_mfusepy, serve, trim_memory
 
     load_mfusepy()  # a missing libfuse is reported before anything is built or started
     from .runtree import RUN_CACHE_TIMEOUT, check_run, is_run, open_run
@@ -284,6 +284,7 @@ def mount(ckpt, mountpoint, options: MountOptions | None = None, *, foreground: 
         return start_background(ckpt, mp, options, allow_other=allow_other, debug=debug,
                                 check=(lambda: check_run(ckpt)) if run else (lambda: check_source(ckpt, options)))
     tree = open_run(ckpt, options) if run else build_tree(ckpt, options)
+    trim_memory()  # what building the tree used and freed (the catalog's HDF5 handle, temporaries) goes back
     tree.warm()  # expensive layouts (the cs view's HDF5 skeleton) build while the mount already answers
     setup_logging(debug)
     log.info("mounting %s at %s (%d %s)", ckpt, mp, tree.file_count, "checkpoints" if run else "files")

@@ -172,6 +172,24 @@ class H5Store:
                 self._file = f
             return self._file
 
+    def reopen(self) -> None:
+        """Replace the open handle by a fresh one of the same file version (``SourceChangedError`` if the file is
+        another version now). HDF5 keeps some memory for every object ever opened in a file until that file is
+        closed (~5 KB per dataset: 500 MB after checking the catalog of 100,000 datasets); the catalog is read with
+        one handle and the tensors are served with a fresh one (``open_checkpoint``)."""
+        with self._lock:
+            old, self._file = self._file, None
+            if old is not None:
+                old.close()
+        self.file("reopening")
+
+    def release(self) -> None:
+        """Close the handle; the next ``file()`` opens the file again (checking it is still the same version)."""
+        with self._lock:
+            old, self._file = self._file, None
+            if old is not None:
+                old.close()
+
     def verify(self, what: str) -> None:
         """``SourceChangedError`` if the file at ``path`` is no longer the version the tensors were planned from.
 
@@ -245,6 +263,11 @@ class ExternalFiles:
             st = self._stores[path] = H5Store(path, self.checkpoint_path, referenced_as=ref,
                                               identity=self.identity(path), confinement=self.confinement)
         return st
+
+    def release(self) -> None:
+        """Close every handle opened while the catalog was read (each reopens on first use, see ``H5Store.reopen``)."""
+        for st in self._stores.values():
+            st.release()
 
     def close(self) -> None:
         for st in self._stores.values():

@@ -107,6 +107,8 @@ def open_checkpoint(path, *, allow_partial: bool = False, allow_external=()) -> 
         release = (_attr_str(f.attrs.get("__cstorch_version__")) or metadata_release(result.root)
                    or VERSION_RELEASES.get(round(version, 1)))
         store.verify("catalog")  # the metadata just read belongs to one version of the file
+        store.reopen()  # serve from a fresh handle: the catalog's left HDF5 holding memory for every dataset
+        externals.release()
     except SourceChangedError as e:
         externals.close()
         store.close()
