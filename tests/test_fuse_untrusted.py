@@ -287,3 +287,26 @@ def test_yaml_alias_bomb_next_to_the_checkpoint_is_refused_in_one_line(tmp_path)
         assert (srv.mnt / "torch" / "checkpoint.pt").stat().st_size > 0 and (srv.mnt / "tensors").is_dir()
         rss_kb = int(open(f"/proc/{srv.proc.pid}/status").read().split("VmRSS:")[1].split()[0])
     assert rss_kb < 1 << 20, rss_kb  # nothing expanded the document (an expanded bomb takes gigabytes)
+
+
+def test_tokenizer_locations_are_confined_too(tmp_path):
+    """Tokenizer files are served raw: a ``tokenizer`` link or a params YAML naming a folder elsewhere is not
+    followed (the same rule as external tensors); --allow-external opts it in."""
+    import yaml
+
+    from untrusted_help import copy_llama
+
+    ckpt = copy_llama(tmp_path / "ck")
+    secret = tmp_path / "outside" / "tok"
+    secret.mkdir(parents=True)
+    (secret / "tokenizer.json").write_bytes(b'{"note": "' + MARK + b'"}')
+    (tmp_path / "ck" / "tokenizer").symlink_to(secret)
+    params = yaml.safe_load((tmp_path / "ck" / "params.yaml").read_text())
+    params["train_input"] = {"tokenizer_path": str(secret)}
+    (tmp_path / "ck" / "params.yaml").write_text(yaml.safe_dump(params))
+    with mounted(ckpt, env=real_env(), timeout=300) as mnt:
+        served = all_served_bytes(mnt)
+        assert not [p for p, data in served.items() if MARK in data]
+        assert "outside the checkpoint's folder" in served["README.txt"].decode()
+    with mounted(ckpt, "--allow-external", secret.parent, env=real_env(), timeout=300) as mnt:
+        assert MARK in (mnt / "tokenizer.json").read_bytes()

@@ -236,18 +236,29 @@ def params_tokenizer_paths(params_path: Path | None) -> tuple:
     return out, hints
 
 
-def discover_tokenizer(ckpt_path: Path, params_path: Path | None) -> tuple:
+def discover_tokenizer(ckpt_path: Path, params_path: Path | None, allow_external=()) -> tuple:
     """({file name: OverlayFile}, where, hints): the tokenizer files of the first place that has any — a location
     the params YAML names, the checkpoint's folder (the model_dir), its ``tokenizer/`` folder, then the params
-    file's folder and its ``tokenizer/`` folder. ``where`` is None when none has any."""
+    file's folder and its ``tokenizer/`` folder. ``where`` is None when none has any.
+
+    Confinement (as for a checkpoint's external tensors, ``ckptfs.source.confine``): a place is read only when,
+    symlinks resolved, it lies in the checkpoint's folder, the params file's folder or an ``allow_external``
+    folder. A crafted params YAML (or a ``tokenizer`` link) naming another folder only gets a hint."""
     named, hints = params_tokenizer_paths(params_path)
     places = list(named)
     here = Path(ckpt_path).parent
     places += [(f"{here} (the checkpoint's folder)", here), (f"{here / 'tokenizer'}", here / "tokenizer")]
+    roots = [os.path.realpath(here)] + [os.path.realpath(a) for a in allow_external or ()]
+    if params_path is not None:
+        roots.append(os.path.realpath(Path(params_path).parent))
     if params_path is not None and Path(params_path).parent.resolve() != here.resolve():
         there = Path(params_path).parent
         places += [(f"{there} (the params file's folder)", there), (f"{there / 'tokenizer'}", there / "tokenizer")]
     for where, p in places:
+        if p.exists() and not _inside(os.path.realpath(p), roots):
+            hints.append(f"tokenizer location {where} lies outside the checkpoint's folder ({os.path.realpath(p)}): "
+                         f"not read; mount with --allow-external or --overlay naming it to use it")
+            continue
         if p.is_file():
             path, st = regular_file(str(p), [os.path.realpath(p)])  # the params named this file: follow it
             if path is not None:
