@@ -171,25 +171,21 @@ class CkptfsOperations:
             raise _oserror(err.errno) from None
 
     def read(self, path, size, offset, fh):
-        try:
-            e = self._tree.entry_by_handle(fh) if fh else self._tree.lookup(path)
-        except VirtualPathError:
-            raise _oserror(errno.EBADF) from None
-        try:
-            return self._tree.read(e, offset, size)
-        except Exception as err:  # never wrong bytes: any failure is EIO for this read only
-            self._report(e, err)
-            raise _oserror(errno.EIO) from None
+        return self._serve(path, fh, lambda e: self._tree.read(e, offset, size))
 
     def readinto(self, path, out, offset, fh) -> int:
         """``read`` into libfuse's reply buffer ``out`` (``ReadIntoFUSE.read``; not a FUSE operation name)."""
+        return self._serve(path, fh, lambda e: self._tree.readinto(e, offset, out))
+
+    def _serve(self, path, fh, reader):
+        """``reader(entry)`` for the open handle ``fh`` (or ``path``); any failure is EIO for this read only."""
         try:
             e = self._tree.entry_by_handle(fh) if fh else self._tree.lookup(path)
         except VirtualPathError:
             raise _oserror(errno.EBADF) from None
         try:
-            return self._tree.readinto(e, offset, out)
-        except Exception as err:  # never wrong bytes: any failure is EIO for this read only
+            return reader(e)
+        except Exception as err:  # never wrong bytes
             self._report(e, err)
             raise _oserror(errno.EIO) from None
 

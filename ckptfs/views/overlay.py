@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..errors import CkptfsError, ConfigError
 from ..mapping.safe_yaml import load_params_yaml
+from ..source.watch import FileIdentity
 
 #: file names of a Hugging Face tokenizer (and chat template) that are picked up without --overlay
 TOKENIZER_FILES = (
@@ -39,32 +40,17 @@ class OverlayError(CkptfsError):
     """An overlay file cannot be served (gone, changed since the mount, unreadable) or an overlay is unusable."""
 
 
-@dataclass(frozen=True)
-class Stamp:
-    """What identifies one version of a file."""
-
-    dev: int
-    ino: int
-    size: int
-    mtime_ns: int
-    ctime_ns: int
-
-    @classmethod
-    def of(cls, st: os.stat_result) -> "Stamp":
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
 class OverlayFile:
     """A regular file on disk served as a virtual file: exactly the version seen when the view was built."""
 
-    def __init__(self, path: Path, stamp: Stamp, origin: str):
+    def __init__(self, path: Path, stamp: FileIdentity, origin: str):
         self.path = Path(path)  # the resolved file (no symbolic link left)
         self.stamp = stamp
         self.size = stamp.size
         self.origin = origin  # where it came from, for README.txt
 
     def _check(self, st: os.stat_result) -> None:
-        if Stamp.of(st) != self.stamp:
+        if FileIdentity.of_stat(st) != self.stamp:
             raise OverlayError(self.path, "changed since the mount was made; remount to serve the new content")
 
     def read(self, offset: int, n: int) -> bytes:
@@ -173,7 +159,7 @@ def scan_dir(root: Path, *, only: tuple | None = None, recursive: bool = True) -
             if path is None:
                 problems.append(f"{rel_dir}{name} {st}; left out")
                 continue
-            files[rel_dir + name] = OverlayFile(Path(path), Stamp.of(st), f"{root}/{rel_dir}{name}")
+            files[rel_dir + name] = OverlayFile(Path(path), FileIdentity.of_stat(st), f"{root}/{rel_dir}{name}")
     return files, problems
 
 
@@ -262,7 +248,7 @@ def discover_tokenizer(ckpt_path: Path, params_path: Path | None, allow_external
         if p.is_file():
             path, st = regular_file(str(p), [os.path.realpath(p)])  # the params named this file: follow it
             if path is not None:
-                return {p.name: OverlayFile(Path(path), Stamp.of(st), str(p))}, where, hints
+                return {p.name: OverlayFile(Path(path), FileIdentity.of_stat(st), str(p))}, where, hints
             continue
         if not p.is_dir():
             continue
