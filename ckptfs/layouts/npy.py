@@ -58,12 +58,23 @@ def npy_header(descr, shape, fortran_order: bool = False) -> bytes:
 
 
 class NpyLayout(PiecedFile):
-    """A virtual ``.npy`` file for one tensor: its header, then its bytes (``ckptfs.layouts.pieces``)."""
+    """A virtual ``.npy`` file for one tensor: its header, then its bytes (``ckptfs.layouts.pieces``).
+
+    Planned on first read: until then it holds its tensor, name and header length only, so that a mount listing
+    100,000 tensors keeps ~0.5 KB less per file."""
 
     def __init__(self, tensor: VirtualTensor, *, name: str | None = None, cache: BlockCache | None = None):
         self.tensor = tensor
-        self.header_bytes: bytes = npy_header(tensor.dtype.storage.str, tensor.shape)
         self.data_start: int = len(self.header_bytes)
-        label = name or tensor.describe()
-        super().__init__([Literal(self.header_bytes, "npy header"), TensorBytes(tensor, label)],
-                         name=label, cache=cache)
+        super().__init__(plan=self._pieces, name=name or tensor.describe(), cache=cache)
+
+    @property
+    def header_bytes(self) -> bytes:
+        return npy_header(self.tensor.dtype.storage.str, self.tensor.shape)
+
+    @property
+    def size(self) -> int:
+        return self.data_start + self.tensor.nbytes
+
+    def _pieces(self) -> list:
+        return [Literal(self.header_bytes, "npy header"), TensorBytes(self.tensor, self.name)]
