@@ -21,6 +21,7 @@ import hashlib
 import struct
 import threading
 import zlib
+from array import array
 from dataclasses import dataclass
 
 from ..cache import BlockCache
@@ -108,22 +109,34 @@ class ZipEntry:
 
 
 class _Record:
-    """A record's placement plus its CRC state (``hashed`` bytes folded into ``running`` so far)."""
+    """A record's placement plus its CRC state (``hashed`` bytes folded into ``running`` so far).
 
-    __slots__ = ("name", "header_offset", "data_offset", "size", "payload", "tensor", "crc", "hashed", "running")
+    Kept small (an archive of 100,000 tensors has 100,000 of them): the name is the archive's ``prefix`` plus
+    ``key`` (``data/<key>`` for a storage number), the data offset is computed."""
 
-    def __init__(self, name: bytes, header_offset: int, size: int, payload: bytes | None,
+    __slots__ = ("prefix", "key", "header_offset", "size", "payload", "tensor", "crc", "hashed", "running")
+
+    def __init__(self, prefix: bytes, key: bytes | int, header_offset: int, size: int, payload: bytes | None,
                  tensor: VirtualTensor | None):
-        self.name = name
+        self.prefix = prefix
+        self.key = key
         self.header_offset = header_offset
         self.size = size
         self.payload = payload
         self.tensor = tensor
-        start = header_offset + 30 + len(name) + self.zip64_len + 4
-        self.data_offset = start + (-start) % ALIGN
         self.crc: int | None = None
         self.hashed = 0
         self.running = 0
+
+    @property
+    def name(self) -> bytes:
+        key = self.key
+        return self.prefix + (b"data/%d" % key if type(key) is int else key)
+
+    @property
+    def data_offset(self) -> int:
+        start = self.header_offset + 30 + len(self.name) + self.zip64_len + 4
+        return start + (-start) % ALIGN
 
     @property
     def zip64(self) -> bool:
@@ -179,33 +192,52 @@ class _Record:
                            min(self.header_offset, U32)) + self.name + extra
 
 
-class _RecordPiece(TensorBytes):
-    """One zip record as one piece: its local header, its data (a payload, or a tensor's bytes folded into the
-    record's CRC as they are read) and its data descriptor. One small object per record, the header made when read:
-    an archive of 100,000 tensors stays a few tens of MB (three pieces with their labels per record cost ~1 KB)."""
+class _Records(TensorBytes):
+    """Every record of the archive — each one's local header, data and data descriptor — as one piece that finds
+    its records by bisecting their offsets: no object per record beyond the ``_Record`` itself. The data of a
+    tensor record is folded into the record's CRC as it is read. (A ``TensorBytes`` so that the read-ahead of the
+    read engine reaches the tensors' bytes.)"""
 
-    __slots__ = ("rec", "zf", "label")
+    __slots__ = ("zf",)
 
-    def __init__(self, rec: "_Record", zf: "TorchZipLayout", label: str | None):
-        self.rec, self.zf, self.label = rec, zf, label
-        self.tensor = rec.tensor
+    def __init__(self, zf: "TorchZipLayout"):
+        self.zf = zf
+        self.tensor = None
         self.start = 0
-        self.size = rec.end - rec.header_offset
+        self.size = zf.cd_offset
         self.name = None
         self.on_read = None
 
     @property
     def what(self) -> str:
-        return f"zip record {self.rec.name.decode()}"
+        return f"zip records of {self.zf.archive_name}"
 
-    def _parts(self) -> tuple:
-        """``(first, stop)`` of the header, the data and the descriptor, relative to the piece."""
-        rec, h = self.rec, self.rec.header_offset
-        return (0, rec.data_offset - h), (rec.data_offset - h, rec.data_end - h), (rec.data_end - h, rec.end - h)
+    def _at(self, a: int) -> int:
+        return bisect.bisect_right(self.zf._starts, a) - 1
+
+    @staticmethod
+    def _parts(rec: "_Record") -> tuple:
+        """``(first, stop)`` of the header, the data and the descriptor, relative to the record's header."""
+        h, d = rec.header_offset, rec.data_offset
+        return (0, d - h), (d - h, d - h + rec.size), (d - h + rec.size, rec.end - h)
 
     def fill(self, out: memoryview, a: int, cache) -> int:
-        rec, n, pos = self.rec, len(out), 0
-        for part, (lo, hi) in enumerate(self._parts()):
+        zf, n, pos = self.zf, len(out), 0
+        i = self._at(a)
+        while pos < n:
+            rec = zf._records[i]
+            k = min(rec.end, a + n) - (a + pos)
+            got = self._fill_record(rec, out[pos:pos + k], a + pos - rec.header_offset, cache)
+            if got != k:
+                raise TensorReadError(zf.archive_name, f"zip record {rec.name.decode()} produced {got} bytes for "
+                                                       f"{k} at offset {a + pos - rec.header_offset}")
+            pos += k
+            i += 1
+        return pos
+
+    def _fill_record(self, rec: "_Record", out: memoryview, a: int, cache) -> int:
+        n, pos = len(out), 0
+        for part, (lo, hi) in enumerate(self._parts(rec)):
             if pos >= n:
                 break
             if a + pos >= hi:
@@ -227,22 +259,29 @@ class _RecordPiece(TensorBytes):
         return pos
 
     def prefetch(self, a: int, b: int, cache) -> None:
-        lo, hi = self._parts()[1]
-        if self.rec.payload is None and a < hi and b > lo:
-            self.rec.tensor.prefetch(max(a, lo) - lo, min(b, hi) - lo, cache)
+        zf = self.zf
+        i = self._at(a)
+        while i < len(zf._records) and zf._starts[i] < b:
+            rec = zf._records[i]
+            lo, hi = self._parts(rec)[1]
+            lo, hi = lo + rec.header_offset, hi + rec.header_offset
+            if rec.payload is None and a < hi and b > lo and hasattr(rec.tensor, "prefetch"):
+                rec.tensor.prefetch(max(a, lo) - lo, min(b, hi) - lo, cache)
+            i += 1
 
     def explain(self, a: int) -> list:
-        rec = self.rec
+        rec = self.zf._records[self._at(a)]
         name = rec.name.decode()
-        (_, h_end), (d_lo, d_hi), (_, e_hi) = self._parts()
+        a -= rec.header_offset
+        (_, h_end), (d_lo, d_hi), (_, e_hi) = self._parts(rec)
         if a < h_end:
             return [f"zip local header of {name}: {h_end} bytes made when read"]
         if a >= d_hi:
             return [f"zip data descriptor of {name} (its CRC-32): {e_hi - d_hi} bytes computed when read"]
         if rec.payload is not None:
             return [f"zip record {name}: {len(rec.payload)} bytes known when the file was planned"]
-        label = name + (f" ({self.label})" if self.label else "")
-        return TensorBytes(rec.tensor, label).explain(a - d_lo)
+        label = self.zf._labels[rec.key] if type(rec.key) is int else None
+        return TensorBytes(rec.tensor, name + (f" ({label})" if label else "")).explain(a - d_lo)
 
 
 class TorchZipLayout(PiecedFile):
@@ -266,19 +305,22 @@ class TorchZipLayout(PiecedFile):
         self.signature = self._signature(pkl, storages)
         labels = _storage_labels(obj)
 
-        prefix = archive_name + "/"
+        prefix = (archive_name + "/").encode("utf-8")
         sid = b"%040d" % (int.from_bytes(hashlib.sha256(self.signature.encode()).digest(), "big") % 10**40)
-        items: list[tuple[str, bytes | None, VirtualTensor | None]] = [
-            ("data.pkl", pkl, None), (".format_version", b"1", None), (".storage_alignment", b"64", None),
-            ("byteorder", b"little", None)]
-        items += [(f"data/{i}", None, t) for i, t in enumerate(storages)]
-        items += [("version", b"3\n", None), (".data/serialization_id", sid, None)]
+        items: list[tuple[bytes | int, bytes | None, VirtualTensor | None]] = [
+            (b"data.pkl", pkl, None), (b".format_version", b"1", None), (b".storage_alignment", b"64", None),
+            (b"byteorder", b"little", None)]
+        items += [(i, None, t) for i, t in enumerate(storages)]  # named data/<i>
+        items += [(b"version", b"3\n", None), (b".data/serialization_id", sid, None)]
+        self._labels = [labels.get(id(t)) for t in storages]  # the state-dict key of each storage (explain)
 
         self._records: list[_Record] = []
+        starts = array("q")
         pos = 0
-        for name, payload, tensor in items:
+        for key, payload, tensor in items:
             size = len(payload) if payload is not None else tensor.nbytes
-            rec = _Record((prefix + name).encode("utf-8"), pos, size, payload, tensor)
+            rec = _Record(prefix, key, pos, size, payload, tensor)
+            starts.append(pos)
             if crc == "zero":
                 rec.crc = 0
             elif payload is not None:
@@ -288,7 +330,8 @@ class TorchZipLayout(PiecedFile):
             self._records.append(rec)
             pos = rec.end
         self.cd_offset = pos
-        self._cd_starts = []  # each record's central directory entry, relative to the central directory
+        self._starts = starts  # each record's local header offset
+        self._cd_starts = array("q")  # each record's central directory entry, relative to the central directory
         for r in self._records:
             self._cd_starts.append(pos - self.cd_offset)
             pos += r.cd_len()
@@ -302,7 +345,7 @@ class TorchZipLayout(PiecedFile):
         self._unsaved = 0
         if self._store is not None and self._unknown:
             self._load_store()
-        super().__init__(self._pieces(labels), name=archive_name, cache=cache)
+        super().__init__(self._pieces(), name=archive_name, cache=cache)
 
     # -- metadata ----------------------------------------------------------------------------------
     @property
@@ -327,12 +370,9 @@ class TorchZipLayout(PiecedFile):
         return eocd64 + loc + eocd
 
     # -- pieces ------------------------------------------------------------------------------------
-    def _pieces(self, labels: dict) -> list:
-        pieces: list = [_RecordPiece(rec, self, labels.get(id(rec.tensor)) if rec.tensor is not None else None)
-                        for rec in self._records]
-        pieces.append(Computed(self.cd_size, self._central_directory, "zip central directory (CRC-32s)"))
-        pieces.append(Literal(self._tail, "zip64 end records"))
-        return pieces
+    def _pieces(self) -> list:
+        return [_Records(self), Computed(self.cd_size, self._central_directory, "zip central directory (CRC-32s)"),
+                Literal(self._tail, "zip64 end records")]
 
     def _descriptor(self, rec: _Record) -> bytes:
         self._ensure_crcs((rec,))
