@@ -310,3 +310,30 @@ def test_tokenizer_locations_are_confined_too(tmp_path):
         assert "outside the checkpoint's folder" in served["README.txt"].decode()
     with mounted(ckpt, "--allow-external", secret.parent, env=real_env(), timeout=300) as mnt:
         assert MARK in (mnt / "tokenizer.json").read_bytes()
+
+
+#: server memory allowed for a 100,000-key checkpoint beyond its --cache-size (measured: ~530 MB after mounting,
+#: ~560 MB after `ls -R`, from 3.3 GB before issue 16; the catalog, the tree's 270,000 entries and five files
+#: per tensor — npy, safetensors, bin, torch/checkpoint.pt, torch/model.pt — at ~4.5 KB per key in all)
+MANY_KEYS_BUDGET = 700 << 20
+
+
+def test_100000_keys_mount_in_bounded_memory_and_cs_says_why_it_is_absent(tmp_path):
+    from untrusted_help import write_many_keys
+
+    ckpt = write_many_keys(tmp_path / "ck", layers=11_111)  # 9 * 11,111 + 4 = 100,003 tensors
+    cache = 32 << 20
+    with mounted_server(ckpt, "--cache-size", str(cache), env=real_env(), timeout=900) as srv:
+        mnt = srv.mnt
+        r = subprocess.run(["ls", "-R", str(mnt)], capture_output=True, timeout=900)
+        assert r.returncode == 0, r.stderr  # no EINVAL anywhere
+        readme = _readme(mnt)
+        cs_line = next(ln for ln in readme.splitlines() if ln.strip().startswith("cs/"))
+        assert "missing" in cs_line and "100,003 keys" in cs_line and "65,531" in cs_line, cs_line
+        assert not (mnt / "cs").exists()
+        assert json.loads((mnt / "config.json").read_text())["num_hidden_layers"] == 11_111
+        head = (mnt / "tensors" / "model" / "lm_head" / "weight.npy").read_bytes()
+        assert head.startswith(b"\x93NUMPY")
+        status = open(f"/proc/{srv.proc.pid}/status").read()
+        rss = int(status.split("VmRSS:")[1].split()[0]) << 10
+    assert rss < cache + MANY_KEYS_BUDGET, f"server RSS {rss >> 20} MiB for 100,003 keys"

@@ -168,3 +168,29 @@ def craft_names(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     return renamed_legacy_copy(FIXTURES / "legacy_emulated" / "legacy04.mdl", folder / "checkpoint.mdl",
                                {"b": "tied.z", "w": "tied@", "full": "fu\0ll" + "F" * 300, "a/b": "D" * 300 + ".leaf"})
+
+
+def write_many_keys(folder: Path, layers: int) -> Path:
+    """A llama-shaped format-0.5 checkpoint (plus params.yaml) with ``9 * layers + 4`` tiny tensors, written the
+    way cstorch lays it out but with HDF5's newer format (dense attribute storage: 100,000 keys in about a minute
+    instead of hours). Datasets are declared, never written (reads give zeros)."""
+    import sys
+
+    sys.path.insert(0, str(FIXTURES.parent.parent / "scripts"))
+    from benchlib import gen
+
+    dims = gen.LlamaDims(hidden=8, layers=layers, heads=2, kv_heads=1, ffn=8, vocab=16, max_positions=16)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = gen.cs_tensors(dims)
+    path = folder / "checkpoint.mdl"
+    with h5py.File(path, "w", libver="latest") as f:
+        f.attrs["__spec__"] = gen.global_spec([k for k, _ in tensors])
+        f.attrs["__version__"] = np.float64(0.5)
+        f.attrs["__cstorch_version__"] = "2.10.0"
+        for sub, shape in tensors:
+            key = "model." + sub
+            f.create_dataset(key, shape=shape, dtype=np.float32, **hdf5plugin.LZ4())
+            f.attrs[key + ".__metadata__"] = json.dumps(leaf_metadata(key, tensor_md(shape)))
+        f.attrs["__SUCCESS__"] = True
+    gen.write_params(folder / "params.yaml", dims)
+    return path
