@@ -57,3 +57,18 @@ def test_models_table_lists_every_name_with_family_class_and_notes(capsys):
     assert {r["name"] for r in rows} == set(registry.by_model)
     for r in rows:
         assert r["family"] and r["hf_class"] and r["notes"], r
+
+
+def test_multi_query_params_named_gpt2_point_to_the_starcoder_family(tmp_path):
+    """WizardCoder's params say `name: gpt2`; without --model the gpt2 family refuses it and names the fix."""
+    import shutil
+
+    from ckptfs.errors import ConfigError, MappingError
+
+    case = FIXTURES / "wizardcoder" / "cs"
+    shutil.copy(case / "checkpoint.mdl", tmp_path / "checkpoint.mdl")
+    shutil.copy(case / "params.yaml", tmp_path / "params.yaml")
+    with open_checkpoint(tmp_path / "checkpoint.mdl") as ckpt:
+        with pytest.raises((ConfigError, MappingError), match="--model wizardcoder"):
+            to_hf(ckpt)
+        assert to_hf(ckpt, model="wizardcoder").family == "starcoder"
