@@ -72,14 +72,12 @@ def target_lines(results: dict, errors: dict, dtypes: list, cache_bytes: int) ->
         elif exp and raw:
             lines.append(Line(f"{d}: ckptfs export safetensors (no FUSE)",
                               f"{exp['mb_s'] / raw['mb_s']:.2f}x ({exp['mb_s']:.0f} MB/s incl. startup)", "", "INFO"))
-        fp = r.get("from_pretrained")
         name = f"{d}: from_pretrained mount / local"
-        e = _err(name, errors, [f"{d}.from_pretrained", f"{d}.layout"])
-        if e or fp is None:
-            lines.append(e or Line(name, "not measured", "", "ERROR"))
-        else:
-            lines.append(Line(name, f"{fp['ratio']:.2f}x ({fp['mount']['median_s']:.2f} vs {fp['local']['median_s']:.2f} s)",
-                              f"<= {FROM_PRETRAINED_TARGET:.2f}x", "PASS" if fp["ratio"] <= FROM_PRETRAINED_TARGET else "FAIL"))
+        lines.append(_measured(name, errors, [f"{d}.from_pretrained", f"{d}.layout"], r.get("from_pretrained"),
+                               lambda fp: Line(name, f"{fp['ratio']:.2f}x ({fp['mount']['median_s']:.2f} vs "
+                                                     f"{fp['local']['median_s']:.2f} s)",
+                                               f"<= {FROM_PRETRAINED_TARGET:.2f}x",
+                                               _verdict(fp["ratio"] <= FROM_PRETRAINED_TARGET))))
         lines += _issue14_lines(d, r, errors)
         tl = r.get("torch_first_open")
         e = _err(f"{d}: torch.load(mmap) first open", errors, [f"{d}.torch_first_open", f"{d}.layout"])
@@ -143,36 +141,35 @@ def target_lines(results: dict, errors: dict, dtypes: list, cache_bytes: int) ->
     return lines
 
 
+def _verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def _measured(name: str, errors: dict, keys, value, line) -> Line:
+    """``line(value)`` when the measurement ran; else the error that stopped it, or "not measured"."""
+    e = _err(name, errors, keys)
+    if e or value is None:
+        return e or Line(name, "not measured", "", "ERROR")
+    return line(value)
+
+
 def _issue14_lines(d: str, r: dict, errors: dict) -> list:
     """First read with a warm source (and the passthrough ceiling), 4 KiB peeks, end to end vs eager export."""
-    out = []
-    fw = r.get("first_read_warm")
-    name = f"{d}: first read, checkpoint in page cache"
-    e = _err(name, errors, [f"{d}.first_read_warm", f"{d}.layout"])
-    if e or fw is None:
-        out.append(e or Line(name, "not measured", "", "ERROR"))
-    else:
-        mb = fw["mount"]["mb_s"]
-        out.append(Line(name, f"{mb:.0f} MB/s (passthrough ceiling {fw['passthrough']['mb_s']:.0f} MB/s)",
-                        f">= {FIRST_READ_WARM_MB_S} MB/s", "PASS" if mb >= FIRST_READ_WARM_MB_S else "FAIL"))
-    pr = r.get("partial_reads")
-    name = f"{d}: 4 KiB of every tensor / every tensor whole"
-    e = _err(name, errors, [f"{d}.partial_reads", f"{d}.layout"])
-    if e or pr is None:
-        out.append(e or Line(name, "not measured", "", "ERROR"))
-    else:
-        out.append(Line(name, f"{pr['ratio'] * 100:.1f}% ({pr['peek']['median_s']:.3f} vs {pr['whole']['median_s']:.2f} s, "
-                              f"{pr['peek']['tensors']} tensors)", f"<= {PARTIAL_TARGET * 100:.0f}%",
-                        "PASS" if pr["ratio"] <= PARTIAL_TARGET else "FAIL"))
-    ee = r.get("end_to_end")
-    name = f"{d}: checkpoint -> loaded model, mount vs eager export"
-    e = _err(name, errors, [f"{d}.end_to_end", f"{d}.layout"])
-    if e or ee is None:
-        out.append(e or Line(name, "not measured", "", "ERROR"))
-    else:
-        out.append(Line(name, f"{ee['mount']['median_s']:.2f} vs {ee['eager']['median_s']:.2f} s "
-                              f"({ee['ratio']:.2f}x)", "", "INFO"))
-    return out
+    name_fw = f"{d}: first read, checkpoint in page cache"
+    name_pr = f"{d}: 4 KiB of every tensor / every tensor whole"
+    name_ee = f"{d}: checkpoint -> loaded model, mount vs eager export"
+    return [
+        _measured(name_fw, errors, [f"{d}.first_read_warm", f"{d}.layout"], r.get("first_read_warm"), lambda fw: Line(
+            name_fw, f"{fw['mount']['mb_s']:.0f} MB/s (passthrough ceiling {fw['passthrough']['mb_s']:.0f} MB/s)",
+            f">= {FIRST_READ_WARM_MB_S} MB/s", _verdict(fw["mount"]["mb_s"] >= FIRST_READ_WARM_MB_S))),
+        _measured(name_pr, errors, [f"{d}.partial_reads", f"{d}.layout"], r.get("partial_reads"), lambda pr: Line(
+            name_pr, f"{pr['ratio'] * 100:.1f}% ({pr['peek']['median_s']:.3f} vs {pr['whole']['median_s']:.2f} s, "
+                     f"{pr['peek']['tensors']} tensors)", f"<= {PARTIAL_TARGET * 100:.0f}%",
+            _verdict(pr["ratio"] <= PARTIAL_TARGET))),
+        _measured(name_ee, errors, [f"{d}.end_to_end", f"{d}.layout"], r.get("end_to_end"), lambda ee: Line(
+            name_ee, f"{ee['mount']['median_s']:.2f} vs {ee['eager']['median_s']:.2f} s ({ee['ratio']:.2f}x)", "",
+            "INFO")),
+    ]
 
 
 def table(lines: list) -> str:
