@@ -52,7 +52,8 @@ from .cache import BlockCache
 from .errors import CheckpointError, CkptfsError
 from .options import MountOptions
 from .source.rundir import RunCheckpoint, RunListing, RunScanner
-from .vfs import DIR_MODE, FILE_MODE, README_NAME, Attr, Entry, VirtualPathError, VirtualTree, build_tree, split_path
+from .vfs import (DIR_MODE, FILE_MODE, README_NAME, Attr, Entry, VirtualPathError, VirtualTree, build_tree,
+                  read_clipped, readinto_clipped, split_path)
 from .views.base import BytesFile
 
 log = logging.getLogger("ckptfs.run")
@@ -370,12 +371,8 @@ class RunTree:
         if e.inner is not None:
             with self._using(e):
                 return e.tree.read(e.inner, offset, n)
-        if e.file is None:
-            raise VirtualPathError("/" + e.path, "is a directory" if e.is_dir else "is a symbolic link",
-                                   errno.EISDIR if e.is_dir else errno.EINVAL)
-        if offset < 0 or n < 0:
-            raise VirtualPathError("/" + e.path, f"invalid read of {n} bytes at offset {offset}", errno.EINVAL)
-        return e.file.read(offset, max(0, min(n, e.size - offset)))
+        self._check_file(e)
+        return read_clipped("/" + e.path, e.file, e.size, offset, n)
 
     def readinto(self, path_or_entry, offset: int, out: memoryview) -> int:
         """``read`` straight into ``out`` (the FUSE server's read); the count."""
@@ -383,9 +380,14 @@ class RunTree:
         if e.inner is not None:
             with self._using(e):
                 return e.tree.readinto(e.inner, offset, out)
-        data = self.read(e, offset, len(out))
-        out[:len(data)] = data
-        return len(data)
+        self._check_file(e)
+        return readinto_clipped("/" + e.path, e.file, e.size, offset, out)
+
+    @staticmethod
+    def _check_file(e: RunEntry) -> None:
+        if e.file is None:
+            raise VirtualPathError("/" + e.path, "is a directory" if e.is_dir else "is a symbolic link",
+                                   errno.EISDIR if e.is_dir else errno.EINVAL)
 
     def open(self, entry: RunEntry) -> int:
         """A file handle: until ``release`` it serves the tree ``entry`` was looked up in (kept open)."""
