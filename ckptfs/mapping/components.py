@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 from ..errors import ConfigError, MappingError
 from .config import config_functions, convert_config, evaluate_config_expr
-from .convert import HFModel, weights_dtype
+from .convert import HFModel, set_weights_dtype
 from .detect import cs_model_tensors
 from .registry import Registry
 from .spec import ComponentSpec, FamilySpec, ModelVariant, merge_config
@@ -176,10 +176,7 @@ def build_component(comp: ComponentSpec, top: FamilySpec, variant: ModelVariant,
                                      f"rules; is this really a {variant.name} checkpoint?")
 
     config = dict(cfg.hf)
-    dtype = weights_dtype(mapping.tensors)
-    if dtype is not None:
-        config["torch_dtype"] = dtype
-        config["dtype"] = dtype
+    set_weights_dtype(config, mapping.tensors)
     if sub.remote_code:
         cfg.warnings.append(f"HF class {sub.hf_class} is not part of transformers: load it with "
                             f"trust_remote_code=True; its modeling code comes from {sub.remote_code}")

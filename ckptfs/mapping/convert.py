@@ -58,6 +58,14 @@ def weights_dtype(tensors) -> str | None:
     return counts.most_common(1)[0][0] if counts else None
 
 
+def set_weights_dtype(config: dict, tensors) -> None:
+    """config.json's ``torch_dtype`` and ``dtype`` (both spellings, for old and new transformers) from the tensors."""
+    dtype = weights_dtype(tensors)
+    if dtype is not None:
+        config["torch_dtype"] = dtype
+        config["dtype"] = dtype
+
+
 #: what ``to_hf`` does with a LoRA checkpoint: fold the adapters into the weights (always), and with ``keep`` also
 #: serve the base model (``base/``) and the adapter as a PEFT adapter directory (``adapter/``) where PEFT can
 #: express it (``lora_peft.py``)
@@ -121,10 +129,7 @@ def _map_model(checkpoint: Checkpoint, spec, variant, model_name: str, params_mo
         raise MappingError(checkpoint.path, f"no CS model tensor matched the {spec.family} mapping "
                                             f"({spec.path.name}); is this really a {variant.name} checkpoint?")
 
-    dtype = weights_dtype(mapping.tensors)
-    if dtype is not None:
-        cfg.hf["torch_dtype"] = dtype
-        cfg.hf["dtype"] = dtype
+    set_weights_dtype(cfg.hf, mapping.tensors)
     if variant.remote_code:
         warnings.append(f"HF class {variant.hf_class} is not part of transformers: load it with "
                         f"trust_remote_code=True; its modeling code comes from {variant.remote_code}")

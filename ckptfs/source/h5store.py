@@ -177,10 +177,7 @@ class H5Store:
         another version now). HDF5 keeps some memory for every object ever opened in a file until that file is
         closed (~5 KB per dataset: 500 MB after checking the catalog of 100,000 datasets); the catalog is read with
         one handle and the tensors are served with a fresh one (``open_checkpoint``)."""
-        with self._lock:
-            old, self._file = self._file, None
-            if old is not None:
-                old.close()
+        self.release()
         self.file("reopening")
 
     def release(self) -> None:
