@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import CheckpointError, SourceChangedError
 from .catalog import Checkpoint, Container, ValueLeaf
 from .confine import Confinement
-from .h5store import ExternalFiles, H5Store, identity_of_open, one_line, open_h5
+from .h5store import ExternalFiles, H5Store, identity_of_open, one_line, open_h5, release_hdf5_free_lists
 from .reader_legacy import LegacyReader
 from .reader_v05 import V05Reader
 from .resolve import resolve_checkpoint
@@ -109,6 +109,7 @@ def open_checkpoint(path, *, allow_partial: bool = False, allow_external=()) -> 
         store.verify("catalog")  # the metadata just read belongs to one version of the file
         store.reopen()  # serve from a fresh handle: the catalog's left HDF5 holding memory for every dataset
         externals.release()
+        release_hdf5_free_lists()  # what HDF5 kept for reuse after reading the catalog
     except SourceChangedError as e:
         externals.close()
         store.close()
