@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from abc import ABC, abstractmethod
 from typing import Iterator, Sequence
 
@@ -31,6 +32,7 @@ from .dtypes import DType
 Box = tuple  # tuple[tuple[int, int], ...]
 
 _ids = itertools.count(1)
+_uid_lock = threading.Lock()
 
 #: target size of one cached block of a tensor's bytes
 BLOCK_BYTES = 1 << 20
@@ -38,6 +40,24 @@ BLOCK_BYTES = 1 << 20
 MAX_BLOCK_BYTES = 4 * BLOCK_BYTES
 #: a read of at most this many bytes of a block a streaming cache does not hold decodes only its own chunks
 SMALL_READ = 64 << 10
+
+
+#: distinct shapes kept by ``shared_shape`` (a checkpoint has a few dozen; past this bound tuples are not shared)
+MAX_SHARED_SHAPES = 4096
+_shapes: dict = {}
+
+
+def shared_shape(shape: Sequence[int]) -> tuple:
+    """``shape`` as a tuple of ints, the same tuple object for every equal shape (up to ``MAX_SHARED_SHAPES``
+    distinct ones): a checkpoint of 100,000 tensors has a few dozen shapes, so its tensors need not hold 100,000
+    equal tuples. Also used for chunk shapes."""
+    t = tuple(int(n) for n in shape)
+    s = _shapes.get(t)
+    if s is not None:
+        return s
+    if len(_shapes) < MAX_SHARED_SHAPES:
+        return _shapes.setdefault(t, t)
+    return t
 
 
 def full_box(shape: Sequence[int]) -> Box:
@@ -116,15 +136,34 @@ def unravel(index: int, shape: Sequence[int]) -> tuple:
 
 
 class VirtualTensor(ABC):
-    """A tensor whose bytes are computed on demand. Subclasses set ``shape``/``dtype`` and ``read``."""
+    """A tensor whose bytes are computed on demand. Subclasses set ``shape``/``dtype`` and ``read``.
+
+    A checkpoint holds one source tensor per key (100,000 for a large one), so the base class keeps only slots:
+    ``shape`` (a shared tuple, ``shared_shape``), ``dtype``, and two fields set on first read (``uid``, the block
+    size). Subclasses may declare ``__slots__`` too (the source tensors do); one that does not gets a ``__dict__``."""
+
+    __slots__ = ("shape", "dtype", "_uid", "_be")
 
     shape: tuple
     dtype: DType
 
     def __init__(self, shape: Sequence[int], dtype: DType):
-        self.shape = tuple(int(n) for n in shape)
+        self.shape = shared_shape(shape)
         self.dtype = dtype
-        self.uid = next(_ids)  # identity for caches; stable for the object's life
+        self._uid = None  # see uid
+        self._be = None  # elements per cache block, computed on first use (block_elems)
+
+    @property
+    def uid(self) -> int:
+        """A number no other tensor of this process has: the identity of its data in caches. Drawn when first asked
+        for (a tensor that is never read needs none) and stable for the object's life."""
+        u = self._uid
+        if u is None:
+            with _uid_lock:  # two threads asking at once get the same number
+                u = self._uid
+                if u is None:
+                    u = self._uid = next(_ids)
+        return u
 
     # -- metadata ---------------------------------------------------------------------------------
     @property
@@ -173,9 +212,9 @@ class VirtualTensor(ABC):
     def block_elems(self) -> int:
         """Elements per cache block: whole trailing sub-arrays so that a block is one box if possible.
         Computed once per tensor (block keys must stay stable)."""
-        be = self.__dict__.get("_be")
+        be = self._be
         if be is None:
-            be = self.__dict__["_be"] = self._default_block_elems()
+            be = self._be = self._default_block_elems()
         return be
 
     def _default_block_elems(self) -> int:
@@ -275,6 +314,8 @@ def trace_element(tensor: VirtualTensor, index: tuple) -> list:
 
 class ArrayTensor(VirtualTensor):
     """A tensor backed by an in-memory numpy array of storage dtype (tests, small generated values)."""
+
+    __slots__ = ("array",)
 
     def __init__(self, array: np.ndarray, dtype: DType | None = None):
         from .dtypes import from_numpy

@@ -3,6 +3,8 @@
 A ``Checkpoint`` has a ``root`` node (the original nesting rebuilt from the pytree spec) and
 ``leaves``, every flattened key in spec order. A link (``LinkedObject``, a hard-link alias, a
 legacy ``link_to_self``) is the *same* Leaf object under two keys, so ties survive.
+
+Leaves exist once per key (100,000 in a large checkpoint), so their classes have slots and no ``__dict__``.
 """
 from __future__ import annotations
 
@@ -13,23 +15,23 @@ from typing import Any, Union
 from ..tensor import VirtualTensor
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Leaf:
     key: str  # flattened key of its first occurrence
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class TensorLeaf(Leaf):
     tensor: VirtualTensor
     numpy: bool = False  # saved as a numpy array (NumpyArraySerializer / legacy 0.4 NumpyArrayH5Type)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class ValueLeaf(Leaf):
     value: Any  # bool | int | float | str | None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class OpaqueLeaf(Leaf):
     """A pickled Python object: its bytes, never unpickled."""
 
@@ -37,7 +39,7 @@ class OpaqueLeaf(Leaf):
     reason: str = "pickled Python object (not unpickled for safety)"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class UnreadableLeaf(Leaf):
     """A leaf ckptfs cannot produce (e.g. a TorchScript graph tensor); ``reason`` says why."""
 

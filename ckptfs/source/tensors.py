@@ -22,7 +22,7 @@ import numpy as np
 
 from ..dtypes import BFLOAT16, DType
 from ..errors import SourceChangedError, TensorReadError
-from ..tensor import Box, VirtualTensor, box_shape
+from ..tensor import Box, VirtualTensor, box_shape, shared_shape
 from . import lz4chunks
 from .confine import Confinement, RefusedReference, open_regular
 from .h5safe import H5Refused, open_dataset
@@ -39,14 +39,20 @@ def _shape_str(shape) -> str:
 
 
 class H5DatasetTensor(VirtualTensor):
-    """Dataset ``name`` of an HDF5 file; shape and dtype come from the checkpoint's metadata."""
+    """Dataset ``name`` of an HDF5 file; shape and dtype come from the checkpoint's metadata.
+
+    One per checkpoint key, so slots only: until its first read it holds the store, two strings (the catalog
+    passes the flat key itself as both when they are equal), the shared shape and chunk tuples; the open dataset
+    and its LZ4 plan are added by the first read."""
+
+    __slots__ = ("store", "name", "key", "_chunks", "_dset", "_lz4")
 
     def __init__(self, store: H5Store, name: str, key: str, shape, dtype: DType, *, chunks: tuple | None = None):
         super().__init__(shape, dtype)
         self.store = store
         self.name = name  # dataset path inside the file (h5py follows '/' as groups)
         self.key = key  # flat key, for messages
-        self._chunks = chunks  # the dataset's chunk shape when the catalog read its header (saves an open)
+        self._chunks = None if chunks is None else shared_shape(chunks)  # when the catalog read the header
         self._dset = None
         self._lz4 = (None, None)  # (dataset, LZ4ChunkReader | None) planned for that dataset object
 
@@ -80,7 +86,7 @@ class H5DatasetTensor(VirtualTensor):
         why = dataset_problem(info, self.shape, self.dtype.itemsize, self.name)
         if why:
             raise self._fail(why)
-        self._chunks = info.chunks
+        self._chunks = None if info.chunks is None else shared_shape(info.chunks)
         self._lz4 = (d, lz4chunks.plan(d) if self.ndim else None)
         self._dset = d
 
@@ -100,7 +106,7 @@ class H5DatasetTensor(VirtualTensor):
                 self.dataset()
             except TensorReadError:
                 return None
-        return tuple(int(c) for c in self._chunks) if self._chunks else None
+        return self._chunks or None
 
     def read(self, box: Box) -> np.ndarray:
         shape = box_shape(box)
@@ -165,6 +171,8 @@ def fill_element(value, dtype: DType):
 class FullTensor(VirtualTensor):
     """A tensor whose every element is ``fill`` (DeferredFullTensor; ``fill=None`` means zeros)."""
 
+    __slots__ = ("fill", "_elem")
+
     def __init__(self, shape, dtype: DType, fill):
         super().__init__(shape, dtype)
         self.fill = fill
@@ -208,6 +216,8 @@ class FileRegionTensor(VirtualTensor):
     ``path`` is where a confined reference led (``confine``); every read re-checks it against ``confinement``,
     opens it as a regular file only, and compares the file with ``identity`` (its version when the catalog was
     built; None when it did not exist then) before and after reading, so bytes never mix two versions."""
+
+    __slots__ = ("path", "offset", "key", "checkpoint_path", "referenced_as", "what", "identity", "confinement")
 
     def __init__(self, path: Path, offset: int, shape, dtype: DType, key: str, checkpoint_path: Path,
                  referenced_as: str | None = None, what: str = "file", *, identity: FileIdentity | None = None,
@@ -301,6 +311,8 @@ class FileRegionTensor(VirtualTensor):
 class SafetensorsTensor(FileRegionTensor):
     """Tensor ``name`` of an external .safetensors file (DeferredSafeTensor); the header is read on
     first use and checked against the shape and dtype the catalog announced."""
+
+    __slots__ = ("name",)
 
     def __init__(self, path: Path, name: str, shape, dtype: DType, key: str, checkpoint_path: Path,
                  referenced_as: str | None = None, *, identity: FileIdentity | None = None,
