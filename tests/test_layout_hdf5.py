@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import h5py
@@ -17,7 +19,8 @@ from cshelp import RampTensor, h5_bytes_file, read_all
 from ckptfs.dtypes import BFLOAT16, FLOAT16
 from ckptfs.errors import CheckpointError
 from ckptfs.layouts import hdf5_spec
-from ckptfs.layouts.hdf5 import (BytesEntry, FullEntry, Hdf5Layout, LinkEntry, NoneEntry, ScalarEntry,
+from ckptfs.layouts import hdf5
+from ckptfs.layouts.hdf5 import (BytesEntry, FullEntry, Hdf5Layout, LinkEntry, NoneEntry, ScalarEntry, ScratchBuffer,
                                  SparseBuffer, StringEntry, TensorEntry, entry_metadata)
 from ckptfs.source.catalog import Container
 from ckptfs.tensor import ArrayTensor
@@ -81,12 +84,16 @@ def test_spec_attr_skeleton_null_for_sets():
     assert skel == {"0": "*", "x": "*"}
 
 
-# -- sparse buffer -------------------------------------------------------------------------------------
+# -- skeleton buffers (in memory, and in an unlinked temporary file) ----------------------------------
+BUFFERS = {"memory": SparseBuffer, "tempfile": lambda: ScratchBuffer(tempfile.TemporaryFile())}
+
+
+@pytest.mark.parametrize("kind", list(BUFFERS))
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 300), st.binary(min_size=0, max_size=40)), max_size=25),
        st.integers(0, 340))
-def test_sparse_buffer_matches_a_bytearray(writes, cut):
-    buf, model = SparseBuffer(), bytearray()
+def test_skeleton_buffer_matches_a_bytearray(kind, writes, cut):
+    buf, model, written = BUFFERS[kind](), bytearray(), set()
     for off, data in writes:
         buf.seek(off)
         buf.write(data)
@@ -94,18 +101,22 @@ def test_sparse_buffer_matches_a_bytearray(writes, cut):
             if len(model) < off + len(data):
                 model.extend(b"\0" * (off + len(data) - len(model)))
             model[off:off + len(data)] = data
+            written.update(range(off, off + len(data)))
     assert buf.eof == len(model)
     buf.seek(0)
-    out = bytearray(len(model))
+    out = bytearray(len(model) + 5)  # past the end reads as zeros
     buf.readinto(out)
-    assert bytes(out) == bytes(model)
+    assert bytes(out) == bytes(model) + bytes(5)
     buf.truncate(cut)
     model = model[:cut] + b"\0" * max(0, cut - len(model))
     assert buf.eof == cut
-    starts = [s for s, _ in buf.segments()]
-    assert starts == sorted(starts)
-    for s, d in buf.segments():
-        assert d == bytes(model[s:s + len(d)])
+    spans = buf.finish()
+    assert sorted(spans) == spans and all(a < b for a, b in spans)
+    assert all(b0 > a1 for (_, a1), (b0, _) in zip(spans, spans[1:]))  # merged: separate ranges never touch
+    assert set().union(*(range(a, b) for a, b in spans)) == {i for i in written if i < cut}
+    out = bytearray(cut)
+    buf.read_at(0, memoryview(out))
+    assert bytes(out) == bytes(model)
 
 
 # -- the layout ----------------------------------------------------------------------------------------
@@ -174,6 +185,39 @@ _WHOLE = read_all(_LAYOUT, chunk=7919)
 
 def test_bytes_are_stable_across_builds():
     assert read_all(Hdf5Layout(_tree())) == _WHOLE
+
+
+def test_metadata_is_kept_in_a_temporary_file_and_read_back_from_it():
+    lay = Hdf5Layout(_tree())
+    assert read_all(lay) == _WHOLE
+    body = lay.plan().pieces[0]
+    assert isinstance(body.buffer, ScratchBuffer)
+    assert os.fstat(body.buffer.scratch.fileno()).st_nlink == 0  # unlinked: gone with the layout
+    assert "HDF5 metadata" in lay.explain(0).text()
+    key, t = "model.w", lay.root.children[0].children[0].tensor
+    assert f"tensor {key}" in lay.explain(body.starts[body.tensors.index(t)] + 5).text()
+
+
+def test_without_a_temporary_file_the_skeleton_is_kept_in_memory(monkeypatch):
+    def no_tempfile(*a, **k):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(hdf5.tempfile, "TemporaryFile", no_tempfile)
+    lay = Hdf5Layout(_tree())
+    assert read_all(lay) == _WHOLE
+    assert isinstance(lay.plan().pieces[0].buffer, SparseBuffer)
+
+
+def test_a_temporary_file_that_fails_while_written_falls_back_to_memory(monkeypatch):
+    def full_disk(*a):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(hdf5.os, "pwrite", full_disk)
+    lay = Hdf5Layout(_tree())
+    assert lay.size == len(_WHOLE)
+    monkeypatch.undo()
+    assert read_all(lay) == _WHOLE
+    assert isinstance(lay.plan().pieces[0].buffer, SparseBuffer)
 
 
 def test_skeleton_holds_no_tensor_data():

@@ -9,10 +9,13 @@ int8, keys with ``/`` become groups, bytes objects as null-dataspace datasets wi
 
 The trade: cstorch writes every non-0-d dataset chunked with the LZ4 filter (32004). Here every
 tensor dataset is CONTIGUOUS, allocated early, unfiltered and never filled, so its data is one
-byte range at a fixed offset (``dset.id.get_offset()``): the file is planned as pieces
-(``ckptfs.layouts.pieces``) — metadata segments, zero gaps, and each tensor's bytes at its offset. cstorch's loader reads any h5py dataset, so the file loads the same; we give
-up LZ4 to gain laziness and O(#keys) memory. The skeleton is written through h5py's file-object
-driver into an in-memory sparse buffer, so the never-written data regions cost nothing.
+byte range at a fixed offset (``dset.id.get_offset()``). cstorch's loader reads any h5py dataset, so the file
+loads the same; we give up LZ4 to gain laziness and O(#keys) memory. The skeleton is written through h5py's
+file-object driver into an unlinked temporary file (``ScratchBuffer``; in memory, ``SparseBuffer``, when none can
+be made), sparse: the never-written data regions cost nothing, and the metadata (~2 KB per key, mostly the
+``__metadata__`` JSON) stays out of the server's memory. The file is served by one piece (``_Body``) holding
+arrays: each tensor's region and the ranges HDF5 wrote; the bytes outside the tensors are read back from the
+temporary file, and the tensors' bytes through the block cache.
 One more difference from cstorch: the root group tracks creation order (HDF5 1.8 object header with
 indexed attributes), because cstorch's compact root attributes make a build O(#keys²). Readers
 see the same attributes and datasets. The file's bytes are a pure function of the tree and never change.
@@ -20,8 +23,12 @@ see the same attributes and datasets. The file's bytes are a pure function of th
 from __future__ import annotations
 
 import bisect
+import ctypes
 import io
-import threading
+import logging
+import os
+import tempfile
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,10 +37,12 @@ import numpy as np
 
 from ..cache import BlockCache
 from ..dtypes import DType
-from ..errors import CheckpointError
+from ..errors import CheckpointError, TensorReadError
 from ..tensor import VirtualTensor
 from . import hdf5_spec
-from .pieces import Literal, PiecedFile, TensorBytes, Zeros
+from .pieces import PiecedFile, TensorBytes
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 0.5
 CSTORCH_VERSION = "2.10.0"
@@ -44,7 +53,7 @@ RTFX_CODES = {"bool": 1, "int16": 3, "int32": 4, "int64": 5, "uint8": 6, "uint16
 
 
 # -- entries (the leaves of the tree handed to the layout) -----------------------------------------
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class TensorEntry:
     """A tensor with data: a dataset (TorchTensorSerializer, or NumpyArraySerializer if ``numpy``)."""
 
@@ -52,7 +61,7 @@ class TensorEntry:
     numpy: bool = False
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class FullEntry:
     """A constant-fill tensor (DeferredFullTensor): metadata only; ``fill_value`` None = uninitialized."""
 
@@ -61,29 +70,29 @@ class FullEntry:
     fill_value: Any = None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class ScalarEntry:
     value: Any  # bool | int | float
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class StringEntry:
     value: str
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class NoneEntry:
     pass
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class BytesEntry:
     """An opaque pickled object, carried as its bytes (ObjectSerializer ``__BYTES__``)."""
 
     data: bytes
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class LinkEntry:
     """A LinkedObject to another flat key. The layout also emits one for any repeated leaf object."""
 
@@ -166,14 +175,14 @@ def resolve_entries(root, path=None) -> list:
     return out
 
 
-# -- the in-memory sparse file h5py writes the skeleton into ----------------------------------------
-class SparseBuffer(io.RawIOBase):
-    """A seekable binary file keeping only written ranges (merged); unwritten bytes read as zeros."""
+# -- the files h5py writes the skeleton into --------------------------------------------------------
+class _SkeletonBuffer(io.RawIOBase):
+    """What h5py's file-object driver needs (a seekable binary file) plus what the layout needs after the build:
+    ``eof``, ``spans()`` (the merged byte ranges written, i.e. the HDF5 metadata) and ``read_at(offset, out)``
+    (unwritten bytes read as zeros). Subclasses keep the bytes: ``_put``, ``read_at``, ``_cut``."""
 
     def __init__(self):
         super().__init__()
-        self._starts: list[int] = []
-        self._data: list[bytearray] = []
         self._pos = 0
         self.eof = 0
 
@@ -194,20 +203,102 @@ class SparseBuffer(io.RawIOBase):
     def tell(self):
         return self._pos
 
+    def write(self, b):
+        n = len(memoryview(b).cast("B"))
+        if n:
+            self._put(self._pos, b)
+            self._pos += n
+            self.eof = max(self.eof, self._pos)
+        return n
+
+    def readinto(self, b):
+        n = len(b)  # past the end reads as zeros too
+        self.read_at(self._pos, memoryview(b).cast("B"))
+        self._pos += n
+        return n
+
     def truncate(self, size=None):
         size = self._pos if size is None else int(size)
-        i = bisect.bisect_left(self._starts, size)
-        del self._starts[i:], self._data[i:]
-        if self._starts and self._starts[-1] + len(self._data[-1]) > size:
-            del self._data[-1][size - self._starts[-1]:]
+        self._cut(size)
         self.eof = size
         return size
 
-    def write(self, b):
+    def finish(self) -> list:
+        """Ends writing: returns ``spans()`` and drops what only writing needed."""
+        return self.spans()
+
+
+class ScratchBuffer(_SkeletonBuffer):
+    """The skeleton written into ``scratch``, an unlinked temporary file (sparse: the tensors' regions are never
+    written), so that its metadata stays on disk and out of the server's memory; the written ranges are tracked
+    (merged, two int lists) to tell metadata from free space. Reads use ``os.pread``: safe from several threads."""
+
+    def __init__(self, scratch):
+        super().__init__()
+        self.scratch = scratch  # kept open: the layout reads from it for as long as it lives
+        self._fd = scratch.fileno()
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        self.error: OSError | None = None  # a write that failed (a full disk): the layout builds in memory instead
+
+    def _put(self, offset: int, data) -> None:
+        mv = memoryview(data).cast("B")
+        done = 0
+        try:
+            while done < len(mv):
+                done += os.pwrite(self._fd, mv[done:], offset + done)
+        except OSError as e:
+            self.error = e
+            raise
+        lo, hi = offset, offset + len(mv)
+        i = bisect.bisect_left(self._ends, lo)  # first range ending at or after lo: touches or overlaps
+        j = bisect.bisect_right(self._starts, hi)  # ranges from j on start after hi
+        if i < j:
+            lo, hi = min(lo, self._starts[i]), max(hi, self._ends[j - 1])
+        self._starts[i:j] = [lo]
+        self._ends[i:j] = [hi]
+
+    def read_at(self, offset: int, out: memoryview) -> None:
+        pos, end = offset, offset + len(out)
+        while pos < end:
+            data = os.pread(self._fd, end - pos, pos)
+            if not data:  # beyond the file's end: zeros
+                out[pos - offset:] = bytes(end - pos)
+                break
+            out[pos - offset:pos - offset + len(data)] = data
+            pos += len(data)
+
+    def _cut(self, size: int) -> None:
+        try:
+            os.ftruncate(self._fd, size)
+        except OSError as e:
+            self.error = e
+            raise
+        i = bisect.bisect_left(self._starts, size)
+        del self._starts[i:], self._ends[i:]
+        if self._ends and self._ends[-1] > size:
+            self._ends[-1] = size
+
+    def spans(self) -> list:
+        return list(zip(self._starts, self._ends))
+
+    def finish(self) -> list:
+        spans = self.spans()
+        self._starts, self._ends = [], []
+        return spans
+
+class SparseBuffer(_SkeletonBuffer):
+    """The skeleton kept in memory (when no temporary file can be made): only written ranges are kept, merged,
+    each with its bytes."""
+
+    def __init__(self):
+        super().__init__()
+        self._starts: list[int] = []
+        self._data: list[bytearray] = []
+
+    def _put(self, lo: int, b) -> None:
         b = bytes(b)
-        if not b:
-            return 0
-        lo, hi = self._pos, self._pos + len(b)
+        hi = lo + len(b)
         i = bisect.bisect_right(self._starts, lo) - 1
         if i >= 0 and self._starts[i] + len(self._data[i]) >= lo:
             start, buf = self._starts[i], self._data[i]
@@ -225,27 +316,41 @@ class SparseBuffer(io.RawIOBase):
             tail = ns + len(nb) - (start + len(buf))
             if tail > 0:
                 buf.extend(nb[len(nb) - tail:])
-        self._pos = hi
-        self.eof = max(self.eof, hi)
-        return len(b)
 
-    def readinto(self, b):
-        n = len(b)  # past the end reads as zeros too
-        mv = memoryview(b)
-        mv[:n] = b"\0" * n
-        lo, hi = self._pos, self._pos + n
+    def read_at(self, offset: int, out: memoryview) -> None:
+        n = len(out)
+        out[:] = bytes(n)
+        lo, hi = offset, offset + n
         i = max(0, bisect.bisect_right(self._starts, lo) - 1)
         while i < len(self._starts) and self._starts[i] < hi:
             s, d = self._starts[i], self._data[i]
             a, z = max(lo, s), min(hi, s + len(d))
             if a < z:
-                mv[a - lo:z - lo] = d[a - s:z - s]
+                out[a - lo:z - lo] = d[a - s:z - s]
             i += 1
-        self._pos += n
-        return n
+
+    def _cut(self, size: int) -> None:
+        i = bisect.bisect_left(self._starts, size)
+        del self._starts[i:], self._data[i:]
+        if self._starts and self._starts[-1] + len(self._data[-1]) > size:
+            del self._data[-1][size - self._starts[-1]:]
+
+    def spans(self) -> list:
+        return [(s, s + len(d)) for s, d in zip(self._starts, self._data)]
 
     def segments(self) -> list:
+        """``[(offset, bytes)]`` of every written range."""
         return [(s, bytes(d)) for s, d in zip(self._starts, self._data)]
+
+
+def new_buffer() -> _SkeletonBuffer:
+    """A ``ScratchBuffer`` on an unlinked temporary file in the temporary directory (``$TMPDIR``), or a
+    ``SparseBuffer`` in memory when no temporary file can be made there."""
+    try:
+        return ScratchBuffer(tempfile.TemporaryFile(prefix="ckptfs-hdf5-"))
+    except OSError as e:
+        log.warning("no temporary file for the HDF5 skeleton (%s): kept in memory", e)
+        return SparseBuffer()
 
 
 # -- skeleton building ------------------------------------------------------------------------------
@@ -285,13 +390,21 @@ def _tensor_attrs(dset, entry: TensorEntry, md: dict) -> None:
     a["shapes"] = np.array([list(t.shape)], dtype=np.int64) if t.ndim else np.zeros((1, 0), np.float64)
 
 
-def build_skeleton(items: list, *, cstorch_version: str, format_version: float, spec_text: str):
-    """Write the HDF5 metadata; returns ``(segments, regions, size)``.
+@dataclass(eq=False, slots=True)
+class Skeleton:
+    """A built skeleton: the ``buffer`` holding what HDF5 wrote, the ranges it wrote (``spans``, [(start, end)]: the
+    metadata), the ranges left for the tensors' bytes (``regions``, [(offset, tensor)]) and the file ``size``."""
 
-    ``segments``: ``[(offset, bytes)]`` metadata written by HDF5; ``regions``: ``[(offset, tensor)]``
-    data ranges left for the tensors; ``size``: the file size.
-    """
-    buf = SparseBuffer()
+    buffer: _SkeletonBuffer
+    spans: list
+    regions: list
+    size: int
+
+
+def build_skeleton(items: list, *, cstorch_version: str, format_version: float, spec_text: str,
+                   buffer: _SkeletonBuffer | None = None) -> Skeleton:
+    """Write the HDF5 metadata of ``items`` (``[(flat key, entry)]``) into ``buffer`` (default: ``new_buffer()``)."""
+    buf = new_buffer() if buffer is None else buffer
     regions = []
     lcpl = _lcpl()
     # track_order: the root group gets a v2 object header with indexed (dense) attribute storage; with the
@@ -323,36 +436,102 @@ def build_skeleton(items: list, *, cstorch_version: str, format_version: float, 
         for key, entry in items:
             f.attrs[key + ".__metadata__"] = hdf5_spec.key_metadata_attr(key, entry_metadata(entry))
         f.attrs["__SUCCESS__"] = np.bool_(True)
-    segments = buf.segments()
-    size = buf.eof
-    _check_disjoint(segments, regions, size)
-    return segments, regions, size
+    release_hdf5_free_lists()
+    skel = Skeleton(buf, buf.finish(), regions, buf.eof)
+    _check_disjoint(skel)
+    return skel
 
 
-def _check_disjoint(segments, regions, size):
-    spans = sorted([(o, o + len(d), "m") for o, d in segments] + [(o, o + t.nbytes, "d") for o, t in regions])
+def release_hdf5_free_lists() -> None:
+    """Hand back the memory HDF5 keeps on its free lists for reuse — after a build, ~4 KB per key that the server
+    would hold for good (80 MB for 18,000 keys). ``H5garbage_collect`` is not wrapped by h5py: it is found through
+    h5py's own extension module, so in the very HDF5 library h5py uses, and called under h5py's lock. Best effort."""
+    try:
+        collect = ctypes.CDLL(h5py.h5.__file__).H5garbage_collect
+    except (OSError, AttributeError):
+        return
+    collect.restype = ctypes.c_int
+    with h5py._objects.phil:
+        collect()
+
+
+def _check_disjoint(skel: Skeleton) -> None:
+    spans = sorted([(a, b, "m") for a, b in skel.spans] + [(o, o + t.nbytes, "d") for o, t in skel.regions])
     for (a0, a1, ak), (b0, b1, bk) in zip(spans, spans[1:]):
         if b0 < a1 and "d" in (ak, bk):
             raise RuntimeError(f"HDF5 wrote metadata into a data region at {b0}")
-    if spans and spans[-1][1] > size:
+    if spans and spans[-1][1] > skel.size:
         raise RuntimeError("data region beyond end of file")
 
 
-def plan_pieces(segments, regions, size: int, names: dict | None = None) -> list:
-    """The file as pieces: metadata ``segments`` [(offset, bytes)] and tensor ``regions`` [(offset, tensor)] in
-    offset order, the gaps between them zeros."""
-    names = names or {}
-    spans = sorted([(o, Literal(d, "HDF5 metadata")) for o, d in segments]
-                   + [(o, TensorBytes(t, names.get(id(t), t.describe()))) for o, t in regions], key=lambda x: x[0])
-    pieces, pos = [], 0
-    for off, piece in spans:
-        if off > pos:
-            pieces.append(Zeros(off - pos, "HDF5 free space"))
-        pieces.append(piece)
-        pos = off + piece.size
-    if size > pos:
-        pieces.append(Zeros(size - pos, "HDF5 free space"))
-    return pieces
+class _Body(TensorBytes):
+    """The whole file as one piece that finds its parts by bisecting arrays, instead of a piece per key: the tensors'
+    regions ``[starts[i], ends[i])`` are read from ``tensors[i]`` through the cache; every other byte comes from the
+    skeleton buffer — HDF5 metadata in the ranges HDF5 wrote (``meta_starts``/``meta_ends``), zeros (free space)
+    elsewhere. About 40 B per tensor. (A ``TensorBytes`` so that the read engine's read-ahead reaches the tensors.)"""
+
+    __slots__ = ("layout", "buffer", "starts", "ends", "tensors", "meta_starts", "meta_ends")
+
+    def __init__(self, layout: "Hdf5Layout", skel: Skeleton):
+        self.layout = layout  # names the tensors (explain, errors)
+        self.buffer = skel.buffer
+        regions = sorted(skel.regions, key=lambda r: r[0])
+        self.starts = array("q", [o for o, _ in regions])
+        self.ends = array("q", [o + t.nbytes for o, t in regions])
+        self.tensors = [t for _, t in regions]
+        self.meta_starts = array("q", [a for a, _ in skel.spans])
+        self.meta_ends = array("q", [b for _, b in skel.spans])
+        self.tensor, self.name, self.start, self.size, self.on_read = None, None, 0, skel.size, None
+
+    @property
+    def what(self) -> str:
+        return f"HDF5 file {self.layout.name}"
+
+    def fill(self, out: memoryview, a: int, cache) -> int:
+        starts, ends, n, pos = self.starts, self.ends, len(out), 0
+        i = bisect.bisect_right(starts, a) - 1  # the last region starting at or before the position
+        while pos < n:
+            at = a + pos
+            while i + 1 < len(starts) and starts[i + 1] <= at:
+                i += 1
+            if i >= 0 and at < ends[i]:
+                k = min(n - pos, ends[i] - at)
+                t = self.tensors[i]
+                got = t.read_into(at - starts[i], out[pos:pos + k], cache)
+                if got != k:
+                    raise TensorReadError(self.layout.name, f"tensor {self.layout.key_of(t)} produced {got} bytes "
+                                                            f"for its bytes [{at - starts[i]}, {at - starts[i] + k})")
+            else:
+                k = min(n - pos, (starts[i + 1] if i + 1 < len(starts) else self.size) - at)
+                self.buffer.read_at(at, out[pos:pos + k])
+            pos += k
+        return pos
+
+    def prefetch(self, a: int, b: int, cache) -> None:
+        i = max(bisect.bisect_right(self.starts, a) - 1, 0)
+        while i < len(self.starts) and self.starts[i] < b:
+            lo, hi = self.starts[i], self.ends[i]
+            if a < hi:
+                self.tensors[i].prefetch(max(a, lo) - lo, min(b, hi) - lo, cache)
+            i += 1
+
+    def explain(self, a: int) -> list:
+        i = bisect.bisect_right(self.starts, a) - 1
+        if i >= 0 and a < self.ends[i]:
+            t = self.tensors[i]
+            return TensorBytes(t, self.layout.key_of(t)).explain(a - self.starts[i])
+        j = bisect.bisect_right(self.meta_starts, a) - 1
+        if j >= 0 and a < self.meta_ends[j]:
+            lo, hi = self.meta_starts[j], self.meta_ends[j]
+            return [f"HDF5 metadata: file bytes [{lo}, {hi}), {hi - lo} bytes written when the file was planned"]
+        lo = max(self.ends[i] if i >= 0 else 0, self.meta_ends[j] if j >= 0 else 0)
+        hi = min(self.starts[i + 1] if i + 1 < len(self.starts) else self.size,
+                 self.meta_starts[j + 1] if j + 1 < len(self.meta_starts) else self.size)
+        return [f"HDF5 free space: file bytes [{lo}, {hi}), {hi - lo} zero bytes"]
+
+    @property
+    def metadata_bytes(self) -> int:
+        return sum(self.meta_ends) - sum(self.meta_starts)
 
 
 class Hdf5Layout(PiecedFile):
@@ -360,7 +539,8 @@ class Hdf5Layout(PiecedFile):
 
     ``root``: a ``Container`` tree whose leaves are entries (``TensorEntry`` … ``LinkEntry``); the same
     entry object under two keys is written once and linked, like cstorch does for repeated objects.
-    The skeleton is built (the file planned) on first use of ``size`` or ``read``.
+    The skeleton is built (the file planned) on first use of ``size`` or ``read``. What stays in memory per key is
+    the entry tree and the arrays of one ``_Body`` piece; the metadata bytes stay in the skeleton's temporary file.
     """
 
     def __init__(self, root, *, cstorch_version: str = CSTORCH_VERSION, format_version: float = FORMAT_VERSION,
@@ -369,23 +549,45 @@ class Hdf5Layout(PiecedFile):
         self.path = path
         self.cstorch_version = cstorch_version
         self.format_version = format_version
-        self.items = resolve_entries(root, path)
+        items = resolve_entries(root, path)  # raises for what cannot be laid out, before anything is built
         self.notes = [f"{k}: dtype {e.tensor.dtype.name} has no RtFx code; cstorch 2.10 cannot write it"
-                      for k, e in self.items if isinstance(e, TensorEntry) and not e.numpy
+                      for k, e in items if isinstance(e, TensorEntry) and not e.numpy
                       and e.tensor.dtype.name not in RTFX_CODES]
         super().__init__(name=str(path) if path is not None else "HDF5 file", cache=cache, plan=self._plan_file)
 
+    @property
+    def items(self) -> list:
+        """``[(flat key, entry)]`` in spec order, recomputed from ``root`` on each use (a string and a tuple per key
+        are not worth keeping for the build and ``explain``)."""
+        return resolve_entries(self.root, self.path)
+
+    def key_of(self, tensor: VirtualTensor) -> str:
+        """The first flat key whose entry holds ``tensor`` (its description if none does)."""
+        for key, entry in self.items:
+            if isinstance(entry, TensorEntry) and entry.tensor is tensor:
+                return key
+        return tensor.describe()
+
+    def _build(self, items: list, buffer: _SkeletonBuffer) -> Skeleton:
+        return build_skeleton(items, cstorch_version=self.cstorch_version, format_version=self.format_version,
+                              spec_text=hdf5_spec.spec_attr(self.root), buffer=buffer)
+
     def _plan_file(self) -> list:
+        items = self.items
+        buf = new_buffer()
         try:
-            segments, regions, size = build_skeleton(
-                self.items, cstorch_version=self.cstorch_version, format_version=self.format_version,
-                spec_text=hdf5_spec.spec_attr(self.root))
+            try:
+                skel = self._build(items, buf)
+            except Exception:
+                if getattr(buf, "error", None) is None:
+                    raise
+                log.warning("temporary file of the HDF5 skeleton failed (%s): built in memory", buf.error)
+                skel = self._build(items, SparseBuffer())
         except (ValueError, KeyError, OSError) as e:
             raise CheckpointError(self.path, f"cannot lay out the HDF5 file: {e}") from e
-        names = {id(e.tensor): k for k, e in reversed(self.items) if isinstance(e, TensorEntry)}
-        return plan_pieces(segments, regions, size, names)
+        return [_Body(self, skel)]
 
     @property
     def metadata_bytes(self) -> int:
-        """Bytes of HDF5 metadata held in memory (no tensor data)."""
-        return sum(p.size for p in self.plan().pieces if isinstance(p, Literal))
+        """Bytes of HDF5 metadata (no tensor data), kept in the skeleton's buffer."""
+        return self.plan().pieces[0].metadata_bytes
