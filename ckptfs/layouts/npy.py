@@ -60,13 +60,15 @@ def npy_header(descr, shape, fortran_order: bool = False) -> bytes:
 class NpyLayout(PiecedFile):
     """A virtual ``.npy`` file for one tensor: its header, then its bytes (``ckptfs.layouts.pieces``).
 
-    Planned on first read: until then it holds its tensor, name and header length only, so that a mount listing
-    100,000 tensors keeps ~0.5 KB less per file."""
+    Planned on first read, without a lock (the plan is cheap and pure): until then it holds its tensor, name, cache
+    and header length only, in slots (a mount of 100,000 tensors has ~200,000 .npy files)."""
+
+    __slots__ = ("tensor", "data_start")
 
     def __init__(self, tensor: VirtualTensor, *, name: str | None = None, cache: BlockCache | None = None):
         self.tensor = tensor
         self.data_start: int = len(self.header_bytes)
-        super().__init__(plan=self._pieces, name=name or tensor.describe(), cache=cache)
+        super().__init__(name=name or tensor.describe(), cache=cache)
 
     @property
     def header_bytes(self) -> bytes:
@@ -76,5 +78,5 @@ class NpyLayout(PiecedFile):
     def size(self) -> int:
         return self.data_start + self.tensor.nbytes
 
-    def _pieces(self) -> list:
+    def _own_pieces(self) -> list:
         return [Literal(self.header_bytes, "npy header"), TensorBytes(self.tensor, self.name)]

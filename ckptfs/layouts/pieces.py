@@ -10,13 +10,24 @@ A file is the concatenation of its pieces, each one of:
   read through the mount's block cache; an ``on_read(offset in piece, bytes)`` hook sees them as they are read
   (a torch zip folds them into a record's CRC);
 * ``Computed(size, compute, what)`` — bytes produced on demand by ``compute(a, b)`` (the bytes ``[a, b)`` of the
-  piece): a zip central directory or data descriptor, whose CRCs need the tensors' bytes first.
+  piece): a zip central directory or data descriptor, whose CRCs need the tensors' bytes first;
+* ``TensorRun(names, tensors)`` — tensors laid end to end (a safetensors data section): one piece for any number
+  of tensors, kept as two lists and one array of offsets, so that a file of 100,000 tensors holds no object per
+  tensor.
+
+Large literal content (a data.pkl or safetensors header of a checkpoint with 100,000 keys: ~10 MB of very
+repetitive bytes) is kept compressed: ``packed(data)`` returns ``data`` itself below ``PACK_AT`` bytes, else a
+``PackedBytes`` (independent zlib chunks, sliced like bytes, the last chunk used kept decompressed).
 
 ``PiecedFile(pieces, name=…, cache=…)`` has an exact ``size`` and the single read loop, ``readinto(offset, out)``:
 it clips the request, finds the first piece with one bisect, lets each overlapping piece fill its share of the
 one buffer ``out``, and checks that every piece produced exactly its share (an error names the file and the
 piece); ``read(offset, n)`` is ``readinto`` a new buffer. A file
-whose plan is expensive passes ``plan=`` instead of ``pieces`` and is planned on first use. ``explain(offset)``
+whose plan is expensive passes ``plan=`` instead of ``pieces`` and is planned on first use, once (under a lock of
+its own); a file whose plan is cheap and pure (one per tensor: an .npy file) overrides ``_own_pieces()`` instead and is
+planned when read, without a lock (two first readers may both plan it; either plan serves); only the plans of the
+last ``KEEP_OWN_PLANS`` such files read are kept, so that copying 100,000 .npy files does not keep 100,000 plans.
+``explain(offset)``
 says which piece serves a byte and, for tensor bytes, which element, cache block and source region
 (``ckptfs explain``).
 
@@ -25,6 +36,10 @@ A new output format only plans pieces: see docs/architecture.md, "Adding an outp
 from __future__ import annotations
 
 import threading
+import weakref
+import zlib
+from collections import deque
+from array import array
 from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -38,14 +53,17 @@ from ..tensor import VirtualTensor, trace_element, unravel
 
 
 class Literal:
-    """Bytes known when the file is planned."""
+    """Bytes known when the file is planned (``bytes``, or a ``PackedBytes`` for large content)."""
 
-    __slots__ = ("data", "size", "what")
+    __slots__ = ("data", "what")
 
     def __init__(self, data: bytes, what: str = "bytes"):
         self.data = data
-        self.size = len(data)
         self.what = what
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
 
     def fill(self, out: memoryview, a: int, cache) -> int:
         out[:] = self.data[a:a + len(out)]
@@ -140,7 +158,128 @@ class Computed:
         return [f"{self.what}: {self.size} bytes computed when read"]
 
 
-Piece = Literal | Zeros | TensorBytes | Computed
+class TensorRun:
+    """Tensors laid end to end: tensor ``i`` is bytes ``[offsets[i], offsets[i + 1])`` of the piece.
+
+    One piece for a whole data section (safetensors): ``names`` and ``tensors`` are lists and ``offsets`` one
+    ``array('q')`` of ``len(tensors) + 1`` values starting at 0, so a tensor costs two list slots and 8 bytes here,
+    not a piece object. ``file`` names the file in errors."""
+
+    __slots__ = ("names", "tensors", "offsets", "what", "file")
+
+    def __init__(self, names: Sequence[str], tensors: Sequence[VirtualTensor], offsets: array,
+                 what: str = "tensor data", file: str = "tensor data"):
+        if len(offsets) != len(tensors) + 1 or offsets[0] != 0 or len(names) != len(tensors):
+            raise ValueError(f"{file}: a run of {len(tensors)} tensors needs {len(tensors) + 1} offsets from 0")
+        self.names = names
+        self.tensors = tensors
+        self.offsets = offsets
+        self.what = what
+        self.file = file
+
+    @property
+    def size(self) -> int:
+        return self.offsets[-1]
+
+    def _at(self, a: int) -> int:
+        """The tensor holding byte ``a`` (empty tensors hold none: the last tensor starting at or before ``a``)."""
+        return bisect_right(self.offsets, a) - 1
+
+    def fill(self, out: memoryview, a: int, cache) -> int:
+        offsets, n, pos = self.offsets, len(out), 0
+        i = self._at(a)
+        while pos < n:
+            begin, end = offsets[i], offsets[i + 1]
+            k = min(end, a + n) - (a + pos)
+            if k > 0:
+                got = self.tensors[i].read_into(a + pos - begin, out[pos:pos + k], cache)
+                if got != k:
+                    raise TensorReadError(self.file, f"tensor {self.names[i]} produced {got} bytes for its bytes "
+                                                     f"[{a + pos - begin}, {a + pos - begin + k})")
+                pos += k
+            i += 1
+        return pos
+
+    def prefetch(self, a: int, b: int, cache) -> None:
+        """Queue the tensors' bytes overlapping bytes ``[a, b)`` of the piece for the read-ahead thread."""
+        offsets = self.offsets
+        i = self._at(a)
+        while i < len(self.tensors) and offsets[i] < b:
+            begin, end = offsets[i], offsets[i + 1]
+            if end > begin:
+                self.tensors[i].prefetch(max(a, begin) - begin, min(b, end) - begin, cache)
+            i += 1
+
+    def explain(self, a: int) -> list:
+        i = self._at(a)
+        begin, end = self.offsets[i], self.offsets[i + 1]
+        lines = TensorBytes(self.tensors[i], self.names[i]).explain(a - begin)
+        return lines + [f"  tensor {i + 1} of {len(self.tensors)} laid end to end: bytes [{begin}, {end}) of the "
+                        f"{self.what}"]
+
+
+class PackedBytes:
+    """Bytes kept zlib-compressed in independent ``CHUNK``-byte chunks; ``len()`` and slicing as ``bytes``.
+
+    For large literal content (a torch data.pkl, a safetensors header): a checkpoint of 100,000 keys has ~13 MB of
+    pickle per zip, mostly repeated opcodes and names, which packs about tenfold. A slice decompresses only the
+    chunks it overlaps; the last chunk decompressed is kept (one ``(index, bytes)`` tuple, replaced whole, so
+    concurrent readers see either the old or the new one), so a sequential read decompresses each chunk once."""
+
+    __slots__ = ("size", "_chunks", "_window")
+
+    CHUNK = 64 << 10
+
+    def __init__(self, data: bytes, level: int = 1):
+        view = memoryview(data)
+        self.size = len(view)
+        self._chunks = [zlib.compress(view[i:i + self.CHUNK], level) for i in range(0, self.size, self.CHUNK)]
+        self._window: tuple = (-1, b"")
+
+    def __len__(self) -> int:
+        return self.size
+
+    def _chunk(self, i: int) -> bytes:
+        index, data = self._window
+        if index != i:
+            data = zlib.decompress(self._chunks[i])
+            self._window = (i, data)
+        return data
+
+    def __getitem__(self, key: slice) -> bytes:
+        if not isinstance(key, slice):
+            raise TypeError("PackedBytes is read by slices")
+        a, b, step = key.indices(self.size)
+        if step != 1:
+            raise ValueError("PackedBytes slices have step 1")
+        if a >= b:
+            return b""
+        first, last = a // self.CHUNK, (b - 1) // self.CHUNK
+        base = first * self.CHUNK
+        if first == last:
+            return self._chunk(first)[a - base:b - base]
+        data = b"".join(self._chunk(i) for i in range(first, last + 1))
+        return data[a - base:b - base]
+
+    def __bytes__(self) -> bytes:
+        return self[0:self.size]
+
+    @property
+    def packed_size(self) -> int:
+        """Bytes held compressed."""
+        return sum(len(c) for c in self._chunks)
+
+
+#: literal content from this size on is kept packed (a 7B model's data.pkl is ~50 KB and stays plain bytes)
+PACK_AT = 1 << 20
+
+
+def packed(data: bytes) -> "bytes | PackedBytes":
+    """``data`` itself when small, else the same bytes as a ``PackedBytes``."""
+    return PackedBytes(data) if len(data) >= PACK_AT else data
+
+
+Piece = Literal | Zeros | TensorBytes | Computed | TensorRun
 
 
 # -- the file ---------------------------------------------------------------------------------------------------
@@ -149,18 +288,24 @@ Piece = Literal | Zeros | TensorBytes | Computed
 #: to 1 MiB; a 4 KiB peek is not) and prepares the bytes after it when the cache has ``read_ahead`` on
 SEQUENTIAL_READ = 128 << 10
 
+#: how many files that plan themselves keep their plan (the most recently planned; older ones plan again if read)
+KEEP_OWN_PLANS = 256
+#: those files (weak references: a closed tree's files are not kept), oldest first; a file may appear twice
+#: (dropping its plan early is harmless)
+_own_planned: deque = deque()
+
 
 @dataclass(frozen=True)
 class Plan:
-    """Pieces with their start offsets (empty pieces dropped) and the file size."""
+    """Pieces with their start offsets (an ``array('q')``; empty pieces dropped) and the file size."""
 
-    starts: list
+    starts: array
     pieces: list
     size: int
 
     @classmethod
     def of(cls, pieces: Sequence) -> "Plan":
-        starts, kept, pos = [], [], 0
+        starts, kept, pos = array("q"), [], 0
         for p in pieces:
             if p.size < 0:
                 raise ValueError(f"{p.what}: negative size {p.size}")
@@ -193,23 +338,45 @@ class Explanation:
 
 
 class PiecedFile:
-    """A generated file made of pieces: exact ``size``, ``read(offset, n)`` and ``explain(offset)``."""
+    """A generated file made of pieces: exact ``size``, ``read(offset, n)`` and ``explain(offset)``.
+
+    Slotted (a mount of 100,000 tensors has ~200,000 .npy files): a file holds its name, cache, plan (or what makes
+    it) and where its last read ended; only a file given ``plan=`` has a lock, to plan once."""
+
+    __slots__ = ("name", "cache", "_planner", "_plan_lock", "_plan", "_last_end", "__weakref__")
 
     def __init__(self, pieces: Sequence | None = None, *, name: str, cache: BlockCache | None = None,
                  plan: Callable[[], Sequence] | None = None):
-        if (pieces is None) == (plan is None):
+        given = (pieces is not None) + (plan is not None)
+        plans_itself = type(self)._own_pieces is not PiecedFile._own_pieces
+        if given > 1 or (given == 0) != plans_itself:
             raise TypeError("give pieces or plan")
         self.name = name
         self.cache = cache
         self._planner = plan
-        self._plan_lock = threading.Lock()
+        self._plan_lock = threading.Lock() if plan is not None else None
         self._plan: Plan | None = Plan.of(pieces) if pieces is not None else None
         self._last_end = -1  # where the last read ended: a read starting there is sequential (read-ahead)
 
+    def _own_pieces(self) -> Sequence:
+        """The pieces of a file that plans itself (a subclass's cheap, pure plan)."""
+        raise TypeError(f"{self.name}: no pieces")
+
     def plan(self) -> Plan:
-        """The pieces (planned on first use when the file was given ``plan=``)."""
+        """The pieces (planned on first use when the file was given ``plan=`` or plans itself)."""
         p = self._plan
         if p is None:
+            if self._plan_lock is None:  # cheap and pure: a concurrent first reader may plan it too
+                p = self._plan = Plan.of(self._own_pieces())
+                _own_planned.append(weakref.ref(self))
+                while len(_own_planned) > KEEP_OWN_PLANS:  # readers holding a dropped plan keep using it
+                    try:
+                        old = _own_planned.popleft()()
+                    except IndexError:  # emptied by a concurrent reader
+                        break
+                    if old is not None:
+                        old._plan = None
+                return p
             with self._plan_lock:
                 if self._plan is None:
                     self._plan = Plan.of(self._planner())
@@ -252,8 +419,9 @@ class PiecedFile:
         """Queue the tensor bytes of file bytes ``[a, b)`` (pieces from ``i`` on) for the read-ahead thread."""
         while i < len(plan.pieces) and plan.starts[i] < b:
             piece, start = plan.pieces[i], plan.starts[i]
-            if isinstance(piece, TensorBytes):
-                piece.prefetch(max(a - start, 0), b - start, cache)
+            prefetch = getattr(piece, "prefetch", None)  # tensor bytes
+            if prefetch is not None:
+                prefetch(max(a - start, 0), b - start, cache)
             i += 1
 
     def read(self, offset: int, n: int) -> bytes:

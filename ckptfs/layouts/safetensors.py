@@ -6,21 +6,23 @@ library's dtype enum order, see ``DTYPE_ORDER``) then by name, their data laid o
 that order; the header holds ``__metadata__`` first (when given) and then the tensors in data order,
 with compact JSON separators and non-ASCII characters written raw.
 
-The size and the header come from metadata alone. The file is planned as pieces (``ckptfs.layouts.pieces``):
-the header, then each tensor's bytes; a read touches only the tensors overlapping it, through the mount's
-block cache.
+The size and the header come from metadata alone. The file is planned as two pieces (``ckptfs.layouts.pieces``):
+the header, then the data section as one ``TensorRun``; a read touches only the tensors overlapping it, through
+the mount's block cache. Per tensor the layout keeps its name and tensor (two list slots) and its end offset
+(8 bytes of one array); the header is kept packed when large (``pieces.packed``: ~100 bytes of JSON per tensor).
 """
 from __future__ import annotations
 
 import json
 import struct
+from array import array
 from dataclasses import dataclass
 from typing import Sequence
 
 from ..cache import BlockCache
 from ..errors import CkptfsError
 from ..tensor import VirtualTensor
-from .pieces import Literal, PiecedFile, TensorBytes
+from .pieces import Literal, PiecedFile, TensorRun, packed
 
 #: safetensors 0.8 dtype codes, ascending: the writer sorts tensors by this rank, descending
 DTYPE_ORDER = ("BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0",
@@ -34,9 +36,11 @@ PT_METADATA = {"format": "pt"}
 _ALIGN = 8
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SafetensorsEntry:
-    """One tensor of the file: ``begin``/``end`` are its ``data_offsets`` (relative to the data section)."""
+    """One tensor of the file: ``begin``/``end`` are its ``data_offsets`` (relative to the data section).
+
+    Made on demand (``SafetensorsLayout.entries``); the layout itself keeps lists and offsets."""
 
     name: str
     tensor: VirtualTensor
@@ -84,17 +88,42 @@ def header_bytes_for(entries: Sequence[SafetensorsEntry], metadata: dict | None)
 
 
 class SafetensorsLayout(PiecedFile):
-    """A virtual ``.safetensors`` file: exact ``size`` and ``read(offset, n)`` from virtual tensors."""
+    """A virtual ``.safetensors`` file: exact ``size`` and ``read(offset, n)`` from virtual tensors.
+
+    Kept: the names and tensors in data order (lists), the data offsets (one ``array('q')``), the header (packed
+    when large)."""
+
+    __slots__ = ("metadata", "_header", "data_start", "_run")
 
     def __init__(self, tensors: Sequence[tuple[str, VirtualTensor]], metadata: dict | None = PT_METADATA,
                  *, cache: BlockCache | None = None, name: str = "safetensors file"):
-        self.entries: list[SafetensorsEntry] = plan_entries(list(tensors))
+        entries = plan_entries(list(tensors))
         self.metadata = dict(metadata) if metadata is not None else None
-        self.header_bytes: bytes = header_bytes_for(self.entries, self.metadata)
-        self.data_start: int = len(self.header_bytes)
-        self.data_size: int = self.entries[-1].end if self.entries else 0
-        super().__init__([Literal(self.header_bytes, "safetensors header")]
-                         + [TensorBytes(e.tensor, e.name) for e in self.entries], name=name, cache=cache)
+        header = header_bytes_for(entries, self.metadata)
+        self.data_start: int = len(header)
+        self._header = packed(header)
+        offsets = array("q", [0])
+        offsets.extend(e.end for e in entries)
+        self._run = TensorRun([e.name for e in entries], [e.tensor for e in entries], offsets,
+                              "safetensors data section", name)
+        del entries, header
+        super().__init__([Literal(self._header, "safetensors header"), self._run], name=name, cache=cache)
+
+    @property
+    def header_bytes(self) -> bytes:
+        """``u64 length + JSON + padding``, the file's first ``data_start`` bytes."""
+        return bytes(self._header)
+
+    @property
+    def data_size(self) -> int:
+        return self._run.size
+
+    @property
+    def entries(self) -> list[SafetensorsEntry]:
+        """The tensors in data order, with their data offsets."""
+        run = self._run
+        off = run.offsets
+        return [SafetensorsEntry(n, t, off[i], off[i + 1]) for i, (n, t) in enumerate(zip(run.names, run.tensors))]
 
     @property
     def data_offsets(self) -> dict[str, tuple[int, int]]:
