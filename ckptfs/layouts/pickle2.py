@@ -93,7 +93,7 @@ def _encode_long(x: int) -> bytes:
 class _Pickler:
     def __init__(self, reducer=None):
         self.reducer = reducer
-        self.out: list[bytes] = []
+        self.out = bytearray()  # one growing buffer, not a list of millions of small bytes objects
         self.memo: dict = {}  # key → memo index
         self.keep: list = []  # keeps temporaries alive so that ids stay unique
 
@@ -101,7 +101,7 @@ class _Pickler:
     def _put(self, key) -> None:
         idx = len(self.memo)
         self.memo[key] = idx
-        self.out.append(_SHORT_PUTS[idx] if idx < 256 else LONG_BINPUT + struct.pack("<I", idx))
+        self.out.extend(_SHORT_PUTS[idx] if idx < 256 else LONG_BINPUT + struct.pack("<I", idx))
 
     def _get(self, idx: int) -> bytes:
         return _SHORT_GETS[idx] if idx < 256 else LONG_BINGET + struct.pack("<I", idx)
@@ -114,7 +114,7 @@ class _Pickler:
 
     # -- dispatch ----------------------------------------------------------------------------------
     def save(self, obj) -> None:
-        w = self.out.append
+        w = self.out.extend
         t = type(obj)
         if t is PersistentId:
             self.save(obj.pid)
@@ -177,7 +177,7 @@ class _Pickler:
             self.save(red)
 
     def _save_int(self, x: int) -> None:
-        w = self.out.append
+        w = self.out.extend
         if 0 <= x <= 0xFF:
             w(BININT1 + bytes([x]))
         elif 0 <= x <= 0xFFFF:
@@ -190,7 +190,7 @@ class _Pickler:
             w((LONG1 + bytes([n]) if n < 256 else LONG4 + struct.pack("<i", n)) + enc)
 
     def _save_tuple(self, obj: tuple, key) -> None:
-        w = self.out.append
+        w = self.out.extend
         n = len(obj)
         if n <= 3:
             for el in obj:
@@ -211,7 +211,7 @@ class _Pickler:
         self._put(key)
 
     def _batch_list(self, items: list) -> None:
-        w = self.out.append
+        w = self.out.extend
         n = len(items)
         if n == 0:
             return
@@ -230,7 +230,7 @@ class _Pickler:
     def _batch_dict_exact(self, d: dict) -> None:
         """CPython's ``batch_dict_exact``: one item → SETITEM; else MARK…SETITEMS per 1000 (an exact
         multiple of 1000 ends with an empty MARK SETITEMS batch, as CPython does)."""
-        w = self.out.append
+        w = self.out.extend
         n = len(d)
         if n == 0:
             return
@@ -255,7 +255,7 @@ class _Pickler:
 
     def _batch_dict(self, items: list) -> None:
         """CPython's ``batch_dict`` (dict items from ``__reduce__``): a lone trailing item → SETITEM."""
-        w = self.out.append
+        w = self.out.extend
         for i in range(0, len(items), BATCHSIZE):
             batch = items[i:i + BATCHSIZE]
             if len(batch) == 1:
@@ -272,13 +272,13 @@ class _Pickler:
     def _save_reduce(self, func: Global, args: tuple, obj, key, dictitems=None, state=None) -> None:
         self.save(func)
         self.save(args)
-        self.out.append(REDUCE)
+        self.out.extend(REDUCE)
         self._put(key)
         if dictitems:
             self._batch_dict(dictitems)
         if state is not None:
             self.save(state)
-            self.out.append(BUILD)
+            self.out.extend(BUILD)
 
 
 def dumps2(obj, reducer: Callable[[object], object] | None = None) -> bytes:
@@ -288,7 +288,7 @@ def dumps2(obj, reducer: Callable[[object], object] | None = None) -> bytes:
     new ``Reduce``), or None to refuse it; it is called once per appearance, in pickle order.
     """
     p = _Pickler(reducer)
-    p.out.append(PROTO + b"\x02")
+    p.out.extend(PROTO + b"\x02")
     p.save(obj)
-    p.out.append(STOP)
-    return b"".join(p.out)
+    p.out.extend(STOP)
+    return bytes(p.out)

@@ -29,7 +29,7 @@ from ..errors import CkptfsError, TensorReadError
 from ..tensor import VirtualTensor
 from .crc import CrcStore
 from .pickle2 import Global, PersistentId, PickleTypeError, Reduce, dumps2
-from .pieces import Computed, Literal, PiecedFile, TensorBytes
+from .pieces import Computed, Literal, PiecedFile, TensorBytes, packed
 
 __all__ = ["TorchZipLayout", "ZipEntry", "build_data_pkl", "contiguous_strides"]
 
@@ -109,29 +109,15 @@ class ZipEntry:
 
 
 class _Record:
-    """A record's placement plus its CRC state (``hashed`` bytes folded into ``running`` so far).
+    """One record's placement — full name, local header offset, size — made on demand from the layout's arrays
+    (never kept), and the bytes derived from it: local header, data descriptor, central directory entry."""
 
-    Kept small (an archive of 100,000 tensors has 100,000 of them): the name is the archive's ``prefix`` plus
-    ``key`` (``data/<key>`` for a storage number), the data offset is computed."""
+    __slots__ = ("name", "header_offset", "size")
 
-    __slots__ = ("prefix", "key", "header_offset", "size", "payload", "tensor", "crc", "hashed", "running")
-
-    def __init__(self, prefix: bytes, key: bytes | int, header_offset: int, size: int, payload: bytes | None,
-                 tensor: VirtualTensor | None):
-        self.prefix = prefix
-        self.key = key
+    def __init__(self, name: bytes, header_offset: int, size: int):
+        self.name = name
         self.header_offset = header_offset
         self.size = size
-        self.payload = payload
-        self.tensor = tensor
-        self.crc: int | None = None
-        self.hashed = 0
-        self.running = 0
-
-    @property
-    def name(self) -> bytes:
-        key = self.key
-        return self.prefix + (b"data/%d" % key if type(key) is int else key)
 
     @property
     def data_offset(self) -> int:
@@ -192,21 +178,19 @@ class _Record:
                            min(self.header_offset, U32)) + self.name + extra
 
 
-class _Records(TensorBytes):
+class _Records:
     """Every record of the archive — each one's local header, data and data descriptor — as one piece that finds
-    its records by bisecting their offsets: no object per record beyond the ``_Record`` itself. The data of a
-    tensor record is folded into the record's CRC as it is read. (A ``TensorBytes`` so that the read-ahead of the
-    read engine reaches the tensors' bytes.)"""
+    its records by bisecting their offsets: no object per record. The data of a tensor record is folded into the
+    record's CRC as it is read."""
 
     __slots__ = ("zf",)
 
     def __init__(self, zf: "TorchZipLayout"):
         self.zf = zf
-        self.tensor = None
-        self.start = 0
-        self.size = zf.cd_offset
-        self.name = None
-        self.on_read = None
+
+    @property
+    def size(self) -> int:
+        return self.zf.cd_offset
 
     @property
     def what(self) -> str:
@@ -216,7 +200,7 @@ class _Records(TensorBytes):
         return bisect.bisect_right(self.zf._starts, a) - 1
 
     @staticmethod
-    def _parts(rec: "_Record") -> tuple:
+    def _parts(rec: _Record) -> tuple:
         """``(first, stop)`` of the header, the data and the descriptor, relative to the record's header."""
         h, d = rec.header_offset, rec.data_offset
         return (0, d - h), (d - h, d - h + rec.size), (d - h + rec.size, rec.end - h)
@@ -225,9 +209,9 @@ class _Records(TensorBytes):
         zf, n, pos = self.zf, len(out), 0
         i = self._at(a)
         while pos < n:
-            rec = zf._records[i]
-            k = min(rec.end, a + n) - (a + pos)
-            got = self._fill_record(rec, out[pos:pos + k], a + pos - rec.header_offset, cache)
+            rec = zf._record(i)
+            k = min(zf._starts[i + 1], a + n) - (a + pos)
+            got = self._fill_record(i, rec, out[pos:pos + k], a + pos - rec.header_offset, cache)
             if got != k:
                 raise TensorReadError(zf.archive_name, f"zip record {rec.name.decode()} produced {got} bytes for "
                                                        f"{k} at offset {a + pos - rec.header_offset}")
@@ -235,8 +219,9 @@ class _Records(TensorBytes):
             i += 1
         return pos
 
-    def _fill_record(self, rec: "_Record", out: memoryview, a: int, cache) -> int:
-        n, pos = len(out), 0
+    def _fill_record(self, i: int, rec: _Record, out: memoryview, a: int, cache) -> int:
+        zf, n, pos = self.zf, len(out), 0
+        tensor = zf._tensor(i)
         for part, (lo, hi) in enumerate(self._parts(rec)):
             if pos >= n:
                 break
@@ -244,12 +229,12 @@ class _Records(TensorBytes):
                 continue
             s, k = a + pos - lo, min(hi, a + n) - (a + pos)
             dst = out[pos:pos + k]
-            if part == 1 and rec.payload is None:
-                got = rec.tensor.read_into(s, dst, cache)
-                if rec.crc is None and got:
-                    self.zf._fold(rec, s, dst[:got])
+            if part == 1 and tensor is not None:
+                got = tensor.read_into(s, dst, cache)
+                if got:
+                    zf._fold(i, s, dst[:got])
             else:
-                src = rec.local_header() if part == 0 else rec.payload if part == 1 else self.zf._descriptor(rec)
+                src = rec.local_header() if part == 0 else zf._payload(i) if part == 1 else zf._descriptor(i, rec)
                 chunk = src[s:s + k]
                 got = len(chunk)
                 dst[:got] = chunk
@@ -261,16 +246,19 @@ class _Records(TensorBytes):
     def prefetch(self, a: int, b: int, cache) -> None:
         zf = self.zf
         i = self._at(a)
-        while i < len(zf._records) and zf._starts[i] < b:
-            rec = zf._records[i]
-            lo, hi = self._parts(rec)[1]
-            lo, hi = lo + rec.header_offset, hi + rec.header_offset
-            if rec.payload is None and a < hi and b > lo and hasattr(rec.tensor, "prefetch"):
-                rec.tensor.prefetch(max(a, lo) - lo, min(b, hi) - lo, cache)
+        while i < zf._count and zf._starts[i] < b:
+            tensor = zf._tensor(i)
+            if tensor is not None:
+                rec = zf._record(i)
+                lo, hi = rec.data_offset, rec.data_end
+                if a < hi and b > lo:
+                    tensor.prefetch(max(a, lo) - lo, min(b, hi) - lo, cache)
             i += 1
 
     def explain(self, a: int) -> list:
-        rec = self.zf._records[self._at(a)]
+        zf = self.zf
+        i = self._at(a)
+        rec = zf._record(i)
         name = rec.name.decode()
         a -= rec.header_offset
         (_, h_end), (d_lo, d_hi), (_, e_hi) = self._parts(rec)
@@ -278,14 +266,29 @@ class _Records(TensorBytes):
             return [f"zip local header of {name}: {h_end} bytes made when read"]
         if a >= d_hi:
             return [f"zip data descriptor of {name} (its CRC-32): {e_hi - d_hi} bytes computed when read"]
-        if rec.payload is not None:
-            return [f"zip record {name}: {len(rec.payload)} bytes known when the file was planned"]
-        label = self.zf._labels[rec.key] if type(rec.key) is int else None
-        return TensorBytes(rec.tensor, name + (f" ({label})" if label else "")).explain(a - d_lo)
+        tensor = zf._tensor(i)
+        if tensor is None:
+            return [f"zip record {name}: {rec.size} bytes known when the file was planned"]
+        label = zf._labels[i - _HEAD]
+        return TensorBytes(tensor, name + (f" ({label})" if label else "")).explain(a - d_lo)
+
+
+#: records before the storages (data.pkl, .format_version, .storage_alignment, byteorder) and after them
+_HEAD, _TAIL_RECORDS = 4, 2
 
 
 class TorchZipLayout(PiecedFile):
-    """``torch.save(obj)`` as a lazily generated file: ``size`` and ``read(offset, n)``."""
+    """``torch.save(obj)`` as a lazily generated file: ``size`` and ``read(offset, n)``.
+
+    Kept per storage (an archive of 100,000 tensors has 100,000): its tensor and state-dict key (two list slots)
+    and, in arrays indexed by record, its local header offset, size and CRC (-1 while unknown) — ~40 bytes. A
+    record's name, data offset, headers and directory entry are computed when read. The six other records keep
+    their payload; data.pkl is kept packed when large (``pieces.packed``). A CRC being folded in keeps its progress
+    in ``_partial`` until it is complete."""
+
+    __slots__ = ("archive_name", "crc_mode", "_lock", "_hash_lock", "storages", "signature", "_prefix", "_fixed",
+                 "_labels", "_count", "_starts", "_sizes", "_crcs", "_partial", "_cd_starts", "cd_offset", "cd_size",
+                 "tail_offset", "_tail", "_unknown", "_store", "_store_key", "_unsaved")
 
     def __init__(self, obj, archive_name: str, *, crc: str = "exact", crc_store: CrcStore | None = None,
                  identity: str | None = None, cache: BlockCache | None = None):
@@ -304,54 +307,80 @@ class TorchZipLayout(PiecedFile):
         self.storages = storages
         self.signature = self._signature(pkl, storages)
         labels = _storage_labels(obj)
-
-        prefix = (archive_name + "/").encode("utf-8")
-        sid = b"%040d" % (int.from_bytes(hashlib.sha256(self.signature.encode()).digest(), "big") % 10**40)
-        items: list[tuple[bytes | int, bytes | None, VirtualTensor | None]] = [
-            (b"data.pkl", pkl, None), (b".format_version", b"1", None), (b".storage_alignment", b"64", None),
-            (b"byteorder", b"little", None)]
-        items += [(i, None, t) for i, t in enumerate(storages)]  # named data/<i>
-        items += [(b"version", b"3\n", None), (b".data/serialization_id", sid, None)]
         self._labels = [labels.get(id(t)) for t in storages]  # the state-dict key of each storage (explain)
+        del labels
 
-        self._records: list[_Record] = []
-        starts = array("q")
+        self._prefix = (archive_name + "/").encode("utf-8")
+        sid = b"%040d" % (int.from_bytes(hashlib.sha256(self.signature.encode()).digest(), "big") % 10**40)
+        n = len(storages)
+        self._count = count = _HEAD + n + _TAIL_RECORDS
+        # record index -> (name after the prefix, payload) for the records that are not storages
+        fixed = [(b"data.pkl", pkl), (b".format_version", b"1"), (b".storage_alignment", b"64"),
+                 (b"byteorder", b"little"), (b"version", b"3\n"), (b".data/serialization_id", sid)]
+        crcs = {i: 0 if crc == "zero" else zlib.crc32(payload)
+                for i, (_, payload) in zip([0, 1, 2, 3, count - 2, count - 1], fixed)}
+        fixed[0] = (b"data.pkl", packed(pkl))
+        del pkl
+        self._fixed = dict(zip([0, 1, 2, 3, count - 2, count - 1], fixed))
+
+        self._starts = array("q")  # each record's local header offset, then the central directory's
+        self._sizes = array("q")
+        self._crcs = array("q", [-1]) * count  # -1: not known yet
+        self._partial: dict[int, tuple[int, int]] = {}  # record -> (bytes hashed, running CRC) while hashing
         pos = 0
-        for key, payload, tensor in items:
-            size = len(payload) if payload is not None else tensor.nbytes
-            rec = _Record(prefix, key, pos, size, payload, tensor)
-            starts.append(pos)
-            if crc == "zero":
-                rec.crc = 0
-            elif payload is not None:
-                rec.crc = zlib.crc32(payload)
-            elif size == 0:
-                rec.crc = 0
-            self._records.append(rec)
-            pos = rec.end
+        for i in range(count):
+            tensor = self._tensor(i)
+            size = tensor.nbytes if tensor is not None else len(self._fixed[i][1])
+            self._starts.append(pos)
+            self._sizes.append(size)
+            if i in crcs:
+                self._crcs[i] = crcs[i]
+            elif crc == "zero" or size == 0:
+                self._crcs[i] = 0
+            pos = _Record(self._name(i), pos, size).end
         self.cd_offset = pos
-        self._starts = starts  # each record's local header offset
+        self._starts.append(pos)
         self._cd_starts = array("q")  # each record's central directory entry, relative to the central directory
-        for r in self._records:
+        for i in range(count):
             self._cd_starts.append(pos - self.cd_offset)
-            pos += r.cd_len()
+            pos += self._record(i).cd_len()
         self.cd_size = pos - self.cd_offset
         self.tail_offset = pos
         self._tail = self._build_tail()
 
-        self._unknown = sum(r.crc is None for r in self._records)  # CRCs still to compute
+        self._unknown = self._crcs.count(-1)  # CRCs still to compute
         self._store = crc_store if crc == "exact" and identity is not None else None
         self._store_key = CrcStore.key(identity, self.signature) if self._store is not None else None
         self._unsaved = 0
         if self._store is not None and self._unknown:
             self._load_store()
-        super().__init__(self._pieces(), name=archive_name, cache=cache)
+        super().__init__([_Records(self), Computed(self.cd_size, self._central_directory,
+                                                   "zip central directory (CRC-32s)"),
+                          Literal(self._tail, "zip64 end records")], name=archive_name, cache=cache)
 
-    # -- metadata ----------------------------------------------------------------------------------
+    # -- records -----------------------------------------------------------------------------------
+    def _tensor(self, i: int) -> VirtualTensor | None:
+        """The tensor of record ``i`` (None for the records with a payload)."""
+        k = i - _HEAD
+        return self.storages[k] if 0 <= k < len(self.storages) else None
+
+    def _payload(self, i: int):
+        return self._fixed[i][1]
+
+    def _name(self, i: int) -> bytes:
+        k = i - _HEAD
+        if 0 <= k < len(self.storages):
+            return self._prefix + b"data/%d" % k
+        return self._prefix + self._fixed[i][0]
+
+    def _record(self, i: int) -> _Record:
+        return _Record(self._name(i), self._starts[i], self._sizes[i])
+
     @property
     def entries(self) -> list[ZipEntry]:
         """The records in file order."""
-        return [ZipEntry(r.name.decode("utf-8"), r.header_offset, r.data_offset, r.size) for r in self._records]
+        return [ZipEntry(r.name.decode("utf-8"), r.header_offset, r.data_offset, r.size)
+                for r in map(self._record, range(self._count))]
 
     def _signature(self, pkl: bytes, storages: list[VirtualTensor]) -> str:
         h = hashlib.sha256()
@@ -362,7 +391,7 @@ class TorchZipLayout(PiecedFile):
         return h.hexdigest()
 
     def _build_tail(self) -> bytes:
-        n = len(self._records)
+        n = self._count
         eocd64 = struct.pack("<IQHHIIQQQQ", _EOCD64_SIG, 44, 0x031E, 45, 0, 0, n, n, self.cd_size, self.cd_offset)
         loc = struct.pack("<IIQI", _LOC64_SIG, 0, self.tail_offset, 1)
         eocd = struct.pack("<IHHHHIIH", _EOCD_SIG, 0, 0, min(n, 0xFFFF), min(n, 0xFFFF),
@@ -370,82 +399,88 @@ class TorchZipLayout(PiecedFile):
         return eocd64 + loc + eocd
 
     # -- pieces ------------------------------------------------------------------------------------
-    def _pieces(self) -> list:
-        return [_Records(self), Computed(self.cd_size, self._central_directory, "zip central directory (CRC-32s)"),
-                Literal(self._tail, "zip64 end records")]
-
-    def _descriptor(self, rec: _Record) -> bytes:
-        self._ensure_crcs((rec,))
-        return rec.descriptor(rec.crc)
+    def _descriptor(self, i: int, rec: _Record) -> bytes:
+        self._ensure_crcs((i,))
+        return rec.descriptor(self._crcs[i])
 
     def _central_directory(self, a: int, b: int) -> bytes:
         """Bytes [a, b) of the central directory: the entries overlapping them, their CRCs made known first."""
         i = bisect.bisect_right(self._cd_starts, a) - 1
         j = bisect.bisect_left(self._cd_starts, b)
-        recs = self._records[i:j]
-        self._ensure_crcs(recs)
-        entries = b"".join(r.cd_entry(r.crc) for r in recs)
+        self._ensure_crcs(range(i, j))
+        crcs = self._crcs
+        entries = b"".join(self._record(k).cd_entry(crcs[k]) for k in range(i, j))
         base = self._cd_starts[i]
         return entries[a - base:b - base]
 
     # -- CRCs --------------------------------------------------------------------------------------
-    def _fold(self, rec: _Record, a: int, data: bytes) -> None:
-        """Extend ``rec``'s running CRC with freshly read bytes at ``a`` if they continue it."""
-        if rec.crc is not None:  # set once, never unset: no lock needed to see it
+    def _fold(self, i: int, a: int, data: bytes) -> None:
+        """Extend record ``i``'s running CRC with freshly read bytes at ``a`` if they continue it."""
+        if self._crcs[i] >= 0:  # set once, never unset: no lock needed to see it
             return
         with self._lock:
-            if rec.crc is not None or not (a <= rec.hashed < a + len(data)):
+            hashed, running = self._partial.get(i, (0, 0))
+            if self._crcs[i] >= 0 or not (a <= hashed < a + len(data)):
                 return
-            mv = memoryview(data)[rec.hashed - a:]
-            rec.running = zlib.crc32(mv, rec.running)
-            rec.hashed += len(mv)
+            mv = memoryview(data)[hashed - a:]
+            running = zlib.crc32(mv, running)
+            hashed += len(mv)
             self._unsaved += len(mv)
-            if rec.hashed == rec.size:
-                self._set_crc(rec, rec.running)
-                if self._store is not None and (self._unsaved >= _SAVE_EVERY or not self._unknown):
-                    self._save_store()
+            if hashed < self._sizes[i]:
+                self._partial[i] = (hashed, running)
+                return
+            self._partial.pop(i, None)
+            self._set_crc(i, running)
+            if self._store is not None and (self._unsaved >= _SAVE_EVERY or not self._unknown):
+                self._save_store()
 
-    def _ensure_crcs(self, recs) -> None:
-        """Make the CRC of every record in ``recs`` known, hashing the parts not yet folded in.
+    def _ensure_crcs(self, records) -> None:
+        """Make the CRC of every record in ``records`` (indices) known, hashing the parts not yet folded in.
 
         One hasher at a time (``_hash_lock``); it reads one cache block at a time outside the state
         lock and folds it like any read, so concurrent sequential readers keep folding too.
         """
-        if not self._unknown or all(r.crc is not None for r in recs):
+        crcs = self._crcs
+        if not self._unknown or all(crcs[i] >= 0 for i in records):
             return
         with self._hash_lock:
             hashed_any = False
-            for rec in recs:
-                t = rec.tensor
-                while rec.crc is None:
-                    block = max(1, t.block_elems() * t.dtype.itemsize)
-                    pos = rec.hashed
-                    stop = min(rec.size, (pos // block + 1) * block)
-                    self._fold(rec, pos, t.read_bytes(pos, stop, self.cache))
+            for i in records:
+                if crcs[i] >= 0:
+                    continue
+                t, size = self._tensor(i), self._sizes[i]
+                block = max(1, t.block_elems() * t.dtype.itemsize)
+                while crcs[i] < 0:
+                    pos = self._partial.get(i, (0, 0))[0]
+                    stop = min(size, (pos // block + 1) * block)
+                    self._fold(i, pos, t.read_bytes(pos, stop, self.cache))
                     hashed_any = True
-                    if rec.crc is None and rec.hashed <= pos:  # every pass makes progress or fails
-                        raise TensorReadError(self.archive_name, f"{rec.name.decode()}: the tensor gave no bytes at "
-                                                                 f"offset {pos} of {rec.size} (its CRC-32 cannot be "
-                                                                 "computed)")
+                    if crcs[i] < 0 and self._partial.get(i, (0, 0))[0] <= pos:  # every pass progresses or fails
+                        raise TensorReadError(self.archive_name, f"{self._name(i).decode()}: the tensor gave no "
+                                                                 f"bytes at offset {pos} of {size} (its CRC-32 "
+                                                                 "cannot be computed)")
             if hashed_any and self._store is not None:
                 with self._lock:
                     self._save_store()
 
-    def _set_crc(self, rec: _Record, crc: int) -> None:
-        rec.crc = crc
+    def _set_crc(self, i: int, crc: int) -> None:
+        self._crcs[i] = crc
         self._unknown -= 1
+
+    def _storage_records(self) -> range:
+        return range(_HEAD, _HEAD + len(self.storages))
 
     def _load_store(self) -> None:
         stored = self._store.load(self._store_key)
-        for rec in self._records:
-            if rec.crc is None:
-                c = stored.get(rec.name.decode("utf-8"))
+        for i in self._storage_records():
+            if self._crcs[i] < 0:
+                c = stored.get(self._name(i).decode("utf-8"))
                 if c is not None:
-                    self._set_crc(rec, c)
+                    self._set_crc(i, c)
 
     def _save_store(self) -> None:
         """Persist the known tensor-record CRCs (caller holds the lock)."""
-        crcs = {r.name.decode("utf-8"): r.crc for r in self._records if r.tensor is not None and r.crc is not None}
+        crcs = {self._name(i).decode("utf-8"): self._crcs[i] for i in self._storage_records() if self._crcs[i] >= 0}
         self._unsaved = 0
         if crcs:
             self._store.save(self._store_key, crcs)
