@@ -65,13 +65,14 @@ def read_text_attr(f: h5py.File, name: str):
     tid = aid.get_type()
     if aid.shape == () and tid.get_class() == h5t.STRING and tid.is_variable_str():
         arr = np.empty((), dtype=_VLEN_STR)
-        aid.read(arr, mtype=h5t.py_create(_VLEN_STR))
+        aid.read(arr, mtype=_VLEN_STR_MEMORY)
         v = arr[()]
         return v.decode("utf-8", "surrogateescape") if isinstance(v, bytes) else v
     return f.attrs[name]
 
 
 _VLEN_STR = h5py.string_dtype()
+_VLEN_STR_MEMORY = h5t.py_create(_VLEN_STR)  # its HDF5 memory type, made once
 _TRUNC = re.compile(r"truncated file: eof = (\d+).*stored_eof = (\d+)")
 
 
