@@ -73,6 +73,7 @@ class PersistentId:
 
 _SHORT_PUTS = [BINPUT + bytes([i]) for i in range(256)]
 _SHORT_GETS = [BINGET + bytes([i]) for i in range(256)]
+_SMALL_INTS = [BININT1 + bytes([i]) for i in range(256)]
 _TUPLESIZE_OPS = {1: TUPLE1, 2: TUPLE2, 3: TUPLE3}
 _OD = Global("collections", "OrderedDict")
 _SET = Global("__builtin__", "set")  # protocol 2 maps builtins → __builtin__ (fix_imports), as CPython
@@ -106,12 +107,6 @@ class _Pickler:
     def _get(self, idx: int) -> bytes:
         return _SHORT_GETS[idx] if idx < 256 else LONG_BINGET + struct.pack("<I", idx)
 
-    @staticmethod
-    def _key(obj):
-        if type(obj) is Global:  # one class object per qualified name
-            return ("global", obj.module, obj.name)
-        return id(obj)
-
     # -- dispatch ----------------------------------------------------------------------------------
     def save(self, obj) -> None:
         w = self.out.extend
@@ -136,7 +131,7 @@ class _Pickler:
         if t is tuple and not obj:
             w(EMPTY_TUPLE)
             return
-        key = self._key(obj)
+        key = ("global", obj.module, obj.name) if t is Global else id(obj)  # one class object per qualified name
         idx = self.memo.get(key)
         if idx is not None:
             w(self._get(idx))
@@ -179,7 +174,7 @@ class _Pickler:
     def _save_int(self, x: int) -> None:
         w = self.out.extend
         if 0 <= x <= 0xFF:
-            w(BININT1 + bytes([x]))
+            w(_SMALL_INTS[x])
         elif 0 <= x <= 0xFFFF:
             w(BININT2 + struct.pack("<H", x))
         elif -0x80000000 <= x <= 0x7FFFFFFF:

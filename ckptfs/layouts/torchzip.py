@@ -17,6 +17,7 @@ blocks. Known CRCs are kept in ``crc_store`` under ``identity`` so that other mo
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import struct
 import threading
@@ -59,6 +60,12 @@ def contiguous_strides(shape) -> tuple:
     return tuple(reversed(strides))
 
 
+@functools.lru_cache(maxsize=None)
+def _torch_global(name: str) -> Global:
+    """``torch.<name>`` (a storage class or dtype), one object per name."""
+    return Global("torch", name)
+
+
 def build_data_pkl(obj) -> tuple[bytes, list[VirtualTensor]]:
     """torch's data.pkl for ``obj`` and its storages in key order (``data/0``, ``data/1``, …).
 
@@ -76,9 +83,9 @@ def build_data_pkl(obj) -> tuple[bytes, list[VirtualTensor]]:
             storages.append(x)
         dt = x.dtype
         if dt.torch_storage is not None:
-            func, stype, numel, extra = _V2, Global("torch", dt.torch_storage), x.numel, ()
+            func, stype, numel, extra = _V2, _torch_global(dt.torch_storage), x.numel, ()
         else:
-            func, stype, numel, extra = _V3, _UNTYPED, x.nbytes, (Global("torch", dt.name),)
+            func, stype, numel, extra = _V3, _UNTYPED, x.nbytes, (_torch_global(dt.name),)
         pid = PersistentId((_STORAGE, stype, key, _CPU, numel))
         size = tuple([int(n) for n in x.shape])  # fresh tuples, as tuple(tensor.size())
         stride = tuple(list(contiguous_strides(x.shape)))
