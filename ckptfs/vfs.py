@@ -24,7 +24,10 @@ import logging
 import os
 import stat as stat_mod
 import time
+from array import array
+from bisect import bisect_left
 from dataclasses import dataclass, field
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -56,38 +59,62 @@ def split_path(path: str) -> tuple:
 
 
 class Entry:
-    """One node of the tree: a directory (``file is None``) or a file (its size is the file's, fixed once known).
+    """One node of a ``VirtualTree``: a directory (``file is None``) or a file (its size is the file's, fixed once
+    known).
 
-    Slotted (a mount of 100,000 tensors has a quarter million entries); not meant to be changed once built."""
+    The tree keeps its nodes in per-inode arrays (see ``VirtualTree``), not as objects: an ``Entry`` is made by
+    each lookup and reads the node's fields from its tree. It holds the tree, the inode number and the path when
+    the lookup already had it (else the path is built from the parents' names on first use). Two entries of the
+    same node of the same tree are equal."""
 
-    __slots__ = ("path", "ino", "file", "children", "nsubdirs", "_size")
+    __slots__ = ("_tree", "ino", "_path")
 
-    def __init__(self, path: str, ino: int, file: Any = None, children: tuple = (), nsubdirs: int = 0):
-        self.path = path  # "" for the root, else "a/b/c"
+    def __init__(self, tree: "VirtualTree", ino: int, path: str | None = None):
+        self._tree = tree
         self.ino = ino
-        self.file = file  # VFile, or None for a directory
-        self.children = children  # sorted child names (directories only)
-        self.nsubdirs = nsubdirs
-        self._size = None  # the file's size once known; fixed from then on
+        self._path = path
 
     def __repr__(self) -> str:
         return f"Entry(path={self.path!r}, ino={self.ino}, {'dir' if self.file is None else 'file'})"
 
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Entry) and other._tree is self._tree and other.ino == self.ino
+
+    def __hash__(self) -> int:
+        return hash((id(self._tree), self.ino))
+
+    @property
+    def path(self) -> str:
+        """``""`` for the root, else ``"a/b/c"``."""
+        if self._path is None:
+            self._path = self._tree._path_of(self.ino)
+        return self._path
+
+    @property
+    def file(self):
+        """The VFile, or None for a directory."""
+        return self._tree._files[self.ino]
+
+    @property
+    def children(self) -> tuple:
+        """Sorted child names (``()`` for a file)."""
+        return self._tree._children[self.ino]
+
+    @property
+    def nsubdirs(self) -> int:
+        return self._tree._nsubdirs[self.ino]
+
     @property
     def is_dir(self) -> bool:
-        return self.file is None
+        return self._tree._files[self.ino] is None
 
     @property
     def size(self) -> int:
-        if self.file is None:
-            return 0
-        if self._size is None:
-            self._size = self.file.size  # a deferred file is sized here, on first use
-        return self._size
+        return self._tree._size_of(self.ino)
 
     @property
     def name(self) -> str:
-        return self.path.rsplit("/", 1)[-1]
+        return self._tree._names[self.ino]
 
 
 @dataclass(frozen=True)
@@ -136,7 +163,16 @@ def readinto_clipped(where: str, vf, size: int, offset: int, out: memoryview) ->
 
 
 class VirtualTree:
-    """Immutable tree built from ``{relative_path: VFile}`` (plus optional empty directories ``dirs``)."""
+    """Immutable tree built from ``{relative_path: VFile}`` (plus optional empty directories ``dirs``).
+
+    Its nodes are kept in arrays indexed by inode number, not as objects (a mount of 100,000 tensors has ~270,000
+    nodes; this costs ~50 bytes each): the node's name (one string per distinct name: ``weight.npy`` is the same
+    object in every layer), its parent's inode, its VFile (None for a directory) and its size (-1 until a
+    deferred file is sized); for a directory its sorted child names (equal tuples shared: every layer's directories
+    list the same names), their inodes (``_kids[_first_kid[ino]:]``, in name order) and its number of
+    subdirectories. Paths are not stored: a lookup walks from the root, bisecting each directory's names
+    (O(depth · log width)), and a node's path is its ancestors' names joined.
+    """
 
     def __init__(self, files: Mapping[str, Any], *, dirs: Iterable[str] = (), mtime_ns: int | None = None,
                  closers: Iterable = (), cache: BlockCache | None = None):
@@ -144,58 +180,151 @@ class VirtualTree:
         self.cache = cache  # the block cache every file of this tree reads through (build_tree sizes it)
         self._closers = list(closers)
         self._warmers: list = []
-        file_parts: dict = {}
+        items = []  # (parts, VFile, size, raw path) of each file; (parts, None, 0, raw) of each declared directory
+        same: dict = {}  # one string per distinct name: "weight.npy" is one object for every layer
         for raw, vf in files.items():
-            parts = _checked_parts(raw)
+            parts = _checked_parts(raw, same)
             if not parts:
                 raise CkptfsError(raw, "a file cannot be the root directory")
-            size = 0 if getattr(vf, "deferred", False) else getattr(vf, "size", None)  # deferred: sized on first use
+            deferred = getattr(vf, "deferred", False)
+            size = 0 if deferred else getattr(vf, "size", None)  # deferred: sized on first use
             if not isinstance(size, int) or isinstance(size, bool) or size < 0 or not callable(getattr(vf, "read", None)):
                 raise CkptfsError(raw, f"not a virtual file (size={size!r})")
-            if parts in file_parts:
-                raise CkptfsError(raw, "listed twice")
-            file_parts[parts] = vf
-        dir_parts = {()}
-        for d in dirs:
-            parts = _checked_parts(d)
-            dir_parts.update(parts[:i] for i in range(len(parts) + 1))
-        for parts in file_parts:
-            dir_parts.update(parts[:i] for i in range(len(parts)))
-        clash = dir_parts & file_parts.keys()
-        if clash:
-            raise CkptfsError("/".join(sorted(clash)[0]), "is both a file and a directory")
-        children: dict = {d: [] for d in dir_parts}
-        for parts in list(dir_parts) + list(file_parts):
-            if parts:
-                children[parts[:-1]].append(parts[-1])
-        self._entries: dict = {}
-        self._by_ino: list = [None]  # index = inode number; 0 unused
-        for ino, parts in enumerate(sorted(dir_parts | file_parts.keys()), start=1):
-            path = "/".join(parts)
-            if parts in file_parts:
-                vf = file_parts[parts]
-                e = Entry(path, ino, vf)
-                if not getattr(vf, "deferred", False):
-                    e.size  # fix the size now
-            else:
-                kids = tuple(sorted(children[parts]))
-                nsub = sum(1 for k in kids if parts + (k,) in dir_parts)
-                e = Entry(path, ino, None, kids, nsub)
-            self._entries[path] = e
-            self._by_ino.append(e)
-        self._nfiles = len(file_parts)
+            items.append((parts, vf, -1 if deferred else size, raw))
+        self._nfiles = len(items)
+        items.extend((_checked_parts(d, same), None, 0, d) for d in dirs)
+        items.sort(key=itemgetter(0))  # sorted paths: every directory before its entries, siblings by name
+        self._place(items)
+        self._recent_dirs: dict = {}  # normalised path -> inode of directories recently looked into (bounded)
+
+    def _place(self, items: list) -> None:
+        """Number the nodes of the sorted ``items`` (and the directories they imply) in path order and fill the
+        arrays; refuses a path listed twice or both a file and a directory."""
+        names: list = [None, ""]  # index 0 unused; 1 is the root
+        parents = array("i", [0, 0])
+        vfiles: list = [None, None]
+        sizes = array("q", [0, 0])
+        kids_of: list = [None, []]  # while placing: each directory's child inodes, in name order (None for a file)
+        open_names: list = []  # the directory the previous item went into: its names from the root...
+        open_inos: list = [1]  # ...and the inodes of the root and of each of those names
+        prev = None  # the previous item's parts when it was a file
+        for parts, vf, size, raw in items:
+            if prev is not None and parts[:len(prev)] == prev:  # sorted: a file's path and its extensions are next
+                if len(parts) == len(prev) and vf is not None:
+                    raise CkptfsError(raw, "listed twice")
+                raise CkptfsError("/".join(prev), "is both a file and a directory")
+            k, last = 0, min(len(open_names), len(parts))
+            while k < last and open_names[k] == parts[k]:
+                k += 1
+            if k == len(parts):  # the directory the previous item went into (sorted: never one of its ancestors)
+                if vf is not None:
+                    raise CkptfsError(raw, "is both a file and a directory")
+                continue  # a declared directory that already exists
+            del open_names[k:], open_inos[k + 1:]
+            for depth in range(k, len(parts)):
+                is_dir = vf is None or depth < len(parts) - 1
+                ino = len(names)
+                names.append(parts[depth])
+                parents.append(open_inos[-1])
+                vfiles.append(None if is_dir else vf)
+                sizes.append(0 if is_dir else size)
+                kids_of.append([] if is_dir else None)
+                kids_of[open_inos[-1]].append(ino)
+                if is_dir:
+                    open_names.append(parts[depth])
+                    open_inos.append(ino)
+            prev = None if vf is None else parts
+        n = len(names)
+        children: list = [()] * n
+        first_kid = array("i", bytes(4 * n))
+        nsubdirs = array("i", bytes(4 * n))
+        kids = array("i")
+        shared: dict = {}  # equal child-name tuples: one object
+        for ino, mine in enumerate(kids_of):
+            if mine is None:
+                continue
+            first_kid[ino] = len(kids)
+            kids.extend(mine)
+            kid_names = tuple([names[c] for c in mine])
+            children[ino] = shared.setdefault(kid_names, kid_names)
+            nsubdirs[ino] = sum(1 for c in mine if vfiles[c] is None)
+        self._names, self._parents, self._files, self._sizes = names, parents, vfiles, sizes
+        self._children, self._first_kid, self._kids, self._nsubdirs = children, first_kid, kids, nsubdirs
+
+    # -- nodes (by inode number) ---------------------------------------------------------------------------
+    def _find(self, path) -> tuple:
+        """``(inode, normalised path)`` of ``path``; inode 0 when there is no such node. The last directories found
+        are remembered (``RECENT_DIRS``), so that finding an entry of one of them is a single bisection."""
+        key = (path if type(path) is str else str(path)).strip("/")
+        parts = key.split("/")
+        if "" in parts or "." in parts:
+            parts = [p for p in parts if p and p != "."]
+            key = "/".join(parts)
+            if not parts:
+                return 1, key
+        recent = self._recent_dirs
+        name = parts[-1]
+        if len(parts) == 1:
+            parent = 1
+        else:
+            parent = recent.get(key[:-len(name) - 1])
+            if parent is None:
+                parent = self._walk(1, parts[:-1])
+        listed = self._children[parent]
+        i = bisect_left(listed, name)
+        if i == len(listed) or listed[i] != name:
+            return 0, key
+        ino = self._kids[self._first_kid[parent] + i]
+        if self._files[ino] is None:
+            if len(recent) >= RECENT_DIRS:
+                recent.clear()
+            recent[key] = ino
+        return ino, key
+
+    def _walk(self, ino: int, names: list) -> int:
+        """The node reached from directory ``ino`` through ``names`` (0 if none): a bisection per directory."""
+        children, first_kid, kids = self._children, self._first_kid, self._kids
+        for name in names:
+            listed = children[ino]
+            i = bisect_left(listed, name)
+            if i == len(listed) or listed[i] != name:
+                return 0
+            ino = kids[first_kid[ino] + i]
+        return ino
+
+    def _path_of(self, ino: int) -> str:
+        names, parents = self._names, self._parents
+        out = []
+        while ino > 1:
+            out.append(names[ino])
+            ino = parents[ino]
+        return "/".join(reversed(out))
+
+    def _size_of(self, ino: int) -> int:
+        size = self._sizes[ino]
+        if size < 0:  # a deferred file, sized here on first use and fixed from then on
+            size = self._sizes[ino] = self._files[ino].size
+        return size
+
+    def _all_paths(self) -> list:
+        """The path of every node by inode (index 0 unused, 1 the root's ``""``): each is its parent's plus a name."""
+        names, parents = self._names, self._parents
+        paths = ["", ""]
+        for ino in range(2, len(names)):
+            head = paths[parents[ino]]
+            paths.append(head + "/" + names[ino] if head else names[ino])
+        return paths
 
     # -- lookups -----------------------------------------------------------------------------------
     def lookup(self, path: str) -> Entry:
-        key = "/".join(split_path(path))
-        e = self._entries.get(key)
-        if e is None:
+        ino, key = self._find(path)
+        if not ino:
             raise VirtualPathError("/" + key, "no such file or directory", errno.ENOENT)
-        return e
+        return Entry(self, ino, key)
 
     def entry_by_ino(self, ino: int) -> Entry:
-        if 0 < ino < len(self._by_ino):
-            return self._by_ino[ino]
+        if 0 < ino < len(self._names):
+            return Entry(self, ino)
         raise VirtualPathError(f"inode {ino}", "no such inode", errno.ENOENT)
 
     def listdir(self, path: str = "") -> list:
@@ -205,18 +334,24 @@ class VirtualTree:
         return list(e.children)
 
     def attr(self, path_or_entry) -> Attr:
-        e = path_or_entry if isinstance(path_or_entry, Entry) else self.lookup(path_or_entry)
-        if e.is_dir:
-            return Attr(e.ino, DIR_MODE, 2 + e.nsubdirs, 0, self.mtime_ns)
-        return Attr(e.ino, FILE_MODE, 1, e.size, self.mtime_ns)
+        if isinstance(path_or_entry, Entry):
+            ino = path_or_entry.ino
+        else:
+            ino, key = self._find(path_or_entry)
+            if not ino:
+                raise VirtualPathError("/" + key, "no such file or directory", errno.ENOENT)
+        if self._files[ino] is None:
+            return Attr(ino, DIR_MODE, 2 + self._nsubdirs[ino], 0, self.mtime_ns)
+        return Attr(ino, FILE_MODE, 1, self._size_of(ino), self.mtime_ns)
 
     def file_paths(self) -> list:
         """Every file's path, in inode (sorted) order."""
-        return [e.path for e in self._by_ino[1:] if not e.is_dir]
+        vfiles = self._files
+        return [p for ino, p in enumerate(self._all_paths()) if vfiles[ino] is not None]
 
     def all_paths(self) -> list:
         """Every file's and directory's path except the root's, in inode order."""
-        return [e.path for e in self._by_ino[2:]]
+        return self._all_paths()[2:]
 
     @property
     def file_count(self) -> int:
@@ -224,10 +359,14 @@ class VirtualTree:
 
     @property
     def total_size(self) -> int:
-        return sum(e.size for e in self._by_ino[1:] if not e.is_dir)
+        sizes = self._sizes
+        if -1 in sizes:  # deferred files not sized yet
+            for ino in range(len(sizes)):
+                self._size_of(ino)
+        return sum(sizes)
 
     def __contains__(self, path) -> bool:
-        return "/".join(split_path(path)) in self._entries
+        return self._find(path)[0] != 0
 
     # -- data -----------------------------------------------------------------------------------------
     def read(self, path_or_entry, offset: int, n: int) -> bytes:
@@ -268,9 +407,9 @@ class VirtualTree:
 
     def warm(self) -> None:
         """Start building every deferred file in the background (the mount server does this before serving)."""
-        for e in self._by_ino[1:]:
-            if not e.is_dir and getattr(e.file, "deferred", False):
-                self._warmers.append(e.file.start())
+        for vf in self._files:
+            if getattr(vf, "deferred", False):
+                self._warmers.append(vf.start())
 
     def close(self) -> None:
         for th in self._warmers:  # never close sources under a build still running
@@ -284,11 +423,17 @@ class VirtualTree:
         self._closers = []
 
 
+#: how many directories a tree remembers the inode of (a lookup in one of them is a single bisection: ``ls -lR``
+#: and FUSE's path-based calls look up the entries of one directory after another)
+RECENT_DIRS = 1024
+
 #: longest name of one path component (bytes), as statfs announces
 NAME_MAX = 255
 
 
-def _checked_parts(path) -> tuple:
+def _checked_parts(path, same: dict | None = None) -> tuple:
+    """The components of a path given to a tree, checked; with ``same``, each component is the one string kept in
+    ``same`` for its text (a tree keeps one string per distinct name)."""
     raw = str(path)
     parts = tuple(p for p in raw.split("/") if p)
     for p in parts:
@@ -296,7 +441,7 @@ def _checked_parts(path) -> tuple:
             raise CkptfsError(raw, "invalid path component")
         if len(p.encode("utf-8", "surrogateescape")) > NAME_MAX:
             raise CkptfsError(raw, f"path component longer than {NAME_MAX} bytes")
-    return parts
+    return parts if same is None else tuple([same.setdefault(p, p) for p in parts])
 
 
 # ---- assembling the views -------------------------------------------------------------------------

@@ -115,6 +115,21 @@ def test_empty_directories_can_be_declared():
     assert t.listdir("a") == ["deeper", "f"]
 
 
+def test_lookups_stay_exact_across_more_directories_than_a_tree_remembers():
+    from ckptfs.vfs import RECENT_DIRS
+
+    paths = [f"d{i % 7}/{i}/w.bin" for i in range(RECENT_DIRS + 300)] + ["d1/x"]
+    t = VirtualTree({p: BytesFile(p) for p in paths})
+    every = t.all_paths()
+    for order in (every, every[::-1], random.Random(3).sample(every, len(every))):
+        for p in order:
+            e = t.lookup(p)
+            assert e.path == p == t.entry_by_ino(e.ino).path and e == t.entry_by_ino(e.ino)
+            assert (e.is_dir, t.attr("/" + p + "/").ino) == (p.count("/") < 2 and p != "d1/x", e.ino)
+        assert "d1/x/w.bin" not in t and "d0/1/w.bin" not in t and "d1/1/w.bin/x" not in t and "d1/1/w.bin" in t
+    assert [t.read(p, 0, 100) for p in paths] == [p.encode() for p in paths]
+
+
 # ---- assembling views ---------------------------------------------------------------------------------
 
 
