@@ -4,7 +4,8 @@ A ``Checkpoint`` has a ``root`` node (the original nesting rebuilt from the pytr
 ``leaves``, every flattened key in spec order. A link (``LinkedObject``, a hard-link alias, a
 legacy ``link_to_self``) is the *same* Leaf object under two keys, so ties survive.
 
-Leaves exist once per key (100,000 in a large checkpoint), so their classes have slots and no ``__dict__``.
+Leaves exist once per key (100,000 in a large checkpoint), containers up to once per key (an optimizer's state
+per parameter), so their classes have slots and no ``__dict__``.
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ class UnreadableLeaf(Leaf):
     dtype: str | None = None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Container:
     """dict / OrderedDict / defaultdict: ``keys`` holds the keys (str or int); sequences: ``keys`` is None."""
 

@@ -67,6 +67,7 @@ class LegacyReader:
         missing = []
         for k, _ in keys:
             name = quote(k, safe="")
+            name = k if name == k else name  # most keys need no quoting: the tensor keeps one string, not two
             d, problem = self._get(name)
             if d is None:
                 if problem:
