@@ -337,13 +337,24 @@ class Explanation:
         return "\n".join([head] + [f"  {ln}" for ln in self.lines])
 
 
+class _Deferred:
+    """The plan of a file given ``plan=``, not made yet: what makes it and the lock under which it is made once."""
+
+    __slots__ = ("make", "lock")
+
+    def __init__(self, make: Callable[[], Sequence]):
+        self.make = make
+        self.lock = threading.Lock()
+
+
 class PiecedFile:
     """A generated file made of pieces: exact ``size``, ``read(offset, n)`` and ``explain(offset)``.
 
-    Slotted (a mount of 100,000 tensors has ~200,000 .npy files): a file holds its name, cache, plan (or what makes
-    it) and where its last read ended; only a file given ``plan=`` has a lock, to plan once."""
+    Slotted (a mount of 100,000 tensors has ~100,000 .npy files): a file holds its name, cache, where its last read
+    ended and its plan — a ``Plan``, a ``_Deferred`` (given ``plan=``: the only files with a lock) or None (a file
+    that plans itself, not read lately)."""
 
-    __slots__ = ("name", "cache", "_planner", "_plan_lock", "_plan", "_last_end", "__weakref__")
+    __slots__ = ("name", "cache", "_plan", "_last_end", "__weakref__")
 
     def __init__(self, pieces: Sequence | None = None, *, name: str, cache: BlockCache | None = None,
                  plan: Callable[[], Sequence] | None = None):
@@ -353,9 +364,8 @@ class PiecedFile:
             raise TypeError("give pieces or plan")
         self.name = name
         self.cache = cache
-        self._planner = plan
-        self._plan_lock = threading.Lock() if plan is not None else None
-        self._plan: Plan | None = Plan.of(pieces) if pieces is not None else None
+        self._plan: Plan | _Deferred | None = (Plan.of(pieces) if pieces is not None
+                                               else _Deferred(plan) if plan is not None else None)
         self._last_end = -1  # where the last read ended: a read starting there is sequential (read-ahead)
 
     def _own_pieces(self) -> Sequence:
@@ -365,23 +375,23 @@ class PiecedFile:
     def plan(self) -> Plan:
         """The pieces (planned on first use when the file was given ``plan=`` or plans itself)."""
         p = self._plan
-        if p is None:
-            if self._plan_lock is None:  # cheap and pure: a concurrent first reader may plan it too
-                p = self._plan = Plan.of(self._own_pieces())
-                _own_planned.append(weakref.ref(self))
-                while len(_own_planned) > KEEP_OWN_PLANS:  # readers holding a dropped plan keep using it
-                    try:
-                        old = _own_planned.popleft()()
-                    except IndexError:  # emptied by a concurrent reader
-                        break
-                    if old is not None:
-                        old._plan = None
-                return p
-            with self._plan_lock:
-                if self._plan is None:
-                    self._plan = Plan.of(self._planner())
-                p = self._plan
-        return p
+        if type(p) is Plan:
+            return p
+        if p is None:  # cheap and pure: a concurrent first reader may plan it too
+            p = self._plan = Plan.of(self._own_pieces())
+            _own_planned.append(weakref.ref(self))
+            while len(_own_planned) > KEEP_OWN_PLANS:  # readers holding a dropped plan keep using it
+                try:
+                    old = _own_planned.popleft()()
+                except IndexError:  # emptied by a concurrent reader
+                    break
+                if old is not None:
+                    old._plan = None
+            return p
+        with p.lock:  # a _Deferred: made once
+            if type(self._plan) is not Plan:
+                self._plan = Plan.of(p.make())
+        return self._plan
 
     @property
     def size(self) -> int:

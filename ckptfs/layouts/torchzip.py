@@ -276,7 +276,7 @@ class _Records:
         tensor = zf._tensor(i)
         if tensor is None:
             return [f"zip record {name}: {rec.size} bytes known when the file was planned"]
-        label = zf._labels[i - _HEAD]
+        label = zf._labels[i - _HEAD] if zf._labels is not None else None
         return TensorBytes(tensor, name + (f" ({label})" if label else "")).explain(a - d_lo)
 
 
@@ -287,14 +287,15 @@ _HEAD, _TAIL_RECORDS = 4, 2
 class TorchZipLayout(PiecedFile):
     """``torch.save(obj)`` as a lazily generated file: ``size`` and ``read(offset, n)``.
 
-    Kept per storage (an archive of 100,000 tensors has 100,000): its tensor and state-dict key (two list slots)
-    and, in arrays indexed by record, its local header offset, size and CRC (-1 while unknown) — ~40 bytes. A
-    record's name, data offset, headers and directory entry are computed when read. The six other records keep
+    Kept per storage (an archive of 100,000 tensors has 100,000): its tensor and, for a flat state dict, its key
+    (list slots) and, in arrays indexed by record, its local header offset, central directory offset and CRC (-1
+    while unknown) — ~40 bytes. A record's name, size, data offset, headers and directory entry are computed when
+    read. The six other records keep
     their payload; data.pkl is kept packed when large (``pieces.packed``). A CRC being folded in keeps its progress
     in ``_partial`` until it is complete."""
 
     __slots__ = ("archive_name", "crc_mode", "_lock", "_hash_lock", "storages", "signature", "_prefix", "_fixed",
-                 "_labels", "_count", "_starts", "_sizes", "_crcs", "_partial", "_cd_starts", "cd_offset", "cd_size",
+                 "_labels", "_count", "_starts", "_crcs", "_partial", "_cd_starts", "cd_offset", "cd_size",
                  "tail_offset", "_tail", "_unknown", "_store", "_store_key", "_unsaved")
 
     def __init__(self, obj, archive_name: str, *, crc: str = "exact", crc_store: CrcStore | None = None,
@@ -314,7 +315,8 @@ class TorchZipLayout(PiecedFile):
         self.storages = storages
         self.signature = self._signature(pkl, storages)
         labels = _storage_labels(obj)
-        self._labels = [labels.get(id(t)) for t in storages]  # the state-dict key of each storage (explain)
+        # the state-dict key of each storage (explain), when the object is a flat state dict
+        self._labels = [labels.get(id(t)) for t in storages] if labels else None
         del labels
 
         self._prefix = (archive_name + "/").encode("utf-8")
@@ -331,15 +333,12 @@ class TorchZipLayout(PiecedFile):
         self._fixed = dict(zip([0, 1, 2, 3, count - 2, count - 1], fixed))
 
         self._starts = array("q")  # each record's local header offset, then the central directory's
-        self._sizes = array("q")
         self._crcs = array("q", [-1]) * count  # -1: not known yet
         self._partial: dict[int, tuple[int, int]] = {}  # record -> (bytes hashed, running CRC) while hashing
         pos = 0
         for i in range(count):
-            tensor = self._tensor(i)
-            size = tensor.nbytes if tensor is not None else len(self._fixed[i][1])
+            size = self._size(i)
             self._starts.append(pos)
-            self._sizes.append(size)
             if i in crcs:
                 self._crcs[i] = crcs[i]
             elif crc == "zero" or size == 0:
@@ -371,6 +370,10 @@ class TorchZipLayout(PiecedFile):
         k = i - _HEAD
         return self.storages[k] if 0 <= k < len(self.storages) else None
 
+    def _size(self, i: int) -> int:
+        tensor = self._tensor(i)
+        return tensor.nbytes if tensor is not None else len(self._fixed[i][1])
+
     def _payload(self, i: int):
         return self._fixed[i][1]
 
@@ -381,7 +384,7 @@ class TorchZipLayout(PiecedFile):
         return self._prefix + self._fixed[i][0]
 
     def _record(self, i: int) -> _Record:
-        return _Record(self._name(i), self._starts[i], self._sizes[i])
+        return _Record(self._name(i), self._starts[i], self._size(i))
 
     @property
     def entries(self) -> list[ZipEntry]:
@@ -433,7 +436,7 @@ class TorchZipLayout(PiecedFile):
             running = zlib.crc32(mv, running)
             hashed += len(mv)
             self._unsaved += len(mv)
-            if hashed < self._sizes[i]:
+            if hashed < self._size(i):
                 self._partial[i] = (hashed, running)
                 return
             self._partial.pop(i, None)
@@ -455,7 +458,7 @@ class TorchZipLayout(PiecedFile):
             for i in records:
                 if crcs[i] >= 0:
                     continue
-                t, size = self._tensor(i), self._sizes[i]
+                t, size = self._tensor(i), self._size(i)
                 block = max(1, t.block_elems() * t.dtype.itemsize)
                 while crcs[i] < 0:
                     pos = self._partial.get(i, (0, 0))[0]
