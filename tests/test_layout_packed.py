@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import random
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -72,3 +73,30 @@ def test_only_the_last_npy_plans_are_kept_and_a_dropped_plan_is_made_again(monke
     assert [f.read(0, f.size) for f in files] == first
     for f, t in zip(files, obj.values()):
         assert np.array_equal(np.load(io.BytesIO(f.read(0, f.size))), t.array)
+
+
+def test_concurrent_readers_of_npy_files_whose_plans_are_dropped_read_the_right_bytes(monkeypatch):
+    monkeypatch.setattr(pieces, "KEEP_OWN_PLANS", 3)
+    obj = state(60)
+    cache = BlockCache(1 << 20)
+    files = [NpyLayout(t, name=k, cache=cache) for k, t in obj.items()]
+    expected = [NpyLayout(t, name=k).read(0, 1 << 20) for k, t in obj.items()]
+    errors = []
+
+    def reader(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(400):
+                i = rng.randrange(len(files))
+                a, n = rng.randrange(files[i].size), rng.randrange(1, 200)
+                if files[i].read(a, n) != expected[i][a:a + n]:
+                    errors.append(i)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
