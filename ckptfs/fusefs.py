@@ -202,7 +202,7 @@ class CkptfsOperations:
     def statfs(self, path):
         frsize = 4096
         return {"f_bsize": BLKSIZE, "f_frsize": frsize, "f_blocks": -(-self._tree.total_size // frsize),
-                "f_bfree": 0, "f_bavail": 0, "f_files": len(self._tree.all_paths()) + 1, "f_ffree": 0,
+                "f_bfree": 0, "f_bavail": 0, "f_files": self._tree.node_count, "f_ffree": 0,
                 "f_favail": 0, "f_namemax": 255}
 
     def init_with_config(self, conn, config):

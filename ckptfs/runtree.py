@@ -429,6 +429,11 @@ class RunTree:
     def file_count(self) -> int:
         return len(self._slots)
 
+    @property
+    def node_count(self) -> int:
+        """The root and its entries (``statfs``'s ``f_files``)."""
+        return len(self.all_paths()) + 1
+
     def warm(self) -> None:
         """Nothing to start: trees are built on first access."""
 

@@ -358,6 +358,11 @@ class VirtualTree:
         return self._nfiles
 
     @property
+    def node_count(self) -> int:
+        """Files and directories, the root included (``statfs``'s ``f_files``; no path is built for it)."""
+        return len(self._names) - 1
+
+    @property
     def total_size(self) -> int:
         sizes = self._sizes
         if -1 in sizes:  # deferred files not sized yet
