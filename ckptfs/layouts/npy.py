@@ -61,7 +61,7 @@ class NpyLayout(PiecedFile):
     """A virtual ``.npy`` file for one tensor: its header, then its bytes (``ckptfs.layouts.pieces``).
 
     Planned on first read, without a lock (the plan is cheap and pure): until then it holds its tensor, name, cache
-    and header length only, in slots (a mount of 100,000 tensors has ~200,000 .npy files)."""
+    and header length only, in slots (a mount of 100,000 tensors has 100,000 .npy files)."""
 
     __slots__ = ("tensor", "data_start")
 

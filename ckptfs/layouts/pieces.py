@@ -15,8 +15,8 @@ A file is the concatenation of its pieces, each one of:
   of tensors, kept as two lists and one array of offsets, so that a file of 100,000 tensors holds no object per
   tensor.
 
-Large literal content (a data.pkl or safetensors header of a checkpoint with 100,000 keys: ~10 MB of very
-repetitive bytes) is kept compressed: ``packed(data)`` returns ``data`` itself below ``PACK_AT`` bytes, else a
+Large literal content (for 100,000 keys: ~13 MB of data.pkl per torch zip, ~10 MB of safetensors header, both
+repetitive) is kept compressed: ``packed(data)`` returns ``data`` itself below ``PACK_AT`` bytes, else a
 ``PackedBytes`` (independent zlib chunks, sliced like bytes, the last chunk used kept decompressed).
 
 ``PiecedFile(pieces, name=…, cache=…)`` has an exact ``size`` and the single read loop, ``readinto(offset, out)``:
@@ -38,8 +38,8 @@ from __future__ import annotations
 import threading
 import weakref
 import zlib
-from collections import deque
 from array import array
+from collections import deque
 from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -222,9 +222,10 @@ class PackedBytes:
     """Bytes kept zlib-compressed in independent ``CHUNK``-byte chunks; ``len()`` and slicing as ``bytes``.
 
     For large literal content (a torch data.pkl, a safetensors header): a checkpoint of 100,000 keys has ~13 MB of
-    pickle per zip, mostly repeated opcodes and names, which packs about tenfold. A slice decompresses only the
-    chunks it overlaps; the last chunk decompressed is kept (one ``(index, bytes)`` tuple, replaced whole, so
-    concurrent readers see either the old or the new one), so a sequential read decompresses each chunk once."""
+    pickle per zip, mostly repeated opcodes and names; zlib at level 1 (fast: ~0.1 s for that pickle) packs it
+    about 3.5-fold and a JSON header about 8-fold. A slice decompresses only the chunks it overlaps; the last chunk
+    decompressed is kept (one ``(index, bytes)`` tuple, replaced whole, so concurrent readers see either the old or
+    the new one), so a sequential read decompresses each chunk once."""
 
     __slots__ = ("size", "_chunks", "_window")
 

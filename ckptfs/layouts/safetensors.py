@@ -106,7 +106,6 @@ class SafetensorsLayout(PiecedFile):
         offsets.extend(e.end for e in entries)
         self._run = TensorRun([e.name for e in entries], [e.tensor for e in entries], offsets,
                               "safetensors data section", name)
-        del entries, header
         super().__init__([Literal(self._header, "safetensors header"), self._run], name=name, cache=cache)
 
     @property
@@ -116,6 +115,7 @@ class SafetensorsLayout(PiecedFile):
 
     @property
     def data_size(self) -> int:
+        """Bytes of the data section (every tensor's)."""
         return self._run.size
 
     @property

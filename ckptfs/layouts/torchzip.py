@@ -290,9 +290,8 @@ class TorchZipLayout(PiecedFile):
     Kept per storage (an archive of 100,000 tensors has 100,000): its tensor and, for a flat state dict, its key
     (list slots) and, in arrays indexed by record, its local header offset, central directory offset and CRC (-1
     while unknown) — ~40 bytes. A record's name, size, data offset, headers and directory entry are computed when
-    read. The six other records keep
-    their payload; data.pkl is kept packed when large (``pieces.packed``). A CRC being folded in keeps its progress
-    in ``_partial`` until it is complete."""
+    read. The six other records keep their payload; data.pkl is kept packed when large (``pieces.packed``). A CRC
+    being folded in keeps its progress in ``_partial`` until it is complete."""
 
     __slots__ = ("archive_name", "crc_mode", "_lock", "_hash_lock", "storages", "signature", "_prefix", "_fixed",
                  "_labels", "_count", "_starts", "_crcs", "_partial", "_cd_starts", "cd_offset", "cd_size",
@@ -317,20 +316,17 @@ class TorchZipLayout(PiecedFile):
         labels = _storage_labels(obj)
         # the state-dict key of each storage (explain), when the object is a flat state dict
         self._labels = [labels.get(id(t)) for t in storages] if labels else None
-        del labels
 
         self._prefix = (archive_name + "/").encode("utf-8")
         sid = b"%040d" % (int.from_bytes(hashlib.sha256(self.signature.encode()).digest(), "big") % 10**40)
         n = len(storages)
         self._count = count = _HEAD + n + _TAIL_RECORDS
         # record index -> (name after the prefix, payload) for the records that are not storages
-        fixed = [(b"data.pkl", pkl), (b".format_version", b"1"), (b".storage_alignment", b"64"),
-                 (b"byteorder", b"little"), (b"version", b"3\n"), (b".data/serialization_id", sid)]
-        crcs = {i: 0 if crc == "zero" else zlib.crc32(payload)
-                for i, (_, payload) in zip([0, 1, 2, 3, count - 2, count - 1], fixed)}
-        fixed[0] = (b"data.pkl", packed(pkl))
-        del pkl
-        self._fixed = dict(zip([0, 1, 2, 3, count - 2, count - 1], fixed))
+        self._fixed = dict(zip([0, 1, 2, 3, count - 2, count - 1], [
+            (b"data.pkl", pkl), (b".format_version", b"1"), (b".storage_alignment", b"64"), (b"byteorder", b"little"),
+            (b"version", b"3\n"), (b".data/serialization_id", sid)]))
+        crcs = {i: 0 if crc == "zero" else zlib.crc32(payload) for i, (_, payload) in self._fixed.items()}
+        self._fixed[0] = (b"data.pkl", packed(pkl))
 
         self._starts = array("q")  # each record's local header offset, then the central directory's
         self._crcs = array("q", [-1]) * count  # -1: not known yet
