@@ -17,6 +17,14 @@ from typing import Callable, Hashable
 
 DEFAULT_CACHE_BYTES = 256 << 20
 
+#: what keeping one block costs beyond its bytes (the value object, its key, the LRU entry): charged against the
+#: bound, so that a cache of many tiny blocks (a checkpoint of 100,000 small tensors) stays within --cache-size too
+BLOCK_OVERHEAD = 512
+
+
+def _cost(val) -> int:
+    return len(val) + BLOCK_OVERHEAD
+
 
 class _Pending:
     """A block being computed by one thread; others wait on ``done``."""
@@ -30,7 +38,8 @@ class _Pending:
 
 
 class BlockCache:
-    """LRU of ``bytes`` values bounded by total size; values larger than the bound are not kept."""
+    """LRU of ``bytes`` values bounded by total size (each block charged ``BLOCK_OVERHEAD`` on top of its bytes);
+    values larger than the bound are not kept."""
 
     def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES):
         self.max_bytes = int(max_bytes)
@@ -113,24 +122,24 @@ class BlockCache:
                 return
             del self._data[key]
             self._taken.pop(key, None)
-            self._size -= len(val)
+            self._size -= _cost(val)
 
     def put(self, key: Hashable, val: bytes, _pending: _Pending | None = None) -> None:
         with self._lock:
             if _pending is not None and self._pending.get(key) is _pending:
                 del self._pending[key]
-            if len(val) > self.max_bytes:
+            if _cost(val) > self.max_bytes:
                 return
             old = self._data.pop(key, None)
             if old is not None:
-                self._size -= len(old)
+                self._size -= _cost(old)
             self._taken.pop(key, None)
             self._data[key] = val
-            self._size += len(val)
+            self._size += _cost(val)
             while self._size > self.max_bytes and self._data:
                 k, v = self._data.popitem(last=False)
                 self._taken.pop(k, None)
-                self._size -= len(v)
+                self._size -= _cost(v)
 
     def clear(self) -> None:
         with self._lock:
