@@ -500,9 +500,11 @@ def build_skeleton(items: list, *, cstorch_version: str, format_version: float, 
 
 
 def release_hdf5_free_lists() -> None:
-    """Hand back the memory HDF5 keeps on its free lists for reuse — after a build, ~4 KB per key that the server
-    would hold for good (80 MB for 18,000 keys). ``H5garbage_collect`` is not wrapped by h5py: it is found through
-    h5py's own extension module, so in the very HDF5 library h5py uses, and called under h5py's lock. Best effort."""
+    """Hand back the memory HDF5 keeps on its free lists for reuse. During a build of thousands of keys HDF5's
+    metadata cache holds ~80 MB of decoded object headers (bounded: the cache's size is counted in bytes on disk);
+    freed, they stay on HDF5's free lists, which the server would hold for good. ``H5garbage_collect`` is not
+    wrapped by h5py: it is found through h5py's own extension module, so in the very HDF5 library h5py uses, and
+    called under h5py's lock. Best effort."""
     try:
         collect = ctypes.CDLL(h5py.h5.__file__).H5garbage_collect
     except (OSError, AttributeError):
