@@ -14,7 +14,8 @@ import numpy as np
 from ..errors import CheckpointError, SourceChangedError
 from .catalog import Checkpoint, Container, ValueLeaf
 from .confine import Confinement
-from .h5store import ExternalFiles, H5Store, identity_of_open, one_line, open_h5, release_hdf5_free_lists
+from .h5store import (ExternalFiles, H5Store, identity_of_open, one_line, open_h5, read_large_attr,
+                      release_hdf5_free_lists)
 from .reader_legacy import LegacyReader
 from .reader_v05 import V05Reader
 from .resolve import resolve_checkpoint
@@ -92,18 +93,17 @@ def open_checkpoint(path, *, allow_partial: bool = False, allow_external=()) -> 
     try:
         _check_cerebras(f, file_path)
         version = _format_version(f, file_path)
-        spec = f.attrs["__spec__"]
-        spec = _attr_str(spec) or ""
+        spec = _attr_str(read_large_attr(f, "__spec__")) or ""  # read once, handed to the reader
         if version >= 0.5:
             if not spec.lstrip().startswith("["):
                 raise CheckpointError(file_path, f"format {version} file whose __spec__ is not JSON")
             success = bool(np.asarray(f.attrs["__SUCCESS__"]).item()) if "__SUCCESS__" in f.attrs else False
             if not success and not allow_partial:
                 raise CheckpointError(file_path, _partial_problem(file_path))
-            result = V05Reader(f, store, externals, file_path, partial=not success).read()
+            result = V05Reader(f, store, externals, file_path, partial=not success).read(spec)
         else:
             success = True
-            result = LegacyReader(f, store, externals, file_path, version).read()
+            result = LegacyReader(f, store, externals, file_path, version).read(spec)
         release = (_attr_str(f.attrs.get("__cstorch_version__")) or metadata_release(result.root)
                    or VERSION_RELEASES.get(round(version, 1)))
         store.verify("catalog")  # the metadata just read belongs to one version of the file

@@ -54,9 +54,10 @@ class LegacyReader:
         self.version = version
         self.warnings: list = []
 
-    def read(self) -> ReadResult:
+    def read(self, spec_text: str) -> ReadResult:
+        """The catalog, from the hex ``__spec__`` text (read once by ``open_checkpoint``) and the datasets."""
         try:
-            spec = decode_legacy_spec(_s(self.f.attrs["__spec__"]))
+            spec = decode_legacy_spec(spec_text)
             keys = leaf_keys(spec)
         except SpecError as e:
             raise CheckpointError(self.path, f"bad legacy __spec__: {e}") from None

@@ -72,9 +72,9 @@ class V05Reader:
         self.warnings: list = []
         self.factory = LeafFactory(store, externals, self.warnings)
 
-    def read(self) -> ReadResult:
-        attrs = self.f.attrs
-        spec = parse_top_spec(self.path, attrs["__spec__"])
+    def read(self, spec_text: str) -> ReadResult:
+        """The catalog, from the ``__spec__`` text (read once by ``open_checkpoint``) and each key's metadata."""
+        spec = parse_top_spec(self.path, spec_text)
         try:
             keys = leaf_keys(spec)
         except SpecError as e:
