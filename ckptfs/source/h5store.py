@@ -9,6 +9,7 @@ import os
 import re
 import struct
 import threading
+from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
 
@@ -91,11 +92,17 @@ def read_large_attr(f: h5py.File, name: str):
 
 _VLEN_STR = h5py.string_dtype()
 _VLEN_STR_MEMORY = h5t.py_create(_VLEN_STR)  # its HDF5 memory type, made once
+#: HDF5's chunk cache of each open dataset (its classic defaults). HDF5 2.0 defaults to 8,191 slots, 8 MiB: 64 KB
+#: of slot table allocated for every open dataset, although LZ4 datasets are read around HDF5 (``lz4chunks``) and
+#: the cache only serves the plain h5py reads of other datasets
+CHUNK_CACHE_SLOTS = 521
+CHUNK_CACHE_BYTES = 1 << 20
 _TRUNC = re.compile(r"truncated file: eof = (\d+).*stored_eof = (\d+)")
 
 
 def open_h5(path, *, error=CheckpointError) -> h5py.File:
-    """Open ``path`` read-only with ``locking="best-effort"`` (falling back to no locking).
+    """Open ``path`` read-only with ``locking="best-effort"`` (falling back to no locking) and a small chunk cache
+    per dataset (``CHUNK_CACHE_SLOTS``).
 
     Raises ``error(path, problem)`` with a one-line problem for a missing file, a directory, a non-HDF5
     file (saying if it looks like safetensors or a torch zip), a truncated or otherwise unreadable HDF5 file.
@@ -116,7 +123,7 @@ def open_h5(path, *, error=CheckpointError) -> h5py.File:
     last: Exception | None = None
     for locking in ("best-effort", False):
         try:
-            return h5py.File(p, "r", locking=locking)
+            return h5py.File(p, "r", locking=locking, rdcc_nslots=CHUNK_CACHE_SLOTS, rdcc_nbytes=CHUNK_CACHE_BYTES)
         except ValueError as e:  # HDF5 build without best-effort locking
             last = e
             continue
@@ -161,6 +168,11 @@ def identity_of_open(path: Path, f: h5py.File) -> FileIdentity:
         return FileIdentity.of_path(path)
 
 
+#: datasets one store keeps open at once: HDF5 holds ~20 KB for each open dataset (more while many are open at
+#: once), so reading every tensor of a 100,000-key checkpoint must not leave them all open
+MAX_OPEN_DATASETS = 256
+
+
 class H5Store:
     """One HDF5 file's handle for the tensors that read from it.
 
@@ -169,6 +181,10 @@ class H5Store:
     checkpoint. ``identity`` is the version of the file the tensors were planned from (None: not known yet,
     taken when the file is first opened); ``verify`` raises ``SourceChangedError`` once the file at ``path`` is
     another version. ``close`` is registered in ``Checkpoint._closers``.
+
+    The tensors that keep a dataset of the file open (``H5DatasetTensor``) report each read (``used``): past
+    ``MAX_OPEN_DATASETS``, the least recently read one closes its dataset (``close_dataset``) and opens it again
+    when read next.
     """
 
     def __init__(self, path: Path, checkpoint_path: Path, file: h5py.File | None = None, referenced_as: str | None = None,
@@ -182,6 +198,8 @@ class H5Store:
         self._file = file
         self._lock = threading.Lock()
         self._closed = False
+        self._open: OrderedDict = OrderedDict()  # id(tensor) -> tensor with an open dataset, least recently read first
+        self._open_lock = threading.Lock()
 
     def file(self, what: str) -> h5py.File:
         """The open file; ``what`` names the tensor for the error message."""
@@ -220,8 +238,32 @@ class H5Store:
         self.release()
         self.file("reopening")
 
+    def used(self, tensor) -> None:
+        """``tensor`` has its dataset open and is being read: it becomes the most recently used; the least recently
+        used ones beyond ``MAX_OPEN_DATASETS`` close theirs (a read under way keeps its own reference meanwhile)."""
+        with self._open_lock:
+            key = id(tensor)
+            if key in self._open:
+                self._open.move_to_end(key)
+                return
+            self._open[key] = tensor
+            while len(self._open) > MAX_OPEN_DATASETS:
+                self._open.popitem(last=False)[1].close_dataset()
+
+    def open_datasets(self) -> int:
+        """How many tensors keep a dataset of this file open."""
+        return len(self._open)
+
+    def _forget_datasets(self) -> None:
+        with self._open_lock:
+            tensors = list(self._open.values())
+            self._open.clear()
+        for t in tensors:
+            t.close_dataset()
+
     def release(self) -> None:
         """Close the handle; the next ``file()`` opens the file again (checking it is still the same version)."""
+        self._forget_datasets()  # their datasets belong to this handle
         with self._lock:
             old, self._file = self._file, None
             if old is not None:
@@ -253,6 +295,7 @@ class H5Store:
         return replace(now, ctime_ns=self.identity.ctime_ns) if st.st_nlink == 0 else now
 
     def close(self) -> None:
+        self._forget_datasets()
         with self._lock:
             self._closed = True
             if self._file is not None:

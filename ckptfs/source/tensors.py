@@ -42,10 +42,11 @@ class H5DatasetTensor(VirtualTensor):
     """Dataset ``name`` of an HDF5 file; shape and dtype come from the checkpoint's metadata.
 
     One per checkpoint key, so slots only: until its first read it holds the store, two strings (the catalog
-    passes the flat key itself as both when they are equal), the shared shape and chunk tuples; the open dataset
-    and its LZ4 plan are added by the first read."""
+    passes the flat key itself as both when they are equal), the shared shape and chunk tuples. A read opens the
+    dataset and plans its LZ4 reads (``_open``); the store closes the least recently read ones beyond its bound
+    (``H5Store.used``), and such a tensor opens its dataset again when read next."""
 
-    __slots__ = ("store", "name", "key", "_chunks", "_dset", "_lz4")
+    __slots__ = ("store", "name", "key", "_chunks", "_open")
 
     def __init__(self, store: H5Store, name: str, key: str, shape, dtype: DType, *, chunks: tuple | None = None):
         super().__init__(shape, dtype)
@@ -53,8 +54,7 @@ class H5DatasetTensor(VirtualTensor):
         self.name = name  # dataset path inside the file (h5py follows '/' as groups)
         self.key = key  # flat key, for messages
         self._chunks = None if chunks is None else shared_shape(chunks)  # when the catalog read the header
-        self._dset = None
-        self._lz4 = (None, None)  # (dataset, LZ4ChunkReader | None) planned for that dataset object
+        self._open = None  # (h5py Dataset, LZ4ChunkReader | None) while the dataset is open
 
     def describe(self) -> str:
         where = "" if self.store.path == self.store.checkpoint_path else f" of {self.store.path.name}"
@@ -65,15 +65,24 @@ class H5DatasetTensor(VirtualTensor):
 
     def dataset(self):
         """The h5py Dataset, checked against the metadata shape and element size (no data read)."""
-        d = self._dset
-        if d is not None:
-            return d
-        with _open_lock:  # concurrent FUSE readers open (and plan) each dataset once
-            if self._dset is None:
-                self._open_dataset()
-            return self._dset
+        return self._opened()[0]
 
-    def _open_dataset(self) -> None:
+    def _opened(self) -> tuple:
+        """``(dataset, LZ4 reader or None)``, opening and planning the dataset if it is not open."""
+        o = self._open
+        if o is None:
+            with _open_lock:  # concurrent FUSE readers open (and plan) each dataset once
+                o = self._open
+                if o is None:
+                    o = self._open = self._open_dataset()
+        self.store.used(self)
+        return o
+
+    def close_dataset(self) -> None:
+        """Let go of the open dataset and its plan (h5py closes it once no read under way still holds it)."""
+        self._open = None
+
+    def _open_dataset(self) -> tuple:
         f = self.store.file(f"tensor {self.key}")
         try:
             d, info = open_dataset(f, self.name)  # never crosses into another file (h5safe)
@@ -87,21 +96,20 @@ class H5DatasetTensor(VirtualTensor):
         if why:
             raise self._fail(why)
         self._chunks = None if info.chunks is None else shared_shape(info.chunks)
-        self._lz4 = (d, lz4chunks.plan(d) if self.ndim else None)
-        self._dset = d
+        return d, (lz4chunks.plan(d) if self.ndim else None)
 
     def _chunk_reader(self, d):
-        """The LZ4 chunk reader planned for dataset object ``d`` (None: plain h5py reads)."""
-        planned_for, reader = self._lz4
-        if planned_for is not d:
-            reader = lz4chunks.plan(d) if self.ndim else None
-            self._lz4 = (d, reader)
-        return reader
+        """The LZ4 chunk reader for dataset object ``d`` (None: plain h5py reads): the one planned when the dataset
+        was opened, or a new plan for another object (a dataset closed and opened again meanwhile, a test's spy)."""
+        o = self._open
+        if o is not None and o[0] is d:
+            return o[1]
+        return lz4chunks.plan(d) if self.ndim else None
 
     def chunk_shape(self):
         """The dataset's chunk shape: cache blocks are whole chunk rows (``VirtualTensor.block_elems``), so that
         consecutive blocks never decode the same chunk."""
-        if self._chunks is None and self._dset is None:
+        if self._chunks is None and self._open is None:
             try:
                 self.dataset()
             except TensorReadError:
