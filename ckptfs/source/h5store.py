@@ -232,9 +232,9 @@ class H5Store:
 
     def reopen(self) -> None:
         """Replace the open handle by a fresh one of the same file version (``SourceChangedError`` if the file is
-        another version now). HDF5 keeps some memory for every object ever opened in a file until that file is
-        closed (~5 KB per dataset: 500 MB after checking the catalog of 100,000 datasets); the catalog is read with
-        one handle and the tensors are served with a fresh one (``open_checkpoint``)."""
+        another version now). HDF5 keeps memory for what a handle has read (metadata cache, open-object state) until
+        that handle is closed; the catalog is read with one handle and the tensors are served with a fresh one
+        (``open_checkpoint``)."""
         self.release()
         self.file("reopening")
 
