@@ -94,6 +94,7 @@ class LeafFactory:
         self.store = store
         self.externals = externals
         self.warnings = warnings
+        self._safetensors_headers: dict = {}  # path -> header (or the error reading it), read once per catalog
 
     @property
     def checkpoint_path(self) -> Path:
@@ -220,24 +221,38 @@ class LeafFactory:
         ckpt = self.checkpoint_path
         ident = self.externals.identity(path)
 
-        def make(shape, dt):
+        def make(shape, dt, offset=-1):
             return SafetensorsTensor(path, name, shape, dt, key, ckpt, referenced_as=ref, identity=ident,
-                                     confinement=self.externals.confinement)
+                                     confinement=self.externals.confinement, offset=offset)
 
         if ident is None:
             self.warnings.append(f"{key}: external safetensors file {path} not found (referenced as {ref!r})")
             return Unresolved(f"external safetensors file {path} not found (referenced as {ref!r})", make)
-        from .safetensors_ref import read_safetensors_header
-
         try:
-            entry = read_safetensors_header(path).get(name)
+            entry = self._safetensors_header(path).get(name)
         except RefusedReference as e:
             return self._refused(key, e)
         except (OSError, ValueError) as e:
             return Unresolved(f"external safetensors file {path.name}: {one_line(e)}", make)
         if entry is None:
             return Unresolved(f"external safetensors file {path.name} has no tensor {name!r}", make)
-        return TensorLeaf(key, make(entry.shape, entry.dtype))
+        return TensorLeaf(key, make(entry.shape, entry.dtype, entry.offset))  # the header is not read again
+
+    def _safetensors_header(self, path: Path) -> dict:
+        """The header of a referenced .safetensors file, read once for all the keys that refer to it (the same
+        exception again when it could not be read)."""
+        from .safetensors_ref import read_safetensors_header
+
+        got = self._safetensors_headers.get(path)
+        if got is None:
+            try:
+                got = read_safetensors_header(path)
+            except (RefusedReference, OSError, ValueError) as e:
+                got = e
+            self._safetensors_headers[path] = got
+        if isinstance(got, Exception):
+            raise got.with_traceback(None)  # a fresh traceback each time, not one growing per key
+        return got
 
     def _external_object(self, key: str, md: dict):
         ref = str(md["path"])

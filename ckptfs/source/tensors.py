@@ -317,15 +317,17 @@ class FileRegionTensor(VirtualTensor):
 
 
 class SafetensorsTensor(FileRegionTensor):
-    """Tensor ``name`` of an external .safetensors file (DeferredSafeTensor); the header is read on
-    first use and checked against the shape and dtype the catalog announced."""
+    """Tensor ``name`` of an external .safetensors file (DeferredSafeTensor). ``offset`` is where its data starts
+    when the catalog read that from the header of the version ``identity`` names (every read checks the file is
+    still that version); otherwise (-1) the header is read on first use and checked against the shape and dtype
+    the catalog announced."""
 
     __slots__ = ("name",)
 
     def __init__(self, path: Path, name: str, shape, dtype: DType, key: str, checkpoint_path: Path,
                  referenced_as: str | None = None, *, identity: FileIdentity | None = None,
-                 confinement: Confinement | None = None):
-        super().__init__(path, -1, shape, dtype, key, checkpoint_path, referenced_as, what="safetensors file",
+                 confinement: Confinement | None = None, offset: int = -1):
+        super().__init__(path, offset, shape, dtype, key, checkpoint_path, referenced_as, what="safetensors file",
                          identity=identity, confinement=confinement)
         self.name = name
 
