@@ -11,6 +11,7 @@ from urllib.parse import quote, unquote
 
 import h5py
 import numpy as np
+from h5py import h5o
 
 from .. import dtypes
 from ..dtypes import BFLOAT16
@@ -40,6 +41,12 @@ def _flag(attrs, name) -> bool:
     return bool(np.asarray(v).item()) if v is not None else False
 
 
+def _object_address(d: h5py.Dataset) -> tuple:
+    """Where dataset ``d`` lives (file number, object header address): the same for every name hard-linked to it."""
+    info = h5o.get_info(d.id)
+    return info.fileno, info.addr
+
+
 def _bf16_bits_to_float(bits) -> float:
     u = np.array(bits).astype(np.uint16).astype(np.uint32) << 16
     return float(u.view(np.float32))
@@ -63,7 +70,7 @@ class LegacyReader:
             raise CheckpointError(self.path, f"bad legacy __spec__: {e}") from None
         check_collisions(self.path, keys)
         spec_keys = {k for k, _ in keys}
-        first_name_of: dict = {}  # HDF5 object -> first key naming it (hard links)
+        first_name_of: dict = {}  # (file number, object address) -> first key naming it (hard links)
         values: dict = {}
         missing = []
         for k, _ in keys:
@@ -77,11 +84,11 @@ class LegacyReader:
                     missing.append(k)
                     values[k] = ValueLeaf(k, None)
                 continue
-            oid = d.id
-            if oid in first_name_of:
-                values[k] = Link(first_name_of[oid])
+            where = _object_address(d)  # not the object itself: that would keep every dataset open
+            if where in first_name_of:
+                values[k] = Link(first_name_of[where])
                 continue
-            first_name_of[oid] = k
+            first_name_of[where] = k
             values[k] = self._leaf(k, name, d, spec_keys)
         if missing:
             shown = ", ".join(missing[:5]) + (" …" if len(missing) > 5 else "")
