@@ -23,7 +23,6 @@ see the same attributes and datasets. The file's bytes are a pure function of th
 from __future__ import annotations
 
 import bisect
-import ctypes
 import io
 import logging
 import os
@@ -39,6 +38,7 @@ from h5py._hl.base import array_for_new_object
 from ..cache import BlockCache
 from ..dtypes import DType
 from ..errors import CheckpointError, TensorReadError
+from ..source.h5store import release_hdf5_free_lists
 from ..tensor import VirtualTensor
 from . import hdf5_spec
 from .pieces import PiecedFile, TensorBytes
@@ -493,25 +493,10 @@ def build_skeleton(items: list, *, cstorch_version: str, format_version: float, 
         for key, entry in items:
             w.root_attr(f.id, key + ".__metadata__", hdf5_spec.key_metadata_attr(key, entry_metadata(entry)))
         w.root_attr(f.id, "__SUCCESS__", _TRUE)
-    release_hdf5_free_lists()
+    release_hdf5_free_lists()  # the metadata cache's decoded headers (~80 MB for thousands of keys), bounded but kept
     skel = Skeleton(buf, buf.finish(), regions, buf.eof)
     _check_disjoint(skel)
     return skel
-
-
-def release_hdf5_free_lists() -> None:
-    """Hand back the memory HDF5 keeps on its free lists for reuse. During a build of thousands of keys HDF5's
-    metadata cache holds ~80 MB of decoded object headers (bounded: the cache's size is counted in bytes on disk);
-    freed, they stay on HDF5's free lists, which the server would hold for good. ``H5garbage_collect`` is not
-    wrapped by h5py: it is found through h5py's own extension module, so in the very HDF5 library h5py uses, and
-    called under h5py's lock. Best effort."""
-    try:
-        collect = ctypes.CDLL(h5py.h5.__file__).H5garbage_collect
-    except (OSError, AttributeError):
-        return
-    collect.restype = ctypes.c_int
-    with h5py._objects.phil:
-        collect()
 
 
 def _check_disjoint(skel: Skeleton) -> None:
