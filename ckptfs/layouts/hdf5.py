@@ -288,6 +288,7 @@ class ScratchBuffer(_SkeletonBuffer):
         self._starts, self._ends = [], []
         return spans
 
+
 class SparseBuffer(_SkeletonBuffer):
     """The skeleton kept in memory (when no temporary file can be made): only written ranges are kept, merged,
     each with its bytes."""
@@ -338,10 +339,6 @@ class SparseBuffer(_SkeletonBuffer):
 
     def spans(self) -> list:
         return [(s, s + len(d)) for s, d in zip(self._starts, self._data)]
-
-    def segments(self) -> list:
-        """``[(offset, bytes)]`` of every written range."""
-        return [(s, bytes(d)) for s, d in zip(self._starts, self._data)]
 
 
 def new_buffer() -> _SkeletonBuffer:
@@ -508,13 +505,13 @@ def _check_disjoint(skel: Skeleton) -> None:
         raise RuntimeError("data region beyond end of file")
 
 
-class _Body(TensorBytes):
+class _Body:
     """The whole file as one piece that finds its parts by bisecting arrays, instead of a piece per key: the tensors'
     regions ``[starts[i], ends[i])`` are read from ``tensors[i]`` through the cache; every other byte comes from the
     skeleton buffer — HDF5 metadata in the ranges HDF5 wrote (``meta_starts``/``meta_ends``), zeros (free space)
-    elsewhere. About 40 B per tensor. (A ``TensorBytes`` so that the read engine's read-ahead reaches the tensors.)"""
+    elsewhere. About 40 B per tensor. ``prefetch`` lets the read engine's read-ahead reach the tensors."""
 
-    __slots__ = ("layout", "buffer", "starts", "ends", "tensors", "meta_starts", "meta_ends")
+    __slots__ = ("layout", "buffer", "size", "starts", "ends", "tensors", "meta_starts", "meta_ends")
 
     def __init__(self, layout: "Hdf5Layout", skel: Skeleton):
         self.layout = layout  # names the tensors (explain, errors)
@@ -525,7 +522,7 @@ class _Body(TensorBytes):
         self.tensors = [t for _, t in regions]
         self.meta_starts = array("q", [a for a, _ in skel.spans])
         self.meta_ends = array("q", [b for _, b in skel.spans])
-        self.tensor, self.name, self.start, self.size, self.on_read = None, None, 0, skel.size, None
+        self.size = skel.size
 
     @property
     def what(self) -> str:
