@@ -372,7 +372,7 @@ class RunTree:
             with self._using(e):
                 return e.tree.read(e.inner, offset, n)
         self._check_file(e)
-        return read_clipped("/" + e.path, e.file, e.size, offset, n)
+        return read_clipped(e, offset, n)
 
     def readinto(self, path_or_entry, offset: int, out: memoryview) -> int:
         """``read`` straight into ``out`` (the FUSE server's read); the count."""
@@ -381,7 +381,7 @@ class RunTree:
             with self._using(e):
                 return e.tree.readinto(e.inner, offset, out)
         self._check_file(e)
-        return readinto_clipped("/" + e.path, e.file, e.size, offset, out)
+        return readinto_clipped(e, offset, out)
 
     @staticmethod
     def _check_file(e: RunEntry) -> None:

@@ -133,32 +133,32 @@ class Attr:
         return (self.size + 511) // 512
 
 
-def read_clipped(where: str, vf, size: int, offset: int, n: int) -> bytes:
-    """Bytes ``[offset, offset+n)`` of virtual file ``vf`` (``size`` bytes), clipped at its end: exactly that many
-    or an exception naming ``where``."""
+def read_clipped(entry, offset: int, n: int) -> bytes:
+    """Bytes ``[offset, offset+n)`` of the file of ``entry`` (its ``file``, ``size`` and ``path``), clipped at its
+    end: exactly that many or an exception naming the path (built only then: this is every read's path)."""
     if offset < 0 or n < 0:
-        raise VirtualPathError(where, f"invalid read of {n} bytes at offset {offset}", errno.EINVAL)
-    want = max(0, min(n, size - offset))
+        raise VirtualPathError("/" + entry.path, f"invalid read of {n} bytes at offset {offset}", errno.EINVAL)
+    want = max(0, min(n, entry.size - offset))
     if want == 0:
         return b""
-    data = vf.read(offset, want)
+    data = entry.file.read(offset, want)
     if not isinstance(data, bytes):
         data = bytes(data)
     if len(data) != want:
-        raise TensorReadError(where, f"produced {len(data)} bytes for a read of {want} at offset {offset}")
+        raise TensorReadError("/" + entry.path, f"produced {len(data)} bytes for a read of {want} at offset {offset}")
     return data
 
 
-def readinto_clipped(where: str, vf, size: int, offset: int, out: memoryview) -> int:
+def readinto_clipped(entry, offset: int, out: memoryview) -> int:
     """``read_clipped`` straight into ``out``; the count (exactly the clipped length or an exception)."""
     if offset < 0:
-        raise VirtualPathError(where, f"invalid read at offset {offset}", errno.EINVAL)
-    want = max(0, min(len(out), size - offset))
+        raise VirtualPathError("/" + entry.path, f"invalid read at offset {offset}", errno.EINVAL)
+    want = max(0, min(len(out), entry.size - offset))
     if want == 0:
         return 0
-    got = readinto_file(vf, offset, out[:want])
+    got = readinto_file(entry.file, offset, out[:want])
     if got != want:
-        raise TensorReadError(where, f"produced {got} bytes for a read of {want} at offset {offset}")
+        raise TensorReadError("/" + entry.path, f"produced {got} bytes for a read of {want} at offset {offset}")
     return want
 
 
@@ -379,7 +379,7 @@ class VirtualTree:
         e = path_or_entry if isinstance(path_or_entry, Entry) else self.lookup(path_or_entry)
         if e.is_dir:
             raise VirtualPathError("/" + e.path, "is a directory", errno.EISDIR)
-        return read_clipped("/" + e.path, e.file, e.size, offset, n)
+        return read_clipped(e, offset, n)
 
     def readinto(self, path_or_entry, offset: int, out: memoryview) -> int:
         """Fill ``out`` with bytes ``[offset, offset+len(out))`` of a file, clipped at its end; the count (exactly
@@ -387,7 +387,7 @@ class VirtualTree:
         e = path_or_entry if isinstance(path_or_entry, Entry) else self.lookup(path_or_entry)
         if e.is_dir:
             raise VirtualPathError("/" + e.path, "is a directory", errno.EISDIR)
-        return readinto_clipped("/" + e.path, e.file, e.size, offset, out)
+        return readinto_clipped(e, offset, out)
 
     def iter_blocks(self, path_or_entry, block: int = 8 << 20) -> Iterator[bytes]:
         """A whole file in order, ``block`` bytes at a time (bounded memory)."""
