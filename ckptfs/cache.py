@@ -21,6 +21,11 @@ DEFAULT_CACHE_BYTES = 256 << 20
 #: bound, so that a cache of many tiny blocks (a checkpoint of 100,000 small tensors) stays within --cache-size too
 BLOCK_OVERHEAD = 512
 
+#: how many blocks a streaming cache remembers as read whole and dropped (``taken``): the read-ahead skips them, since
+#: the kernel's page cache holds their bytes (a loader that jumps back before a region it read would otherwise have
+#: the read-ahead decode that region again for nobody). ~100 bytes each.
+REMEMBER_CONSUMED = 8192
+
 
 def _cost(val) -> int:
     return len(val) + BLOCK_OVERHEAD
@@ -46,6 +51,7 @@ class BlockCache:
         self._data: "OrderedDict[Hashable, bytes]" = OrderedDict()
         self._pending: dict = {}
         self._taken: dict = {}  # key -> bytes of that block readers have copied out so far
+        self._consumed: "OrderedDict[Hashable, None]" = OrderedDict()  # blocks read whole and dropped, newest last
         # the FUSE server's cache (the kernel's page cache keeps what was read): a block is dropped once all its bytes
         # were read (``taken``), and a small read of a block not kept decodes only its own chunks
         # (``VirtualTensor.read_into``) instead of the whole block
@@ -64,6 +70,12 @@ class BlockCache:
         """True when ``key`` is kept or being computed (no LRU update, no counting)."""
         with self._lock:
             return key in self._data or key in self._pending
+
+    def wanted(self, key: Hashable) -> bool:
+        """Whether the read-ahead should compute ``key``: not kept, not being computed, and not lately read whole
+        and dropped by a streaming cache (``taken``; the kernel's page cache has those bytes)."""
+        with self._lock:
+            return not (key in self._data or key in self._pending or key in self._consumed)
 
     def get_or_compute(self, key: Hashable, compute: Callable[[], bytes]) -> bytes:
         with self._lock:
@@ -96,8 +108,9 @@ class BlockCache:
         return val
 
     def prefetch(self, key: Hashable, compute: Callable[[], bytes]) -> None:
-        """Compute and keep ``key`` unless it is kept or being computed (errors are left for the real read)."""
-        if self.max_bytes <= 0 or self.peek(key):
+        """Compute and keep ``key`` unless it is kept, being computed or lately consumed (``wanted``; errors are
+        left for the real read)."""
+        if self.max_bytes <= 0 or not self.wanted(key):
             return
         try:
             self.get_or_compute(key, compute)
@@ -123,6 +136,9 @@ class BlockCache:
             del self._data[key]
             self._taken.pop(key, None)
             self._size -= _cost(val)
+            self._consumed[key] = None
+            if len(self._consumed) > REMEMBER_CONSUMED:
+                self._consumed.popitem(last=False)
 
     def put(self, key: Hashable, val: bytes, _pending: _Pending | None = None) -> None:
         with self._lock:
@@ -145,6 +161,7 @@ class BlockCache:
         with self._lock:
             self._data.clear()
             self._taken.clear()
+            self._consumed.clear()
             self._size = 0
 
 

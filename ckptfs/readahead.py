@@ -29,11 +29,13 @@ class ReadAhead:
         self._queued: set = set()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._busy = 0  # blocks taken off the queue and still being computed
 
     def submit(self, cache, key: Hashable, compute: Callable[[], bytes]) -> None:
-        """Compute block ``key`` of ``cache`` in the background unless it is kept, computing or queued."""
+        """Compute block ``key`` of ``cache`` in the background unless it is kept, computing, queued or lately
+        consumed (``BlockCache.wanted``)."""
         ident = (id(cache), key)
-        if cache.peek(key):
+        if not cache.wanted(key):
             return
         with self._cond:
             if ident in self._queued or len(self._queue) >= self.max_queued:
@@ -43,7 +45,7 @@ class ReadAhead:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="ckptfs-readahead", daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            self._cond.notify_all()  # the worker, and any wait_idle caller
 
     def _run(self) -> None:
         while True:
@@ -51,11 +53,19 @@ class ReadAhead:
                 while not self._queue:
                     self._cond.wait()
                 ident, cache, key, compute = self._queue.popleft()
+                self._busy += 1
             try:
                 cache.prefetch(key, compute)
             finally:
                 with self._cond:
                     self._queued.discard(ident)
+                    self._busy -= 1
+                    self._cond.notify_all()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until nothing is queued or being computed; False if ``timeout`` seconds passed first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout)
 
 
 #: the process's read-ahead thread (started on first use)

@@ -422,12 +422,14 @@ class PiecedFile:
             i += 1
         cache = self.cache
         if cache is not None and cache.read_ahead and (len(out) >= SEQUENTIAL_READ or offset == self._last_end):
-            self._read_ahead(plan, i, end, end + cache.read_ahead, cache)
+            self._read_ahead(plan, i - 1, end, end + cache.read_ahead, cache)  # from the last piece read: a
+            # piece may hold many tensors (a TensorRun is a whole safetensors data section)
         self._last_end = end
         return end - offset
 
     def _read_ahead(self, plan: Plan, i: int, a: int, b: int, cache) -> None:
-        """Queue the tensor bytes of file bytes ``[a, b)`` (pieces from ``i`` on) for the read-ahead thread."""
+        """Queue the tensor bytes of file bytes ``[a, b)`` (pieces from ``i`` on, piece ``i`` holding or preceding
+        byte ``a``) for the read-ahead thread."""
         while i < len(plan.pieces) and plan.starts[i] < b:
             piece, start = plan.pieces[i], plan.starts[i]
             prefetch = getattr(piece, "prefetch", None)  # tensor bytes

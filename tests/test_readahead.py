@@ -1,0 +1,133 @@
+"""The server-side read-ahead (ckptfs.readahead) as a pieced file drives it: which blocks get computed, by whom.
+
+A sequential read of a file made of tensors queues the blocks after it for the read-ahead thread, within the piece
+being read too (a safetensors data section is one TensorRun piece holding every tensor), and a block read whole and
+dropped by the streaming cache is not computed again for nobody. Bytes are checked against the arrays every time.
+"""
+from __future__ import annotations
+
+import threading
+from array import array
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from ckptfs import tensor as tensor_mod
+from ckptfs.cache import BlockCache
+from ckptfs.layouts.pieces import Literal, PiecedFile, TensorRun
+from ckptfs.readahead import READ_AHEAD
+from ckptfs.tensor import ArrayTensor
+
+BLOCK = 256 << 10  # small blocks (above the small-read and sequential-read sizes) so a few MB span many
+
+
+class CountingTensor(ArrayTensor):
+    """An array tensor that counts the cache blocks computed for it, per thread name."""
+
+    __slots__ = ("computed",)
+
+    def __init__(self, array):
+        super().__init__(array)
+        self.computed = Counter()
+
+    def _block(self, blk, be):
+        self.computed[(threading.current_thread().name, blk)] += 1
+        return super()._block(blk, be)
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    monkeypatch.setattr(tensor_mod, "BLOCK_BYTES", BLOCK)
+    yield
+    assert READ_AHEAD.wait_idle(30), "read-ahead still busy after 30 s"
+
+
+def _run_file(sizes, read_ahead=4 * BLOCK):
+    rng = np.random.default_rng(7)
+    arrays = [rng.integers(0, 2**31, size=n // 4, dtype=np.int32) for n in sizes]
+    tensors = [CountingTensor(a) for a in arrays]
+    offsets = array("q", [0])
+    for a in arrays:
+        offsets.append(offsets[-1] + a.nbytes)
+    cache = BlockCache(64 << 20)
+    cache.streaming = True
+    cache.read_ahead = read_ahead
+    head = b"H" * 100
+    f = PiecedFile([Literal(head), TensorRun([f"t{i}" for i in range(len(arrays))], tensors, offsets)],
+                   name="model.safetensors", cache=cache)
+    expected = head + b"".join(a.tobytes() for a in arrays)
+    return f, tensors, expected
+
+
+def _blocks(t) -> int:
+    bb = t.block_elems() * t.dtype.itemsize
+    return -(-t.nbytes // bb)
+
+
+def _read(f, offset, n) -> bytes:
+    buf = bytearray(n)
+    got = f.readinto(offset, memoryview(buf))
+    return bytes(buf[:got])
+
+
+def test_sequential_read_prepares_the_next_blocks_of_the_same_run():
+    f, tensors, expected = _run_file([20 * BLOCK])  # one tensor, 20 blocks, inside one TensorRun piece
+    t = tensors[0]
+    assert _read(f, 0, 100 + BLOCK) == expected[:100 + BLOCK]
+    assert READ_AHEAD.wait_idle(30)
+    ahead = {blk for (who, blk) in t.computed if who == "ckptfs-readahead"}
+    # the read ended inside block 1; the 4 blocks' worth after it (blocks 1..5) were prepared in the background
+    assert {2, 3, 4} <= ahead, t.computed
+    assert all(n == 1 for n in t.computed.values()), t.computed
+
+
+def test_whole_sequential_read_computes_each_block_once():
+    f, tensors, expected = _run_file([7 * BLOCK + 12, 3 * BLOCK, 5 * BLOCK + 4])
+    out, pos, step = bytearray(), 0, BLOCK // 2
+    while pos < f.size:
+        out += _read(f, pos, step)
+        pos += step
+    assert bytes(out) == expected
+    assert READ_AHEAD.wait_idle(30)
+    per_block = Counter()
+    for t in tensors:
+        for (who, blk), n in t.computed.items():
+            per_block[(id(t), blk)] += n
+    # every block computed exactly once (a tensor's short last block may instead be read small, uncached, when the
+    # reader gets there before the read-ahead does)
+    assert sum(_blocks(t) for t in tensors) - len(tensors) <= len(per_block) <= sum(_blocks(t) for t in tensors)
+    assert set(per_block.values()) == {1}
+
+
+def test_blocks_read_whole_are_not_prepared_again_when_the_reader_jumps_back():
+    f, tensors, expected = _run_file([12 * BLOCK])
+    t = tensors[0]
+    start = 100 + 6 * BLOCK  # read the second half first, whole and sequentially: its blocks are dropped
+    pos = start
+    while pos < f.size:
+        assert _read(f, pos, BLOCK) == expected[pos:pos + BLOCK]
+        pos += BLOCK
+    assert READ_AHEAD.wait_idle(30)
+    assert f.cache.size == 0  # every block was read whole and dropped (streaming cache)
+    # then the first half: its read-ahead window reaches into the second half, which nobody will read again
+    pos = 100
+    while pos < start:
+        assert _read(f, pos, BLOCK) == expected[pos:pos + BLOCK]
+        pos += BLOCK
+    assert READ_AHEAD.wait_idle(30)
+    assert set(t.computed.values()) == {1}, t.computed
+    assert {blk for _, blk in t.computed} == set(range(12))
+
+
+def test_a_read_of_a_dropped_block_still_computes_it():
+    f, tensors, expected = _run_file([4 * BLOCK])
+    pos = 100
+    while pos < f.size:
+        assert _read(f, pos, BLOCK) == expected[pos:pos + BLOCK]
+        pos += BLOCK
+    assert READ_AHEAD.wait_idle(30)
+    before = sum(tensors[0].computed.values())
+    assert _read(f, 100 + BLOCK, 4096) == expected[100 + BLOCK:100 + BLOCK + 4096]  # the kernel dropped its page
+    assert _read(f, 100 + 2 * BLOCK, BLOCK) == expected[100 + 2 * BLOCK:100 + 3 * BLOCK]
+    assert sum(tensors[0].computed.values()) >= before + 1
