@@ -12,6 +12,7 @@ failure is left for the reader that needs the block to report.
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from typing import Callable, Hashable
@@ -20,15 +21,22 @@ from typing import Callable, Hashable
 MAX_QUEUED = 8
 
 
-class ReadAhead:
-    """One background thread computing queued cache blocks, most recently requested last."""
+#: background threads computing blocks (``$CKPTFS_READ_AHEAD_THREADS`` overrides it): one, because on 2 cores a second
+#: measured no faster for a cold or warm ``cp`` through the mount (the FUSE loop and the kernel's copies take the
+#: other core; the disk is kept busy by the kernel's own read-ahead on the checkpoint file) and cost more CPU
+WORKERS = int(os.environ.get("CKPTFS_READ_AHEAD_THREADS", "1") or 1)
 
-    def __init__(self, max_queued: int = MAX_QUEUED):
+
+class ReadAhead:
+    """Background threads (``workers``) computing queued cache blocks, oldest request first."""
+
+    def __init__(self, max_queued: int = MAX_QUEUED, workers: int = WORKERS):
         self.max_queued = max_queued
+        self.workers = max(1, workers)
         self._queue: deque = deque()
         self._queued: set = set()
         self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
+        self._threads: list = []
         self._busy = 0  # blocks taken off the queue and still being computed
 
     def submit(self, cache, key: Hashable, compute: Callable[[], bytes]) -> None:
@@ -42,9 +50,11 @@ class ReadAhead:
                 return
             self._queued.add(ident)
             self._queue.append((ident, cache, key, compute))
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="ckptfs-readahead", daemon=True)
-                self._thread.start()
+            self._threads = [th for th in self._threads if th.is_alive()]
+            if len(self._threads) < min(self.workers, len(self._queue) + self._busy):
+                th = threading.Thread(target=self._run, name="ckptfs-readahead", daemon=True)
+                th.start()
+                self._threads.append(th)
             self._cond.notify_all()  # the worker, and any wait_idle caller
 
     def _run(self) -> None:

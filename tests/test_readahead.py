@@ -131,3 +131,26 @@ def test_a_read_of_a_dropped_block_still_computes_it():
     assert _read(f, 100 + BLOCK, 4096) == expected[100 + BLOCK:100 + BLOCK + 4096]  # the kernel dropped its page
     assert _read(f, 100 + 2 * BLOCK, BLOCK) == expected[100 + 2 * BLOCK:100 + 3 * BLOCK]
     assert sum(tensors[0].computed.values()) >= before + 1
+
+
+def test_several_workers_compute_each_queued_block_once():
+    from ckptfs.readahead import ReadAhead
+
+    ra = ReadAhead(max_queued=64, workers=3)
+    cache = BlockCache(64 << 20)
+    done, lock = Counter(), threading.Lock()
+
+    def compute(k):
+        def run():
+            with lock:
+                done[k] += 1
+            return bytes([k % 256]) * 1000
+        return run
+
+    for k in range(40):
+        ra.submit(cache, ("t", k), compute(k))
+        ra.submit(cache, ("t", k), compute(k))  # a second request for a queued block is dropped
+    assert ra.wait_idle(30)
+    assert done == Counter({k: 1 for k in range(40)})
+    assert all(cache.get_or_compute(("t", k), lambda: b"") == bytes([k]) * 1000 for k in range(40))
+    assert len([th for th in ra._threads if th.is_alive()]) <= 3
