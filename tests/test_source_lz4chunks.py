@@ -2,6 +2,8 @@
 TensorReadError on a chunk that does not decode, and leaves everything else to the plain h5py read. No timing."""
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -59,9 +61,15 @@ def _reader_read(d, box, threads, fetch="direct"):
     if fetch == "chunks":
         r._raw = False
     out = r.read(box)
-    if fetch == "direct" and out is not None and out.size and (r.index()[1] >= 0).any():
+    if fetch == "direct" and out is not None and out.size and _stored_under(r, box):
         assert r._raw, "direct file reads were not used"
     return out
+
+
+def _stored_under(r, box) -> bool:
+    """Whether ``box`` covers a stored (allocated) chunk: the read then fetched it, with the direct handle."""
+    ranges = [range(a // c, (b - 1) // c + 1) for (a, b), c in zip(box, r.chunks)]
+    return any(r._lookup(idx, r.index())[1] >= 0 for idx in itertools.product(*ranges))
 
 
 @st.composite
@@ -350,3 +358,78 @@ def test_parallel_reads_work_in_a_forked_child(tmp_path):
                 os._exit(code)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
+
+
+# -- small reads of a dataset not indexed: chunks looked up one by one ---------------------------------------------
+@pytest.mark.parametrize("shape, chunks", [((40, 90), (8, 30)), ((37, 23), (5, 7)), ((9, 10, 11), (4, 3, 5)),
+                                           ((301,), (17,))])
+@pytest.mark.parametrize("kind", ["random", "smooth", "mixed"])
+def test_peek_by_chunk_lookup_equals_whole_read(tmp_path, shape, chunks, kind):
+    """A small read of a dataset not yet indexed looks its chunks up (no index is built) and gives the same bytes
+    as the whole read: partial edge chunks, several dimensions, chunks stored raw or compressed, a chunk stored
+    without the filter (mask bit 0), an unallocated chunk (fill value), direct file reads or read_direct_chunk."""
+    rng = np.random.default_rng(len(shape) * 100 + sum(chunks))
+    data = _data(rng, shape, "<f4", kind)
+    path = tmp_path / "p.h5"
+    last = tuple((n - 1) // c * c for n, c in zip(shape, chunks))  # the corner chunk (partial where n % c)
+    hole = tuple(c if n > c else 0 for n, c in zip(shape, chunks))
+    with h5py.File(path, "w") as f:
+        d = f.create_dataset("x", shape=shape, dtype=data.dtype, chunks=chunks, fillvalue=-3.0, **hdf5plugin.LZ4())
+        d[...] = data
+        corner = np.zeros(chunks, "<f4")
+        corner[tuple(slice(0, n - a) for n, a in zip(shape, last))] = data[tuple(slice(a, None) for a in last)]
+        d.id.write_direct_chunk(last, corner.tobytes(), filter_mask=1)  # LZ4 skipped for this chunk
+    with h5py.File(path, "a") as f:  # one chunk never written: reads give the fill value
+        want = f["x"][...]
+        want[tuple(slice(a, a + c) for a, c in zip(hole, chunks))] = -3.0
+        f["x"][tuple(slice(a, a + c) for a, c in zip(hole, chunks))] = -3.0
+    with h5py.File(path, "r") as f:
+        d = f["x"]
+        whole = lz4chunks.plan(d).read(tuple((0, n) for n in shape))
+        assert whole.tobytes() == want.tobytes() == d[...].tobytes()
+        boxes = [tuple((0, min(n, 2)) for n in shape),  # a peek at the start
+                 tuple((a, n) for a, n in zip(last, shape)),  # the corner chunk, unfiltered and partial
+                 tuple((max(a - 1, 0), min(a + c + 1, n)) for a, c, n in zip(hole, chunks, shape)),  # around the hole
+                 tuple((n // 3, n // 3 + 1) for n in shape)]
+        for box in boxes:
+            for fetch in ("direct", "chunks"):
+                r = lz4chunks.plan(d)
+                assert r is not None
+                if fetch == "chunks":
+                    r._raw = False
+                got = r.read(box)
+                n = math.prod((b - 1) // c - a // c + 1 for (a, b), c in zip(box, chunks))
+                assert (r._index is None) == (2 * n <= r.nchunks), "small reads look up, larger ones index"
+                assert got.tobytes() == want[tuple(slice(a, b) for a, b in box)].tobytes(), (box, fetch)
+                if fetch == "direct":
+                    assert r._raw, "direct file reads were not used"
+
+
+def test_chunks_looked_up_are_remembered_until_indexing_is_cheaper(tmp_path, monkeypatch):
+    """Row-by-row small reads look each chunk up once; past ``_LOOKUP_CHUNKS`` looked up the dataset is indexed
+    (and the lookups dropped); every read gives h5py's bytes."""
+    monkeypatch.setattr(lz4chunks, "_LOOKUP_CHUNKS", 12)
+    data = _data(np.random.default_rng(5), (60, 40), "<f4", "mixed")
+    path = tmp_path / "l.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("x", data=data, chunks=(6, 10), **hdf5plugin.LZ4())  # 10 x 4 chunks
+    with h5py.File(path, "r") as f:
+        r = lz4chunks.plan(f["x"])
+        first = f["x"].id.get_chunk_info_by_coord((0, 0))
+        r._raw = lz4chunks._raw_file(f["x"], (0, 0), first.byte_offset, first.size)  # checked before the spy
+        assert r._raw
+        calls = []
+        real = r.dset.id.get_chunk_info_by_coord
+        r.dset = type("Spy", (), {"id": type("SpyId", (), {})()})()  # count HDF5 lookups, delegate the rest
+        for name in ("get_chunk_info_by_coord", "read_direct_chunk", "valid", "chunk_iter", "get_chunk_info",
+                     "get_num_chunks"):
+            setattr(r.dset.id, name, getattr(f["x"].id, name))
+        r.dset.id.get_chunk_info_by_coord = lambda c: calls.append(c) or real(c)
+        for row in range(6):  # rows of chunk row 0: its 4 chunks looked up once
+            assert r.read(((row, row + 1), (0, 40))).tobytes() == data[row:row + 1].tobytes()
+        assert len(calls) == 4 and r._index is None
+        assert r.read(((6, 14), (0, 40))).tobytes() == data[6:14].tobytes()  # 8 more: 12 looked up
+        assert len(calls) == 12 and r._index is None and len(r._looked_up) == 12
+        assert r.read(((20, 21), (0, 40))).tobytes() == data[20:21].tobytes()  # 4 more, past the cap: indexed
+        assert len(calls) == 12 and r._index is not None and r._looked_up is None
+        assert r.read(((0, 60), (0, 40))).tobytes() == data.tobytes()

@@ -4,7 +4,9 @@ HDF5 decodes chunks one at a time, with per-chunk overhead, under h5py's global 
 *only* filter is LZ4 (every Cerebras tensor), ``LZ4ChunkReader.read(box)`` does the work itself:
 
 1. the chunks under the box come from a per-dataset index built once with ``chunk_iter`` (file offset, stored size,
-   filter mask of every allocated chunk; ``_IndexLRU`` bounds the memory of all indexes together);
+   filter mask of every allocated chunk; ``_IndexLRU`` bounds the memory of all indexes together); a small read
+   of a dataset not indexed yet (at most ``_LOOKUP_CHUNKS`` chunks, at most half of them: a peek at a tensor's
+   start) looks its chunks up one by one instead (``get_chunk_info_by_coord``, one B-tree lookup each);
 2. the stored bytes are fetched into a thread-local buffer: with ``os.preadv`` over coalesced file ranges when the
    file is a plain (sec2) file whose chunk addresses were checked against ``read_direct_chunk`` once per open
    file (our own read-only handle, shared by the file's readers and closed with the last of them), otherwise
@@ -70,6 +72,10 @@ _MIN_PARALLEL_BYTES = 256 << 10
 _BATCH_BYTES = 4 << 20
 #: reads over at most this many chunks go chunk by chunk in plain Python (numpy set-up costs more)
 _FEW_CHUNKS = 4
+#: while a dataset is not indexed, reads look their chunks up in HDF5's chunk index (one B-tree lookup each) and
+#: remember them, up to this many chunks (and half of the dataset's); a read needing more indexes the dataset. A
+#: peek at the start of every tensor decodes a handful of chunks, and indexing all of them cost more than the rest
+_LOOKUP_CHUNKS = 64
 
 _HEADER = struct.Struct(">QI")
 _BLOCK = struct.Struct(">I")
@@ -372,6 +378,8 @@ class LZ4ChunkReader:
         self._index = None
         self._lock = threading.Lock()
         self._raw: "_RawFile | bool | None" = None  # None: not yet checked; False: use read_direct_chunk
+        self._can_look_up = hasattr(dset.id, "get_chunk_info_by_coord")
+        self._looked_up: dict | None = None  # linear chunk index -> (offset, size, mask) while not indexed
 
     # -- index -------------------------------------------------------------------------------------------------
     def index(self):
@@ -382,6 +390,7 @@ class LZ4ChunkReader:
                 idx = self._index
                 if idx is None:
                     idx = self._index = self._build_index()
+                    self._looked_up = None
         _indexes.touch(self)
         return idx
 
@@ -405,17 +414,57 @@ class LZ4ChunkReader:
             masks[li] = np.fromiter((i.filter_mask for i in infos), np.int64, n)
         return offs, sizes, masks
 
-    def _direct(self, offs, sizes) -> "_RawFile | None":
-        """The direct file handle (None: use ``read_direct_chunk``), looked up once per reader."""
+    def _direct(self, first_stored) -> "_RawFile | None":
+        """The direct file handle (None: use ``read_direct_chunk``), looked up once per reader; ``first_stored()``
+        gives ``(coords, offset, size)`` of one allocated chunk to check the handle with (None: none yet, ask again
+        next time). It is only called while the handle is not known."""
         raw = self._raw
         if raw is None:
-            hit = np.flatnonzero(sizes >= 0)
-            if not hit.size:
-                return None  # nothing stored yet to check the handle with; ask again next time
-            li = int(hit[0])
-            coords = tuple(i * c for i, c in zip(self._chunk_idx(li), self.chunks))
-            raw = self._raw = _raw_file(self.dset, coords, int(offs[li]), int(sizes[li])) or False
+            probe = first_stored()
+            if probe is None:
+                return None
+            raw = self._raw = _raw_file(self.dset, *probe) or False
         return raw or None
+
+    def _first_indexed(self, offs, sizes):
+        """``(coords, offset, size)`` of the first allocated chunk of the index, or None."""
+        hit = np.flatnonzero(sizes >= 0)
+        if not hit.size:
+            return None
+        li = int(hit[0])
+        return tuple(i * c for i, c in zip(self._chunk_idx(li), self.chunks)), int(offs[li]), int(sizes[li])
+
+    def _lookup(self, idx: tuple, index) -> tuple:
+        """``(offset, size, filter mask)`` of the chunk with grid indices ``idx``: from ``index`` (the arrays of
+        ``index()``), or with None from the chunks looked up so far or one lookup in HDF5's chunk index (then
+        remembered); size -1 = unallocated."""
+        li = sum(i * s for i, s in zip(idx, self._gstride))
+        if index is not None:
+            return int(index[0][li]), int(index[1][li]), int(index[2][li])
+        seen = self._looked_up
+        if seen is None:
+            seen = self._looked_up = {}
+        got = seen.get(li)
+        if got is None:
+            info = self.dset.id.get_chunk_info_by_coord(tuple(i * c for i, c in zip(idx, self.chunks)))
+            got = seen[li] = ((0, -1, 0) if info.byte_offset is None
+                              else (int(info.byte_offset), int(info.size), int(info.filter_mask)))
+        return got
+
+    def _may_look_up(self, ranges, n: int) -> bool:
+        """Whether a read over the chunks ``ranges`` (``n`` of them) looks them up rather than indexing the dataset:
+        only while it is not indexed, and while the chunks looked up stay within ``_LOOKUP_CHUNKS`` and half of
+        the dataset's."""
+        if self._index is not None or not self._can_look_up:
+            return False
+        cap = min(_LOOKUP_CHUNKS, self.nchunks // 2)
+        seen = self._looked_up or {}
+        if n + len(seen) <= cap:
+            return True
+        if n > cap:
+            return False
+        new = sum(sum(i * s for i, s in zip(idx, self._gstride)) not in seen for idx in itertools.product(*ranges))
+        return new + len(seen) <= cap
 
     # -- reading -----------------------------------------------------------------------------------------------
     def read(self, box) -> np.ndarray | None:
@@ -428,11 +477,14 @@ class LZ4ChunkReader:
         out = np.empty(tuple(b - a for a, b in box), self.udtype)
         if out.size == 0:
             return out.view(self.dtype)
-        offs, sizes, masks = self.index()
-        direct = self._direct(offs, sizes)
         ranges = [range(a // c, (b - 1) // c + 1) for (a, b), c in zip(box, self.chunks)]
-        if math.prod(len(r) for r in ranges) <= _FEW_CHUNKS:  # small read: plain Python is cheaper than numpy
-            return self._read_few(box, out, ranges, offs, sizes, masks, direct)
+        n = math.prod(len(r) for r in ranges)
+        if self._may_look_up(ranges, n):
+            return self._read_few(box, out, ranges, None)  # a peek: its chunks looked up, the dataset not indexed
+        offs, sizes, masks = index = self.index()
+        if n <= _FEW_CHUNKS:  # small read: plain Python is cheaper than numpy
+            return self._read_few(box, out, ranges, index)
+        direct = self._direct(lambda: self._first_indexed(offs, sizes))
         # every chunk under the box, in C order of the chunk grid
         li = np.zeros([len(r) for r in ranges], np.int64)
         for d, (r, s) in enumerate(zip(ranges, self._gstride)):
@@ -461,30 +513,30 @@ class LZ4ChunkReader:
             _in_parallel(job.run, parts)
         return out.view(self.dtype)
 
-    def _read_few(self, box, out, ranges, offs, sizes, masks, direct):
-        """``read`` for a box over a handful of chunks, one chunk at a time."""
-        job = _Job(self, box, out, None, None, None, None, direct)
+    def _read_few(self, box, out, ranges, index):
+        """``read`` for a box over a few chunks, chunk by chunk in plain Python; each chunk's place comes from
+        ``index`` (None: looked up, ``_lookup``); neighbouring chunks are fetched with one ``preadv``."""
+        found = []  # (offset, size, mask, grid indices) of the allocated chunks
         for idx in itertools.product(*ranges):
-            li = sum(i * s for i, s in zip(idx, self._gstride))
-            size = int(sizes[li])
+            off, size, mask = self._lookup(idx, index)
             if size < 0:
                 if not self.fill_ok:
                     return None
                 out[self._slices(box, idx)[1]] = self.fill
-                continue
-            mask = int(masks[li])
-            buf = _scratch("raw", size)
-            if direct is not None:
-                got = os.preadv(direct.fd, [memoryview(buf)[:size]], int(offs[li]))
             else:
-                got = len(self.dset.id.read_direct_chunk(job.coords(idx), out=memoryview(buf)[:size])[1])
-            if got != size:
-                raise CorruptChunkError(job.coords(idx), f"chunk read returned {got} of {size} bytes")
+                found.append((off, size, mask, idx))
+        if not found:
+            return out.view(self.dtype)
+        direct = self._direct(lambda: (tuple(i * c for i, c in zip(found[0][3], self.chunks)), found[0][0],
+                                       found[0][1]))
+        job = _Job(self, box, out, None, None, None, None, direct)
+        buf, pos = job.fetch_few(found)
+        for (_, size, mask, idx), p in zip(found, pos):
             raw1 = False
             if not mask & 1 and size == self.chunk_nbytes + _RAW_HEAD:
-                total, block, stored = _HEAD.unpack_from(buf, 0)
+                total, block, stored = _HEAD.unpack_from(buf, p)
                 raw1 = total == stored == self.chunk_nbytes and block >= total
-            job.one(buf, 0, size, mask, idx, raw1)
+            job.one(buf, p, size, mask, idx, raw1)
         return out.view(self.dtype)
 
     def _chunk_idx(self, li: int) -> tuple:
@@ -508,6 +560,7 @@ class LZ4ChunkReader:
         """Drop the index and the direct file handle (the dataset belongs to the caller)."""
         _indexes.forget(self)
         self._index = None
+        self._looked_up = None
         self._raw = None
 
 
@@ -604,6 +657,40 @@ class _Job:
 
     def _coords(self, li: int) -> tuple:
         return self.coords(self.r._chunk_idx(li))  # noqa: SLF001
+
+    def fetch_few(self, found: list):
+        """Read the chunks ``found`` (``(offset, size, mask, grid indices)`` each) into one buffer: one ``preadv``
+        per run of chunks at most ``_MAX_GAP`` apart in the file, or chunk by chunk with ``read_direct_chunk``
+        without a direct handle; returns the buffer and each chunk's position in it."""
+        pos = [0] * len(found)
+        if self.direct is None:
+            buf = _scratch("raw", sum(f[1] for f in found))
+            mv, did, at = memoryview(buf), self.r.dset.id, 0
+            for k, (_, size, _, idx) in enumerate(found):
+                got = len(did.read_direct_chunk(self.coords(idx), out=mv[at:at + size])[1])
+                if got != size:
+                    raise CorruptChunkError(self.coords(idx), f"chunk read returned {got} of {size} bytes")
+                pos[k], at = at, at + size
+            return buf, pos
+        spans = []  # [file offset, end, chunks]: chunks in file order, each starting at most _MAX_GAP after the
+        for k in sorted(range(len(found)), key=lambda k: found[k][0]):  # last one's end (never overlapping it)
+            off, size = found[k][0], found[k][1]
+            if spans and spans[-1][1] <= off <= spans[-1][1] + _MAX_GAP:
+                spans[-1][1] = off + size
+                spans[-1][2].append(k)
+            else:
+                spans.append([off, off + size, [k]])
+        buf = _scratch("raw", sum(end - lo for lo, end, _ in spans))
+        mv, at = memoryview(buf), 0
+        for lo, end, ks in spans:
+            got = os.preadv(self.direct.fd, [mv[at:at + end - lo]], lo)
+            if got != end - lo:
+                raise CorruptChunkError(self.coords(found[ks[0]][3]),
+                                        f"file ends inside the chunk ({got} of {end - lo} bytes)")
+            for k in ks:
+                pos[k] = at + found[k][0] - lo
+            at += end - lo
+        return buf, pos
 
     def _fetch_direct(self, offs, sizes, li):
         """Read the chunks with one ``preadv`` per group of neighbouring chunks; their positions in the buffer."""
