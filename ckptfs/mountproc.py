@@ -1,16 +1,22 @@
 """Mount lifecycle: mount-point checks (stale mounts included), foreground serving, the background server process
 with its readiness wait and log file, and unmounting.
 
-Backgrounding never forks a process that may hold threads: ``mount(..., foreground=False)`` validates everything
-and builds the tree once (so errors appear before anything is mounted), then starts a fresh
-``python -m ckptfs mount … --foreground`` with its output going to a log file, and returns only once the mount
-answers (``os.path.ismount`` and a ``stat`` of README.txt), or fails with the log's last line if the child exits.
+Backgrounding never forks a process that may hold threads: ``mount(..., foreground=False)`` checks the options and
+the mount point, then at once starts a fresh ``python -m ckptfs mount … --foreground --status-fd N`` with its output
+going to a log file (the CLI imports nothing that building the tree needs, so the server starts as early as it can),
+and returns only once the mount answers (``os.path.ismount`` and a ``stat`` of README.txt). The checkpoint is opened
+once, by the server: if it fails before serving (a bad checkpoint, missing params, an unusable run directory…), it
+writes its one-line error to the status pipe (fd ``N``) and exits, and ``mount`` raises that same error (the line a
+foreground mount prints, plus where the log is). A server that exits without a word fails with its log's last
+line.
 """
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
+import select
 import shutil
 import stat as stat_mod
 import subprocess
@@ -22,11 +28,12 @@ from pathlib import Path
 
 from .errors import CkptfsError
 from .options import CACHE_DIR_ENV, MountOptions, cache_dir, check_options, to_argv
-from .vfs import README_NAME, build_tree, check_source
+from .vfs import README_NAME, build_tree
 
 log = logging.getLogger("ckptfs.mount")
 
 READY_TIMEOUT = 120.0  # seconds the background start may take (tree building included)
+POLL_SECONDS = 0.01  # how often the background start looks whether the mount answers
 _STALE_ERRNOS = (errno.ENOTCONN, errno.ECONNABORTED)
 
 
@@ -188,12 +195,73 @@ def stop_server(proc: subprocess.Popen, mountpoint) -> None:
             pass
 
 
+def _error_class(name: str) -> type:
+    """The ``CkptfsError`` subclass called ``name`` among those this process has imported (``CkptfsError`` if none)."""
+    todo, seen = [CkptfsError], {}
+    while todo:
+        cls = todo.pop()
+        seen.setdefault(cls.__name__, cls)
+        todo.extend(cls.__subclasses__())
+    cls = seen.get(name, CkptfsError)
+    return cls if cls.__init__ is CkptfsError.__init__ or cls is CkptfsError else CkptfsError
+
+
+def encode_status_error(err: CkptfsError) -> bytes:
+    """What a server writes to its status pipe when it fails before serving (``relayed_error`` reads it back)."""
+    return json.dumps({"type": type(err).__name__, "path": err.path, "problem": err.problem}).encode() + b"\n"
+
+
+def relayed_error(data: bytes, log_path: Path | None = None) -> CkptfsError | None:
+    """The server's error from its status pipe's bytes: the same class when this process knows it (else
+    ``CkptfsError``), with the same path and problem (the line the server printed), plus where its log is."""
+    try:
+        msg = json.loads(data.decode("utf-8", "replace").splitlines()[0])
+        where = f" (log: {log_path})" if log_path else ""
+        return _error_class(str(msg["type"]))(msg.get("path"), str(msg["problem"]) + where)
+    except (ValueError, IndexError, KeyError, TypeError):
+        return None
+
+
+def report_status_error(status_fd: int | None, err: CkptfsError) -> None:
+    """Tell the waiting ``ckptfs mount`` (if any) why this server fails; it may be gone already."""
+    if status_fd is None:
+        return
+    try:
+        os.write(status_fd, encode_status_error(err))
+    except OSError:
+        pass
+
+
+def _read_status(status_r: int) -> bytes:
+    """Everything a server wrote to its status pipe, up to its end (the server is exiting) or 1 s of silence."""
+    chunks = []
+    while select.select([status_r], [], [], 1.0)[0]:
+        data = os.read(status_r, 65536)
+        if not data:
+            break
+        chunks.append(data)
+    return b"".join(chunks)
+
+
 def wait_until_mounted(proc: subprocess.Popen, mountpoint, *, timeout: float = READY_TIMEOUT,
-                       log_path: Path | None = None) -> None:
-    """Poll until ``mountpoint`` is a mount whose README.txt can be stat'ed; fail early if ``proc`` exits."""
+                       log_path: Path | None = None, status_r: int | None = None) -> None:
+    """Poll until ``mountpoint`` is a mount whose README.txt can be stat'ed; fail early if ``proc`` exits.
+
+    ``status_r``: the read end of the server's status pipe. An error the server writes there is raised (after the
+    server has exited) with its log's path; the pipe also wakes this wait as soon as the server exits."""
     p = os.path.abspath(str(mountpoint))
     deadline = time.monotonic() + timeout
     while True:
+        if status_r is not None and select.select([status_r], [], [], POLL_SECONDS)[0]:
+            data = _read_status(status_r)
+            status_r = None  # the caller closes it
+            err = relayed_error(data, log_path) if data else None
+            if err is not None:
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    pass
+                raise err
         rc = proc.poll()
         if rc is not None:
             why = _last_line(log_path) if log_path else ""
@@ -209,7 +277,8 @@ def wait_until_mounted(proc: subprocess.Popen, mountpoint, *, timeout: float = R
             stop_server(proc, p)
             where = f" (log: {log_path})" if log_path else ""
             raise MountError(p, f"server did not answer within {timeout:.0f} s{where}")
-        time.sleep(0.05)
+        if status_r is None:
+            time.sleep(POLL_SECONDS)
 
 
 @dataclass
@@ -222,11 +291,11 @@ class Started:
 
 
 def start_background(ckpt, mountpoint, options: MountOptions, *, allow_other: bool = False,
-                     debug: bool = False, timeout: float = READY_TIMEOUT, check=None) -> Started:
+                     debug: bool = False, timeout: float = READY_TIMEOUT) -> Started:
     """Run the server as a new ``python -m ckptfs mount … --foreground`` process and wait until it answers.
 
-    ``check()``, if given, runs while the server starts (validation in parallel with its start-up); if it raises,
-    the server is stopped, nothing stays mounted, and the error propagates."""
+    The server gets the write end of a status pipe (``--status-fd``): the error that stops it before serving is
+    raised here as the server printed it; on any failure (or Ctrl-C) nothing is left running or mounted."""
     log_path = log_dir() / f"mount-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     env = dict(os.environ)
     pkg_parent = str(Path(__file__).resolve().parent.parent)
@@ -237,16 +306,27 @@ def start_background(ckpt, mountpoint, options: MountOptions, *, allow_other: bo
     except OSError as e:
         raise MountError(log_path, f"cannot write the server's log ({e.strerror or e}): set {CACHE_DIR_ENV} to a "
                                    "writable folder") from None
-    with logf:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, cwd="/",
-                                env=env, start_new_session=True, close_fds=True)
+    status_r, status_w = os.pipe()
     try:
-        if check is not None:
-            check()
-        wait_until_mounted(proc, mountpoint, timeout=timeout, log_path=log_path)
+        with logf:
+            proc = subprocess.Popen([*argv, "--status-fd", str(status_w)], stdin=subprocess.DEVNULL, stdout=logf,
+                                    stderr=subprocess.STDOUT, cwd="/", env=env, start_new_session=True,
+                                    close_fds=True, pass_fds=(status_w,))
+    except BaseException:
+        os.close(status_r)
+        raise
+    finally:
+        os.close(status_w)  # the server holds the only write end: its exit ends the pipe
+    try:
+        wait_until_mounted(proc, mountpoint, timeout=timeout, log_path=log_path, status_r=status_r)
     except (KeyboardInterrupt, CkptfsError):  # invalid, or the user gave up waiting: leave nothing behind
         stop_server(proc, mountpoint)
         raise
+    finally:
+        try:
+            os.close(status_r)
+        except OSError:
+            pass  # closed when the server's error was read
     return Started(proc.pid, Path(os.path.abspath(str(mountpoint))), log_path)
 
 
@@ -262,27 +342,42 @@ def setup_logging(debug: bool = False) -> None:
 
 
 def mount(ckpt, mountpoint, options: MountOptions | None = None, *, foreground: bool = False,
-          allow_other: bool = False, debug: bool = False) -> Started | None:
+          allow_other: bool = False, debug: bool = False, status_fd: int | None = None) -> Started | None:
     """Mount checkpoint ``ckpt`` at ``mountpoint``.
 
-    Everything that can be checked is checked first (mount point, checkpoint, views), so a failure leaves nothing
-    mounted. In the foreground this serves until unmounted or signalled and returns None; otherwise it returns once
-    a background server answers.
+    Everything that can be checked is checked before anything is mounted (mount point, checkpoint, views), so a
+    failure leaves nothing mounted. In the foreground this serves until unmounted or signalled and returns None;
+    otherwise it returns once a background server answers, or raises the error that stopped the server.
+    ``status_fd``: the server's end of the status pipe of a background start (``start_background``); the error
+    that ends this call is written there too.
     """
-    options = options or MountOptions()
+    if status_fd is not None:
+        os.set_inheritable(status_fd, False)
+    try:
+        return _mount(ckpt, mountpoint, options or MountOptions(), foreground=foreground, allow_other=allow_other,
+                      debug=debug, background_server=status_fd is not None)
+    except CkptfsError as e:
+        report_status_error(status_fd, e)
+        raise
+
+
+def _mount(ckpt, mountpoint, options: MountOptions, *, foreground: bool, allow_other: bool, debug: bool,
+           background_server: bool) -> Started | None:
     check_options(options)  # a --config that does not exist or does not parse: one line, nothing mounted
     mp = check_mountpoint(mountpoint)
-    from .fusefs import CACHE_TIMEOUT, load_mfusepy, serve, trim_memory
+    from .fusefs import load_mfusepy
 
     load_mfusepy()  # a missing libfuse is reported before anything is built or started
+    if not foreground:
+        # The server opens the checkpoint (once) and relays its error, if any: a bad checkpoint is still one line,
+        # exit 2, nothing left mounted.
+        return start_background(ckpt, mp, options, allow_other=allow_other, debug=debug)
+    from .fusefs import CACHE_TIMEOUT, serve, trim_memory
     from .runtree import RUN_CACHE_TIMEOUT, check_run, is_run, open_run
 
     run = is_run(ckpt, options)  # a model_dir: the whole training run, live (ckptfs.runtree), unless --single
-    if not foreground:
-        # The checkpoint is checked here, while the server starts (a bad one: one line, exit 2, nothing left
-        # mounted); the server builds the tree itself, so it is built only once.
-        return start_background(ckpt, mp, options, allow_other=allow_other, debug=debug,
-                                check=(lambda: check_run(ckpt)) if run else (lambda: check_source(ckpt, options)))
+    if run and background_server:
+        check_run(ckpt)  # a directory that cannot be followed as a run fails the background start
     tree = open_run(ckpt, options) if run else build_tree(ckpt, options)
     trim_memory()  # what building the tree used and freed (the catalog's HDF5 handle, temporaries) goes back
     tree.warm()  # expensive layouts (the cs view's HDF5 skeleton) build while the mount already answers

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from ..errors import CkptfsError
 from .. import options as mount_options
-from ..source import open_checkpoint
-from ..source.catalog import Checkpoint, Container, OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
+
+if TYPE_CHECKING:  # the source layer (h5py, numpy) is imported when a command runs, not when the CLI is built
+    from ..source.catalog import Checkpoint
 
 
 def add_parser(subparsers):
@@ -73,6 +75,8 @@ def detect(ckpt: Checkpoint) -> FamilyInfo:
 
 
 def summarize(ckpt: Checkpoint) -> Summary:
+    from ..source.catalog import Container, OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
+
     by_dtype: dict = {}
     seen: set = set()
     values = opaque = 0
@@ -143,6 +147,7 @@ def format_text(s: Summary) -> str:
 
 
 def run(args) -> int:
+    from ..source import open_checkpoint
     from .runinfo import as_json, format_run, is_run_argument, scan_run
 
     if is_run_argument(args.ckpt, args.single):  # a model_dir: the run, then its latest checkpoint

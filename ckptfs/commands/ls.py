@@ -7,11 +7,12 @@ Containers end in ``/`` (sequence items are ``[i]``); an alias (link) is marked 
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 from .. import options as mount_options
-from ..source import open_checkpoint
-from ..source.catalog import Container, OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
-from ..source.walk import Entry, walk
+
+if TYPE_CHECKING:  # the source layer (h5py, numpy) is imported when a command runs, not when the CLI is built
+    from ..source.walk import Entry
 
 
 def add_parser(subparsers):
@@ -30,6 +31,8 @@ def _name(e: Entry, parent_is_seq: bool) -> str:
 
 
 def leaf_detail(leaf) -> str:
+    from ..source.catalog import OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
+
     if isinstance(leaf, TensorLeaf):
         t = leaf.tensor
         return f"{list(t.shape)} {t.dtype.name}" + (" (numpy)" if leaf.numpy else "")
@@ -44,6 +47,9 @@ def leaf_detail(leaf) -> str:
 
 
 def format_lines(ckpt, long: bool = False):
+    from ..source.catalog import Container
+    from ..source.walk import walk
+
     seq_depths: dict[int, bool] = {0: isinstance(ckpt.root, Container) and ckpt.root.keys is None}
     if not isinstance(ckpt.root, Container):
         leaf = ckpt.root
@@ -67,6 +73,7 @@ def format_lines(ckpt, long: bool = False):
 
 
 def run(args) -> int:
+    from ..source import open_checkpoint
     from .runinfo import format_run, is_run_argument, scan_run
 
     if is_run_argument(args.ckpt, args.single):  # a model_dir: the run's checkpoints

@@ -23,6 +23,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="serve in this process until unmounted or interrupted (logs on stderr)")
     p.add_argument("--allow-other", action="store_true",
                    help="let other users read the mount (needs user_allow_other in /etc/fuse.conf)")
+    # internal: the write end of the status pipe of a background start (ckptfs.mountproc.start_background)
+    p.add_argument("--status-fd", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -31,7 +33,8 @@ def run(args) -> int:
 
     options = mount_options.from_args(args)
     started = mount(args.ckpt, args.mountpoint, options, foreground=args.foreground,
-                    allow_other=args.allow_other, debug=getattr(args, "debug", False))
+                    allow_other=args.allow_other, debug=getattr(args, "debug", False),
+                    status_fd=args.status_fd if args.foreground else None)
     if started is not None:
         print(f"ckptfs: mounted {args.ckpt} at {started.mountpoint} (server pid {started.pid}; "
               f"log: {started.log_path}; stop with `ckptfs umount {started.mountpoint}`)")

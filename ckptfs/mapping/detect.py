@@ -10,11 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CkptfsError, ConfigError
-from ..source.catalog import Checkpoint, TensorLeaf, UnreadableLeaf
+from typing import TYPE_CHECKING
 from .config import ConfigScope, config_functions
 from .expr import ExprError, MissingName, evaluate
 from .params import CSParams, find_params
 from .registry import Registry, default_registry
+
+if TYPE_CHECKING:  # the source layer (h5py, numpy) is imported when a checkpoint is read, not with the CLI parser
+    from ..source.catalog import Checkpoint
 
 
 @dataclass
@@ -27,6 +30,8 @@ class FamilyDetection:
 
 def cs_model_tensors(checkpoint: Checkpoint) -> dict:
     """CS model tensors: the checkpoint's tensor leaves under top-level ``model``, keys without ``model.``."""
+    from ..source.catalog import TensorLeaf
+
     out = {}
     for key, leaf in checkpoint.leaves.items():
         if key.startswith("model.") and isinstance(leaf, TensorLeaf):
@@ -37,6 +42,8 @@ def cs_model_tensors(checkpoint: Checkpoint) -> dict:
 def unreadable_model_tensors(checkpoint: Checkpoint) -> dict:
     """``{key: reason}`` of the leaves under top-level ``model`` that ckptfs cannot read (a refused reference, bad
     metadata, a TorchScript graph…): HF weights made without them would silently lack a trained tensor."""
+    from ..source.catalog import UnreadableLeaf
+
     return {k: leaf.reason for k, leaf in checkpoint.leaves.items()
             if k.startswith("model.") and isinstance(leaf, UnreadableLeaf)}
 

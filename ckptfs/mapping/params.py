@@ -11,10 +11,13 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
-from ..source.catalog import Checkpoint, Container, ValueLeaf
 from .safe_yaml import load_params_yaml
+
+if TYPE_CHECKING:  # the source layer (h5py, numpy) is imported when a checkpoint is read, not with the CLI parser
+    from ..source.catalog import Checkpoint
 
 
 class TrainerChoiceError(ConfigError):
@@ -104,6 +107,8 @@ def load_params_file(path: Path, trainer_index: int | None = None) -> CSParams:
 
 def node_value(node):
     """A catalog node as plain Python (dicts, lists, scalars); tensors and opaque leaves as None."""
+    from ..source.catalog import Container, ValueLeaf
+
     if isinstance(node, Container):
         children = [node_value(c) for c in node.children]
         if node.keys is not None:

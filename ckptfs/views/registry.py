@@ -7,10 +7,10 @@ its folder), add its ``View`` to ``VIEWS`` below, and add its check to tests/tes
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Callable
 
-from . import cs, hf, tensors, torch
 from .base import ViewContext, ViewResult
 
 
@@ -25,11 +25,23 @@ class View:
     about: str = ""
 
 
+def _builder(module: str) -> Callable[[ViewContext], ViewResult]:
+    """``ckptfs.views.<module>.build``, imported on the first call: listing the views (``--views``, the CLI's option
+    defaults) must not import what building them needs (h5py, numpy), so a background mount starts its server
+    without paying for those imports twice."""
+
+    def build(ctx: ViewContext) -> ViewResult:
+        return importlib.import_module(f"{__package__}.{module}").build(ctx)
+
+    build.__qualname__ = f"{module}.build"
+    return build
+
+
 VIEWS: tuple = (
-    View("hf", "", hf.build, "Hugging Face model directory (config.json, safetensors and .bin weights)"),
-    View("cs", "cs/", cs.build, "the checkpoint upgraded to Cerebras 2.10 (.mdl and params .yaml)"),
-    View("torch", "torch/", torch.build, "the whole state as torch.save files"),
-    View("tensors", "tensors/", tensors.build, "every source tensor as a .npy file"),
+    View("hf", "", _builder("hf"), "Hugging Face model directory (config.json, safetensors and .bin weights)"),
+    View("cs", "cs/", _builder("cs"), "the checkpoint upgraded to Cerebras 2.10 (.mdl and params .yaml)"),
+    View("torch", "torch/", _builder("torch"), "the whole state as torch.save files"),
+    View("tensors", "tensors/", _builder("tensors"), "every source tensor as a .npy file"),
 )
 
 

@@ -1,0 +1,75 @@
+"""The background mount's start (issue 14): the CLI imports nothing a tree needs before it starts the server, the
+checkpoint is opened only by the server, and the server's error is relayed by ``ckptfs mount`` as the server
+printed it (same class, path and problem, plus where the log is)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ckptfs.errors import CheckpointError, ConfigError, CkptfsError
+from ckptfs.mountproc import MountError, encode_status_error, relayed_error
+from fusehelp import ckptfs, fake_env, force_unmount, is_mounted, needs_fuse
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("err", [CheckpointError("/x/ck.mdl", "not an HDF5 file"),
+                                 ConfigError("/x/params.yaml", "no 'model' section"),
+                                 MountError(None, "something without a path")])
+def test_status_error_round_trip_keeps_class_path_and_problem(err):
+    got = relayed_error(encode_status_error(err))
+    assert type(got) is type(err) and got.path == err.path and str(got) == str(err)
+    with_log = relayed_error(encode_status_error(err), "/logs/mount.log")
+    assert str(with_log) == f"{err} (log: /logs/mount.log)"
+
+
+def test_status_error_of_an_unknown_class_is_a_ckptfs_error():
+    data = json.dumps({"type": "NoSuchError", "path": "/p", "problem": "why"}).encode() + b"\n"
+    got = relayed_error(data)
+    assert type(got) is CkptfsError and str(got) == "/p: why"
+    assert relayed_error(b"not json\n") is None
+
+
+def test_the_cli_starts_a_mount_without_importing_what_a_tree_needs():
+    """Everything ``ckptfs mount`` does before it starts the server: parse, options, mount point, libfuse."""
+    code = """if True:
+        import sys, tempfile
+        from ckptfs.cli import build_parser
+        from ckptfs import options
+        from ckptfs.mountproc import check_mountpoint
+        args = build_parser().parse_args(["mount", "x.mdl", "mnt"])
+        o = options.from_args(args)
+        options.check_options(o)
+        check_mountpoint(tempfile.mkdtemp())
+        heavy = sorted(m for m in ("h5py", "numpy", "ckptfs.source", "ckptfs.views.hf", "ckptfs.mapping.convert")
+                       if m in sys.modules)
+        print(",".join(heavy))
+    """
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == ""
+
+
+@needs_fuse
+def test_background_mount_of_a_bad_checkpoint_relays_the_servers_line(tmp_path):
+    bad = tmp_path / "garbage.mdl"
+    bad.write_bytes(b"garbage" * 1000)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    env = {k: v for k, v in fake_env(CKPTFS_CACHE_DIR=str(tmp_path / "cache")).items() if k != "CKPTFS_TEST_TREE"}
+    try:
+        fg = ckptfs("mount", bad, mnt, "--foreground", env=env, timeout=60)
+        bg = ckptfs("mount", bad, mnt, env=env, timeout=60)
+    finally:
+        force_unmount(mnt)
+    assert fg.returncode == bg.returncode == 2
+    fg_line, = fg.stderr.decode().strip().splitlines()
+    bg_line, = bg.stderr.decode().strip().splitlines()
+    logs = list((tmp_path / "cache" / "logs").glob("mount-*.log"))
+    assert len(logs) == 1 and bg_line == f"{fg_line} (log: {logs[0]})"
+    assert str(bad) in bg_line and not is_mounted(mnt)
+    assert fg_line in logs[0].read_text()  # the server printed the same line to its log
