@@ -315,30 +315,41 @@ def _raw_file(dset, coords: tuple, offset: int, size: int) -> "_RawFile | None":
         return None
 
 
-def why_not(dset) -> str | None:
-    """Why ``dset`` cannot use the chunk reader (None if it can)."""
+_memory_types: dict = {}  # numpy dtype -> its HDF5 memory type (``h5t.py_create``), made once per dtype
+
+
+def _memory_type(dt: np.dtype):
+    t = _memory_types.get(dt)
+    if t is None:
+        from h5py import h5t
+
+        t = _memory_types[dt] = h5t.py_create(dt)
+    return t
+
+
+def why_not(dset, dcpl=None) -> str | None:
+    """Why ``dset`` cannot use the chunk reader (None if it can); ``dcpl``: its creation property list, if at hand."""
     import h5py
-    from h5py import h5d, h5t
+    from h5py import h5d
 
     if not isinstance(dset, h5py.Dataset):
         return "not an h5py Dataset"
-    if dset.chunks is None or not dset.shape:
+    did = dset.id
+    if dcpl is None:
+        dcpl = did.get_create_plist()
+    if dcpl.get_layout() != h5d.CHUNKED or not did.shape:
         return "not chunked"
-    dt = dset.dtype
+    dt = did.dtype
     if dt.kind not in "biuf" or dt.itemsize not in (1, 2, 4, 8) or dt.fields is not None or dt.subdtype is not None:
         return f"element type {dt}"
-    dcpl = dset.id.get_create_plist()
-    if dcpl.get_layout() != h5d.CHUNKED:
-        return "not chunked"
     if dcpl.get_nfilters() != 1 or dcpl.get_filter(0)[0] != LZ4_FILTER_ID:
         return "filters other than LZ4 alone"
     try:
-        if not dset.id.get_type() == h5t.py_create(dt):
+        if not did.get_type() == _memory_type(dt):
             return "file type needs conversion"
     except (TypeError, ValueError):
         return "file type needs conversion"
-    if not hasattr(dset.id, "read_direct_chunk") or not (hasattr(dset.id, "chunk_iter")
-                                                         or hasattr(dset.id, "get_chunk_info")):
+    if not hasattr(did, "read_direct_chunk") or not (hasattr(did, "chunk_iter") or hasattr(did, "get_chunk_info")):
         return "h5py without direct chunk access"
     if lz4_decompress_safe() is None:
         return "LZ4 library unavailable"
@@ -348,21 +359,24 @@ def why_not(dset) -> str | None:
 def plan(dset) -> "LZ4ChunkReader | None":
     """A chunk reader for ``dset``, or None when the plain h5py read must be used (also if HDF5 cannot say)."""
     try:
-        return LZ4ChunkReader(dset) if why_not(dset) is None else None
-    except (OSError, RuntimeError, ValueError, TypeError, KeyError):
+        dcpl = dset.id.get_create_plist() if hasattr(dset, "id") else None
+        return LZ4ChunkReader(dset, dcpl) if why_not(dset, dcpl) is None else None
+    except (OSError, RuntimeError, ValueError, TypeError, KeyError, AttributeError):
         return None
 
 
 class LZ4ChunkReader:
     """Reads boxes of one LZ4-only chunked dataset by decoding its chunks itself (see the module docstring)."""
 
-    def __init__(self, dset):
+    def __init__(self, dset, dcpl=None):
         from h5py import h5d
 
+        did = dset.id
+        dcpl = dcpl if dcpl is not None else did.get_create_plist()
         self.dset = dset
-        self.shape = tuple(int(n) for n in dset.shape)
-        self.chunks = tuple(int(c) for c in dset.chunks)
-        self.dtype = dset.dtype  # what h5py returns: the output's dtype
+        self.shape = tuple(int(n) for n in did.shape)
+        self.chunks = tuple(int(c) for c in dcpl.get_chunk())
+        self.dtype = did.dtype  # what h5py returns: the output's dtype
         self.udtype = np.dtype(f"u{self.dtype.itemsize}")  # bytes are copied as unsigned ints: bit-exact
         self.chunk_nbytes = math.prod(self.chunks) * self.dtype.itemsize
         self.grid = tuple(-(-n // c) for n, c in zip(self.shape, self.chunks))
@@ -371,10 +385,13 @@ class LZ4ChunkReader:
         self._cstrides = tuple(math.prod(self.chunks[i + 1:]) * self.dtype.itemsize for i in range(len(self.chunks)))
         nd = len(self.chunks)
         self._run_axes = tuple(range(1, nd)) + (0, nd)  # (run, *chunk) -> (*chunk[:-1], run, chunk[-1])
-        dcpl = dset.id.get_create_plist()
         self.fill_ok = (dcpl.get_fill_time() != h5d.FILL_TIME_NEVER
                         and dcpl.fill_value_defined() != h5d.FILL_VALUE_UNDEFINED)
-        self.fill = np.array(dset.fillvalue, dtype=self.dtype).view(self.udtype)[()] if self.fill_ok else None
+        self.fill = None
+        if self.fill_ok:  # as h5py's ``Dataset.fillvalue``, from the property list already at hand
+            fill = np.zeros((1,), self.dtype)
+            dcpl.get_fill_value(fill)
+            self.fill = fill.view(self.udtype)[0]
         self._index = None
         self._lock = threading.Lock()
         self._raw: "_RawFile | bool | None" = None  # None: not yet checked; False: use read_direct_chunk
