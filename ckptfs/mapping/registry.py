@@ -41,23 +41,43 @@ def mapping_dirs() -> list:
     return dirs
 
 
+def _read_all(dirs) -> dict:
+    """``{file name: (path, parsed YAML)}`` of every mapping file of ``dirs`` (default ``mapping_dirs()``); a file
+    name seen first (installed package) wins."""
+    dirs = mapping_dirs() if dirs is None else [Path(d) for d in dirs]
+    files: dict[str, Path] = {}
+    for d in dirs:
+        for f in sorted(Path(d).glob("*.yaml")):
+            files.setdefault(f.name, f)
+    return {name: (path, read_yaml(path)) for name, path in sorted(files.items())}
+
+
+def _load_fragments(raw: dict) -> dict:
+    fragments = {}
+    for path, data in raw.values():
+        if "fragment" in data:
+            frag = load_fragment(path, data)
+            if frag.name in fragments:
+                raise MappingError(path, f"fragment {frag.name!r} also defined in {fragments[frag.name].path}")
+            fragments[frag.name] = frag
+    return fragments
+
+
 class Registry:
-    """Every family spec of the given folders, by family name and by model name."""
+    """Every family spec of the given folders, by family name and by model name (all parsed and checked at once)."""
 
     def __init__(self, dirs=None):
-        dirs = mapping_dirs() if dirs is None else [Path(d) for d in dirs]
-        files: dict[str, Path] = {}
-        for d in dirs:  # a file name seen first (installed package) wins
-            for f in sorted(Path(d).glob("*.yaml")):
-                files.setdefault(f.name, f)
-        raw = {name: (path, read_yaml(path)) for name, path in sorted(files.items())}
-        fragments = {}
-        for path, data in raw.values():
-            if "fragment" in data:
-                frag = load_fragment(path, data)
-                if frag.name in fragments:
-                    raise MappingError(path, f"fragment {frag.name!r} also defined in {fragments[frag.name].path}")
-                fragments[frag.name] = frag
+        raw = _read_all(dirs)
+        self._load(raw, _load_fragments(raw))
+
+    @classmethod
+    def from_raw(cls, raw: dict, fragments: dict | None = None) -> "Registry":
+        """The registry of already parsed files (``_read_all``)."""
+        reg = cls.__new__(cls)
+        reg._load(raw, _load_fragments(raw) if fragments is None else fragments)
+        return reg
+
+    def _load(self, raw: dict, fragments: dict) -> None:
         self.families: dict[str, FamilySpec] = {}
         self.by_model: dict[str, FamilySpec] = {}
         self.by_cs_name: dict[str, FamilySpec] = {}
@@ -120,16 +140,180 @@ class Registry:
         return out
 
 
+@dataclass(frozen=True)
+class _Declared:
+    """What one family file declares about its names, read from its YAML without building the spec."""
+
+    key: str  # file name (the key of ``_read_all``)
+    family: str
+    names: tuple  # model names and aliases, in file order (``FamilySpec.names()``)
+    cs_names: tuple
+    has_detect_config: bool
+
+
+def _declared(key: str, data: dict) -> _Declared | None:
+    """The names a family file declares, or None when they are not plainly written (the full parse says why)."""
+    family, models = data.get("family"), data.get("models")
+    if not (isinstance(family, str) and family and isinstance(models, list) and models):
+        return None
+    names = []
+    for m in models:
+        aliases = (m.get("aliases") or []) if isinstance(m, dict) else None
+        if not (isinstance(m, dict) and isinstance(m.get("name"), str) and m["name"] and isinstance(aliases, list)
+                and all(isinstance(a, str) for a in aliases)):
+            return None
+        names += [m["name"], *aliases]
+    cs_names = data.get("cs_names") or [family]
+    detect = data.get("detect") or {}
+    if not (isinstance(cs_names, list) and all(isinstance(n, str) for n in cs_names) and isinstance(detect, dict)):
+        return None
+    return _Declared(key, family, tuple(names), tuple(cs_names), detect.get("config") is not None)
+
+
+@dataclass
+class _Index:
+    """Which file declares each family, model name and CS name (``Registry``'s lookups, without the specs)."""
+
+    families: dict
+    by_model: dict
+    by_cs_name: dict
+    shared_cs_names: dict
+
+
+def _index(raw: dict) -> _Index | None:
+    """The lookups of every family file of ``raw``; None if any file is irregular or two files clash (the full
+    parse then raises the error that says which)."""
+    idx = _Index({}, {}, {}, {})
+    for key, (_, data) in raw.items():
+        if "fragment" in data:
+            continue
+        d = _declared(key, data)
+        if d is None or d.family in idx.families or len(set(d.names)) != len(d.names):
+            return None
+        idx.families[d.family] = d
+        for name in d.names:
+            if name in idx.by_model:
+                return None
+            idx.by_model[name] = d
+        for name in d.cs_names:
+            claims = idx.shared_cs_names.get(name) or ([idx.by_cs_name[name]] if name in idx.by_cs_name else [])
+            if claims and not (d.has_detect_config and all(c.has_detect_config for c in claims)):
+                return None
+            if claims:
+                idx.shared_cs_names[name] = claims + [d]
+                idx.by_cs_name.pop(name, None)
+            else:
+                idx.by_cs_name[name] = d
+    return idx
+
+
+class LazyRegistry:
+    """The same lookups as ``Registry``, parsing a family's rules only when it is asked for.
+
+    A mount needs one family, yet ``Registry`` builds all of them (their key patterns compiled, expressions
+    checked: most of the registry's cost). This one reads every file's YAML (the names each declares, checked for
+    clashes as ``Registry`` does) and builds a ``FamilySpec`` on first use. What needs every family (``families``,
+    ``by_model``…, ``models()``, detection from key names) loads them all, as ``Registry`` would; so does a file
+    whose names are not plainly written, so that its error is raised exactly as ``Registry`` raises it.
+    """
+
+    def __init__(self, dirs=None):
+        self._raw = _read_all(dirs)
+        self._lock = threading.RLock()
+        self._fragments: dict | None = None
+        self._specs: dict = {}  # family -> FamilySpec built so far
+        self._full: Registry | None = None
+        self._index = _index(self._raw)
+        if self._index is None:
+            self._load_all()
+
+    def _load_all(self) -> Registry:
+        with self._lock:
+            if self._full is None:
+                self._full = Registry.from_raw(self._raw, self._fragments)
+            return self._full
+
+    def _spec(self, d: _Declared) -> FamilySpec:
+        with self._lock:
+            spec = self._specs.get(d.family)
+            if spec is None:
+                if self._fragments is None:
+                    self._fragments = _load_fragments(self._raw)
+                path, data = self._raw[d.key]
+                spec = load_family(path, self._fragments, data)
+                if (spec.family, tuple(spec.names()), tuple(spec.cs_names),
+                        spec.detect.config is not None) != (d.family, d.names, d.cs_names, d.has_detect_config):
+                    return self._load_all().families[d.family]  # never expected: trust the full parse
+                self._specs[d.family] = spec
+            return spec
+
+    # what needs every family: the full registry
+    @property
+    def families(self) -> dict:
+        return self._load_all().families
+
+    @property
+    def by_model(self) -> dict:
+        return self._load_all().by_model
+
+    @property
+    def by_cs_name(self) -> dict:
+        return self._load_all().by_cs_name
+
+    @property
+    def shared_cs_names(self) -> dict:
+        return self._load_all().shared_cs_names
+
+    def models(self) -> list:
+        return self._load_all().models()
+
+    # lookups of one family
+    def family(self, name: str) -> FamilySpec:
+        if self._full is not None:
+            return self._full.family(name)
+        d = self._index.families.get(name)
+        if d is None:
+            known = ", ".join(sorted(self._index.families))
+            raise MappingError(None, f"unknown model family {name!r} (known: {known})")
+        return self._spec(d)
+
+    def for_model(self, name: str) -> FamilySpec | None:
+        if self._full is not None:
+            return self._full.for_model(name)
+        d = self._index.by_model.get(name)
+        return self._spec(d) if d is not None else None
+
+    def for_cs_name(self, name: str) -> FamilySpec | None:
+        """As ``Registry.for_cs_name``."""
+        if self._full is not None:
+            return self._full.for_cs_name(name)
+        if name in self._index.shared_cs_names:
+            return None
+        d = self._index.by_cs_name.get(name) or self._index.by_model.get(name)
+        return self._spec(d) if d is not None else None
+
+    def families_for_cs_name(self, name: str) -> list:
+        """As ``Registry.families_for_cs_name``."""
+        if self._full is not None:
+            return self._full.families_for_cs_name(name)
+        if name in self._index.shared_cs_names:
+            specs = [self._spec(d) for d in self._index.shared_cs_names[name]]
+            return sorted(specs, key=lambda s: (-s.detect.priority, s.family))
+        spec = self.for_cs_name(name)
+        return [spec] if spec is not None else []
+
+
 _lock = threading.Lock()
-_default: Registry | None = None
+_default: LazyRegistry | None = None
 
 
-def default_registry() -> Registry:
-    """The registry of the installed mapping files, loaded once per process."""
+def default_registry() -> LazyRegistry:
+    """The registry of the installed mapping files, read once per process; a family's rules are parsed when first
+    used (``LazyRegistry``)."""
     global _default
     with _lock:
         if _default is None:
-            _default = Registry()
+            _default = LazyRegistry()
         return _default
 
 
