@@ -378,7 +378,7 @@ def _mount(ckpt, mountpoint, options: MountOptions, *, foreground: bool, allow_o
     run = is_run(ckpt, options)  # a model_dir: the whole training run, live (ckptfs.runtree), unless --single
     if run and background_server:
         check_run(ckpt)  # a directory that cannot be followed as a run fails the background start
-    tree = open_run(ckpt, options) if run else build_tree(ckpt, options)
+    tree = open_run(ckpt, options) if run else build_tree(ckpt, options, fork_builds=True)
     trim_memory()  # what building the tree used and freed (the catalog's HDF5 handle, temporaries) goes back
     tree.warm()  # expensive layouts (the cs view's HDF5 skeleton) build while the mount already answers
     setup_logging(debug)

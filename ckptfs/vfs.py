@@ -672,12 +672,18 @@ def _load_test_factory(spec: str):
     return getattr(importlib.import_module(mod), func)
 
 
-def build_tree(ckpt_path, options: MountOptions | None = None, *, cache: BlockCache | None = None) -> VirtualTree:
+#: views that start a build in a forked process when ``build_tree(fork_builds=True)``
+FORKING_VIEWS = ("cs",)
+
+
+def build_tree(ckpt_path, options: MountOptions | None = None, *, cache: BlockCache | None = None,
+               fork_builds: bool = False) -> VirtualTree:
     """Open the checkpoint and assemble every requested view into one ``VirtualTree``.
 
     ``cache``: the block cache its files read through (default: its own, of ``options.cache_size``; the trees of a
     run mount share one, ``ckptfs.runtree``). Raises ``CheckpointError`` if the checkpoint cannot be opened; a
-    failing view only makes that view missing.
+    failing view only makes that view missing. ``fork_builds``: views may start expensive layouts in forked
+    processes (``ViewContext.fork_builds``): only for a caller that has no other thread, the mount server.
     """
     options = options or MountOptions()
     check_options(options)
@@ -695,8 +701,12 @@ def build_tree(ckpt_path, options: MountOptions | None = None, *, cache: BlockCa
         path, ckpt = open_source(ckpt_path, options)
         path = path.absolute()
         ctx = ViewContext(checkpoint=ckpt, ckpt_path=path, stem=path.stem, options=options,
-                          crc_store=_crc_store(), identity=content_identity(path, options), cache=cache)
-        outcomes = [_run_view(n, ctx) for n in options.views]
+                          crc_store=_crc_store(), identity=content_identity(path, options), cache=cache,
+                          fork_builds=fork_builds)
+        # a view that forks a build (cs) goes first, so that the build overlaps the others'; outcomes keep their order
+        first = [n for n in options.views if fork_builds and n in FORKING_VIEWS]
+        built = {n: _run_view(n, ctx) for n in first + [n for n in options.views if n not in first]}
+        outcomes = [built[n] for n in options.views]
         info = SourceInfo(path, getattr(ckpt, "format_version", None), getattr(ckpt, "release", None),
                           getattr(ckpt, "success", None), [str(w) for w in getattr(ckpt, "warnings", []) or []],
                           Path(ckpt_path).absolute() if Path(ckpt_path).is_dir() else None)

@@ -24,9 +24,13 @@ from __future__ import annotations
 
 import bisect
 import io
+import json
 import logging
 import os
+import signal
 import tempfile
+import threading
+import weakref
 from array import array
 from dataclasses import dataclass
 from typing import Any
@@ -575,6 +579,88 @@ class _Body:
         return sum(self.meta_ends) - sum(self.meta_starts)
 
 
+class _ChildBuild:
+    """A skeleton being built by a forked child process (``Hdf5Layout.fork_build``): it writes the HDF5 metadata into
+    ``buffer``'s scratch file (the descriptor is shared across the fork) and sends what the layout needs back
+    through a pipe as JSON: the written ranges, the data regions' offsets in the order of the tensors, the size."""
+
+    def __init__(self, pid: int, fd: int, buffer: "ScratchBuffer"):
+        self.pid, self.fd, self.buffer = pid, fd, buffer
+        self._finalizer = weakref.finalize(self, _ChildBuild._reap, pid, fd, True)
+
+    @staticmethod
+    def _reap(pid: int, fd: int, kill: bool) -> int | None:
+        """Close the pipe and wait for the child (killed first when its result is not wanted); its exit status."""
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        if kill:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        try:
+            return os.waitpid(pid, 0)[1]
+        except ChildProcessError:
+            return None
+
+    def result(self, items: list) -> Skeleton | None:
+        """The child's skeleton (waits for it; the GIL is free meanwhile), or None if it failed (the caller then
+        builds in this process, which raises the error the child met)."""
+        chunks = []
+        try:
+            while True:
+                data = os.read(self.fd, 1 << 20)
+                if not data:
+                    break
+                chunks.append(data)
+        except OSError:
+            chunks = []
+        self._finalizer.detach()
+        status = _ChildBuild._reap(self.pid, self.fd, False)  # None: reaped by someone else; the JSON tells
+        if status not in (0, None) or not chunks:
+            return None
+        try:
+            msg = json.loads(b"".join(chunks))
+            tensors = [e.tensor for _, e in items if isinstance(e, TensorEntry) and e.tensor.nbytes]
+            if len(tensors) != len(msg["offsets"]):
+                return None
+            buf = self.buffer
+            buf.eof = int(msg["size"])
+            skel = Skeleton(buf, [(int(a), int(b)) for a, b in msg["spans"]],
+                            [(int(o), t) for o, t in zip(msg["offsets"], tensors)], buf.eof)
+        except (ValueError, KeyError, TypeError):
+            return None
+        _check_disjoint(skel)
+        return skel
+
+    def cancel(self) -> None:
+        self._finalizer()
+
+
+def _child_build(layout: "Hdf5Layout", items: list, buf: "ScratchBuffer", fd: int) -> None:
+    """In the forked child: build, send the result, exit (never returns; no cleanup of the parent's state runs)."""
+    code = 1
+    try:
+        try:  # die with the server (Linux): the child must not outlive the process that waits for it
+            import ctypes
+
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+        skel = layout._build(items, buf)
+        data = memoryview(json.dumps({"spans": skel.spans, "offsets": [o for o, _ in skel.regions],
+                                      "size": skel.size}).encode())
+        while data:
+            data = data[os.write(fd, data):]
+        code = 0
+    except BaseException:  # noqa: BLE001 - any failure: the parent builds itself and reports it
+        pass
+    finally:
+        os._exit(code)
+
+
 class Hdf5Layout(PiecedFile):
     """The bytes of a lazily generated format-0.5 ``.mdl``: ``size`` and ``read(offset, n)``.
 
@@ -594,7 +680,37 @@ class Hdf5Layout(PiecedFile):
         self.notes = [f"{k}: dtype {e.tensor.dtype.name} has no RtFx code; cstorch 2.10 cannot write it"
                       for k, e in items if isinstance(e, TensorEntry) and not e.numpy
                       and e.tensor.dtype.name not in RTFX_CODES]
+        self._child: _ChildBuild | None = None
         super().__init__(name=str(path) if path is not None else "HDF5 file", cache=cache, plan=self._plan_file)
+
+    def fork_build(self) -> bool:
+        """Start building the skeleton now in a forked child process, on another CPU and outside this process's GIL;
+        the first use of the file (``size``, ``read``) then only waits for the child and adopts its result. The
+        child makes the same calls as a build in this process, so the bytes are the same; if it fails, the first
+        use builds here (and raises what the child met).
+
+        Only while this process has a single thread (a fork copies no other thread, and any lock another thread
+        held would stay held in the child): otherwise, and without ``os.fork`` or a scratch file, nothing is
+        started and False is returned (the skeleton is built on first use, as without this call)."""
+        if self._child is not None or not hasattr(os, "fork") or threading.active_count() != 1:
+            return False
+        buf = new_buffer()
+        if not isinstance(buf, ScratchBuffer):
+            return False
+        items = self.items
+        r, w = os.pipe()
+        try:
+            pid = os.fork()
+        except OSError:
+            os.close(r)
+            os.close(w)
+            return False
+        if pid == 0:
+            os.close(r)
+            _child_build(self, items, buf, w)  # never returns
+        os.close(w)
+        self._child = _ChildBuild(pid, r, buf)
+        return True
 
     @property
     def items(self) -> list:
@@ -615,6 +731,12 @@ class Hdf5Layout(PiecedFile):
 
     def _plan_file(self) -> list:
         items = self.items
+        child, self._child = self._child, None
+        if child is not None:
+            skel = child.result(items)
+            if skel is not None:
+                return [_Body(self, skel)]
+            log.warning("%s: the HDF5 skeleton's build process failed: building it here", self.name)
         buf = new_buffer()
         try:
             try:

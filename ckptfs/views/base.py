@@ -114,6 +114,8 @@ class ViewContext:
     crc_store: Any = None  # ckptfs.layouts.crc.CrcStore persisting zip CRCs across mounts (None: not persisted)
     identity: str | None = None  # the checkpoint file (realpath, size, mtime, inode) + content-shaping options
     cache: BlockCache | None = None  # the mount's block cache, handed to every layout (default: one sized by options)
+    # the mount server, still single-threaded: expensive layouts may start building in a forked process (cs view)
+    fork_builds: bool = False
 
     def __post_init__(self):
         if self.cache is None:

@@ -151,6 +151,8 @@ def build(ctx) -> ViewResult:
         result.missing = f"{ctx.stem}.mdl: {e.problem}"
         return result
     result.notes.extend(lay.notes)
+    if ctx.fork_builds:  # the mount server: the skeleton builds on the other CPU while the other views are built
+        lay.fork_build()
 
     def skeleton():
         lay.size  # lays the HDF5 skeleton out: O(keys) h5py work, ~0.25 s of CPU for a 70B model's 724 tensors
