@@ -45,7 +45,7 @@ def test_the_cli_starts_a_mount_without_importing_what_a_tree_needs():
         o = options.from_args(args)
         options.check_options(o)
         check_mountpoint(tempfile.mkdtemp())
-        heavy = sorted(m for m in ("h5py", "numpy", "ckptfs.source", "ckptfs.views.hf", "ckptfs.mapping.convert")
+        heavy = sorted(m for m in ("h5py", "numpy", "yaml", "ckptfs.source", "ckptfs.views.hf", "ckptfs.mapping.spec")
                        if m in sys.modules)
         print(",".join(heavy))
     """
@@ -73,3 +73,10 @@ def test_background_mount_of_a_bad_checkpoint_relays_the_servers_line(tmp_path):
     assert len(logs) == 1 and bg_line == f"{fg_line} (log: {logs[0]})"
     assert str(bad) in bg_line and not is_mounted(mnt)
     assert fg_line in logs[0].read_text()  # the server printed the same line to its log
+
+
+def test_convert_config_dtypes_are_the_mapping_cores():
+    from ckptfs.commands.convert_config import DTYPES as cli_dtypes
+    from ckptfs.mapping.params_config import DTYPES
+
+    assert cli_dtypes == DTYPES

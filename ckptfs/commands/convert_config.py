@@ -21,9 +21,12 @@ from .. import options as mount_options
 from ..errors import UsageError
 
 
-def add_parser(subparsers):
-    from ..mapping.params_config import DTYPES
+#: what ``--dtype`` accepts: ``ckptfs.mapping.params_config.DTYPES``, spelled out here because building the CLI's
+#: parser (every ``ckptfs`` command, ``mount`` included) must not import the mapping core; a test checks they agree
+DTYPES = ("float32", "bfloat16", "float16")
 
+
+def add_parser(subparsers):
     p = subparsers.add_parser(
         "convert-config", help="the HF config.json a checkpoint trained with PARAMS.yaml would get (or why none)",
         description="Print the Hugging Face config.json that a checkpoint trained with these Cerebras params would "
