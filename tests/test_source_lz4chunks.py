@@ -364,10 +364,11 @@ def test_parallel_reads_work_in_a_forked_child(tmp_path):
 @pytest.mark.parametrize("shape, chunks", [((40, 90), (8, 30)), ((37, 23), (5, 7)), ((9, 10, 11), (4, 3, 5)),
                                            ((301,), (17,))])
 @pytest.mark.parametrize("kind", ["random", "smooth", "mixed"])
-def test_peek_by_chunk_lookup_equals_whole_read(tmp_path, shape, chunks, kind):
+def test_peek_by_chunk_lookup_equals_whole_read(tmp_path, monkeypatch, shape, chunks, kind):
     """A small read of a dataset not yet indexed looks its chunks up (no index is built) and gives the same bytes
-    as the whole read: partial edge chunks, several dimensions, chunks stored raw or compressed, a chunk stored
-    without the filter (mask bit 0), an unallocated chunk (fill value), direct file reads or read_direct_chunk."""
+    as the whole read: partial edge chunks, several dimensions, chunks stored raw or compressed (neighbours stored
+    raw placed as one run), a chunk stored without the filter (mask bit 0), an unallocated chunk (fill value),
+    direct file reads or read_direct_chunk."""
     rng = np.random.default_rng(len(shape) * 100 + sum(chunks))
     data = _data(rng, shape, "<f4", kind)
     path = tmp_path / "p.h5"
@@ -390,7 +391,12 @@ def test_peek_by_chunk_lookup_equals_whole_read(tmp_path, shape, chunks, kind):
         boxes = [tuple((0, min(n, 2)) for n in shape),  # a peek at the start
                  tuple((a, n) for a, n in zip(last, shape)),  # the corner chunk, unfiltered and partial
                  tuple((max(a - 1, 0), min(a + c + 1, n)) for a, c, n in zip(hole, chunks, shape)),  # around the hole
-                 tuple((n // 3, n // 3 + 1) for n in shape)]
+                 tuple((n // 3, n // 3 + 1) for n in shape),
+                 tuple((0, 1) for n in shape[:-1]) + ((0, shape[-1]),),  # a first row: a run of raw chunks
+                 tuple((0, 1) for n in shape[:-1]) + ((chunks[-1] // 2, shape[-1] - 1),)]  # cut at both ends
+        runs = []
+        real_run = lz4chunks._Job.place_run
+        monkeypatch.setattr(lz4chunks._Job, "place_run", lambda job, *a: runs.append(a[-1]) or real_run(job, *a))
         for box in boxes:
             for fetch in ("direct", "chunks"):
                 r = lz4chunks.plan(d)
@@ -403,6 +409,8 @@ def test_peek_by_chunk_lookup_equals_whole_read(tmp_path, shape, chunks, kind):
                 assert got.tobytes() == want[tuple(slice(a, b) for a, b in box)].tobytes(), (box, fetch)
                 if fetch == "direct":
                     assert r._raw, "direct file reads were not used"
+        if kind == "random" and shape[-1] >= 3 * chunks[-1]:
+            assert max(runs) >= 2, "neighbouring raw chunks were not placed as a run"
 
 
 def test_chunks_looked_up_are_remembered_until_indexing_is_cheaper(tmp_path, monkeypatch):

@@ -455,7 +455,10 @@ class LZ4ChunkReader:
         """``(offset, size, filter mask)`` of the chunk with grid indices ``idx``: from ``index`` (the arrays of
         ``index()``), or with None from the chunks looked up so far or one lookup in HDF5's chunk index (then
         remembered); size -1 = unallocated."""
-        li = sum(i * s for i, s in zip(idx, self._gstride))
+        return self._lookup_at(sum(i * s for i, s in zip(idx, self._gstride)), idx, index)
+
+    def _lookup_at(self, li: int, idx: tuple, index) -> tuple:
+        """``_lookup`` of the chunk with linear index ``li`` (and grid indices ``idx``)."""
         if index is not None:
             return int(index[0][li]), int(index[1][li]), int(index[2][li])
         seen = self._looked_up
@@ -534,27 +537,50 @@ class LZ4ChunkReader:
         """``read`` for a box over a few chunks, chunk by chunk in plain Python; each chunk's place comes from
         ``index`` (None: looked up, ``_lookup``); neighbouring chunks are fetched with one ``preadv``."""
         found = []  # (offset, size, mask, grid indices) of the allocated chunks
-        for idx in itertools.product(*ranges):
-            off, size, mask = self._lookup(idx, index)
-            if size < 0:
-                if not self.fill_ok:
-                    return None
-                out[self._slices(box, idx)[1]] = self.fill
-            else:
-                found.append((off, size, mask, idx))
+        lookup, last = self._lookup_at, ranges[-1]
+        for head in itertools.product(*ranges[:-1]):  # C order: the last grid index varies fastest
+            base = sum(i * s for i, s in zip(head, self._gstride))
+            for j in last:
+                idx = head + (j,)
+                off, size, mask = lookup(base + j, idx, index)
+                if size < 0:
+                    if not self.fill_ok:
+                        return None
+                    out[self._slices(box, idx)[1]] = self.fill
+                else:
+                    found.append((off, size, mask, idx))
         if not found:
             return out.view(self.dtype)
         direct = self._direct(lambda: (tuple(i * c for i, c in zip(found[0][3], self.chunks)), found[0][0],
                                        found[0][1]))
         job = _Job(self, box, out, None, None, None, None, direct)
         buf, pos = job.fetch_few(found)
-        for (_, size, mask, idx), p in zip(found, pos):
-            raw1 = False
-            if not mask & 1 and size == self.chunk_nbytes + _RAW_HEAD:
-                total, block, stored = _HEAD.unpack_from(buf, p)
-                raw1 = total == stored == self.chunk_nbytes and block >= total
-            job.one(buf, p, size, mask, idx, raw1)
+        c, step = self.chunks[-1], self.chunk_nbytes + _RAW_HEAD
+        b = box[-1][1]
+        raw1 = [self._stored_raw(buf, p, size, mask) for (_, size, mask, _), p in zip(found, pos)]
+        k = 0
+        while k < len(found):
+            idx, p = found[k][3], pos[k]
+            e = k + 1  # chunks k..e-1: neighbours along the last dimension, stored raw, back to back in the buffer,
+            if raw1[k] and idx[-1] * c + c <= b:  # none cut by the box along it (placed with one strided copy)
+                while (e < len(found) and raw1[e] and found[e][3][:-1] == idx[:-1]
+                       and found[e][3][-1] == idx[-1] + e - k and found[e][3][-1] * c + c <= b
+                       and pos[e] == p + (e - k) * step):
+                    e += 1
+            if e - k > 1 and idx[-1] * c >= box[-1][0]:
+                job.place_run(buf, p + _RAW_HEAD, step, sum(i * s for i, s in zip(idx, self._gstride)), e - k)
+            else:
+                e = k + 1
+                job.one(buf, p, found[k][1], found[k][2], idx, raw1[k])
+            k = e
         return out.view(self.dtype)
+
+    def _stored_raw(self, buf, p: int, size: int, mask: int) -> bool:
+        """Whether the chunk at ``buf[p:p+size]`` is a one-block LZ4 frame holding its bytes raw."""
+        if mask & 1 or size != self.chunk_nbytes + _RAW_HEAD:
+            return False
+        total, block, stored = _HEAD.unpack_from(buf, p)
+        return total == stored == self.chunk_nbytes and block >= total
 
     def _chunk_idx(self, li: int) -> tuple:
         """Grid indices of the chunk with linear index ``li``."""
@@ -640,7 +666,7 @@ class _Job:
         step = nbytes + _RAW_HEAD
         for s0, e0 in zip(starts.tolist(), ends.tolist()):
             if raw1[s0:e0].all() and (e0 - s0 == 1 or (np.diff(pos[s0:e0]) == step).all()):
-                self._place_run(buf, int(pos[s0]) + _RAW_HEAD, step, int(li[s0]), e0 - s0)  # stored raw, back to back
+                self.place_run(buf, int(pos[s0]) + _RAW_HEAD, step, int(li[s0]), e0 - s0)  # stored raw, back to back
             else:
                 self._decode_run(buf, pos[s0:e0], stored[s0:e0], raw1[s0:e0], int(li[s0]))
         for k in np.flatnonzero(~cand).tolist():
@@ -666,7 +692,7 @@ class _Job:
             elif fn(src + p, dst + k * nbytes, n, nbytes) != nbytes:
                 raise CorruptChunkError(self._coords(li0 + k), "block 0 does not decode to the chunk's size")
         if tmp is not None:
-            self._place_run(tmp, 0, nbytes, li0, nrun)
+            self.place_run(tmp, 0, nbytes, li0, nrun)
 
     def coords(self, idx: tuple) -> tuple:
         """Dataset offset of the chunk with grid indices ``idx``."""
@@ -747,7 +773,7 @@ class _Job:
                 raise CorruptChunkError(self._coords(k), f"chunk read returned {len(got)} of {n} bytes")
         return buf, pos
 
-    def _place_run(self, buf, offset: int, step: int, li0: int, nrun: int) -> None:
+    def place_run(self, buf, offset: int, step: int, li0: int, nrun: int) -> None:
         """Copy ``nrun`` decoded chunks, neighbours along the last dimension found every ``step`` bytes from
         ``buf[offset]``, into the output with one strided copy."""
         r, out = self.r, self.out
