@@ -74,3 +74,38 @@ def test_a_broken_file_raises_what_registry_raises(tmp_path, change):
     with pytest.raises(MappingError) as e_lazy:
         LazyRegistry([tmp_path])
     assert str(e_lazy.value) == str(e_eager.value)
+
+
+def test_index_cache_parses_only_the_asked_family_and_its_fragments(tmp_path, eager):
+    cache = tmp_path / "cache" / "mappings-index.json"
+    first = LazyRegistry(index_cache=cache)
+    assert cache.exists() and len(first._raw) == len(first._files)  # made by reading every file once
+    lazy = LazyRegistry(index_cache=cache)
+    assert lazy._raw == {}
+    assert lazy.families_for_cs_name("llama") == eager.families_for_cs_name("llama")
+    fragments = {k for k in lazy._files if "fragment" in yaml.safe_load(lazy._files[k].read_text())}
+    assert set(lazy._raw) == {"llama.yaml"} | fragments
+    for name, spec in eager.by_model.items():  # every lookup as Registry's, from the cached index
+        assert lazy.for_model(name) == spec and lazy.for_cs_name(name) == eager.for_cs_name(name), name
+    assert set(lazy.families) == set(eager.families)
+
+
+@pytest.mark.parametrize("damage", ["changed_file", "corrupt_cache", "foreign_file_name"])
+def test_a_stale_or_bad_index_cache_is_not_used(tmp_path, damage):
+    _copy_mappings(tmp_path)
+    cache = tmp_path / "idx.json"
+    LazyRegistry([tmp_path], index_cache=cache)
+    if damage == "changed_file":  # llama's names change: the cache made before must not be believed
+        doc = yaml.safe_load((tmp_path / "llama.yaml").read_text())
+        doc["models"][0]["aliases"] = [*(doc["models"][0].get("aliases") or []), "my-llama"]
+        (tmp_path / "llama.yaml").write_text(yaml.safe_dump(doc))
+    elif damage == "corrupt_cache":
+        cache.write_text("{not json")
+    else:  # a cache naming a file that is not in the folders: paths come from the listing only
+        text = cache.read_text().replace('"llama.yaml"', '"../llama.yaml"')
+        cache.write_text(text)
+    lazy = LazyRegistry([tmp_path], index_cache=cache)
+    assert len(lazy._raw) == len(lazy._files)  # read every file again
+    assert lazy.for_model("llama").family == "llama"
+    if damage == "changed_file":
+        assert lazy.for_model("my-llama").family == "llama"

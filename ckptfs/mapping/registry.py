@@ -7,8 +7,11 @@ top-level ``fragment:`` are shared pieces; the others are families.
 from __future__ import annotations
 
 import importlib.resources
+import json
+import os
+import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import MappingError
@@ -41,15 +44,20 @@ def mapping_dirs() -> list:
     return dirs
 
 
-def _read_all(dirs) -> dict:
-    """``{file name: (path, parsed YAML)}`` of every mapping file of ``dirs`` (default ``mapping_dirs()``); a file
+def _mapping_files(dirs) -> dict:
+    """``{file name: path}`` of every mapping file of ``dirs`` (default ``mapping_dirs()``), sorted by name; a file
     name seen first (installed package) wins."""
     dirs = mapping_dirs() if dirs is None else [Path(d) for d in dirs]
     files: dict[str, Path] = {}
     for d in dirs:
         for f in sorted(Path(d).glob("*.yaml")):
             files.setdefault(f.name, f)
-    return {name: (path, read_yaml(path)) for name, path in sorted(files.items())}
+    return dict(sorted(files.items()))
+
+
+def _read_all(dirs) -> dict:
+    """``{file name: (path, parsed YAML)}`` of every mapping file of ``dirs`` (``_mapping_files``)."""
+    return {name: (path, read_yaml(path)) for name, path in _mapping_files(dirs).items()}
 
 
 def _load_fragments(raw: dict) -> dict:
@@ -183,12 +191,15 @@ class _Index:
 def _index(raw: dict) -> _Index | None:
     """The lookups of every family file of ``raw``; None if any file is irregular or two files clash (the full
     parse then raises the error that says which)."""
+    declared = [_declared(key, data) for key, (_, data) in raw.items() if "fragment" not in data]
+    return None if None in declared else _index_of(declared)
+
+
+def _index_of(declared: list) -> _Index | None:
+    """The lookups of these family files' declarations; None if two of them clash."""
     idx = _Index({}, {}, {}, {})
-    for key, (_, data) in raw.items():
-        if "fragment" in data:
-            continue
-        d = _declared(key, data)
-        if d is None or d.family in idx.families or len(set(d.names)) != len(d.names):
+    for d in declared:
+        if d.family in idx.families or len(set(d.names)) != len(d.names):
             return None
         idx.families[d.family] = d
         for name in d.names:
@@ -207,6 +218,56 @@ def _index(raw: dict) -> _Index | None:
     return idx
 
 
+#: version of the index cache file's format (``LazyRegistry(index_cache=…)``)
+INDEX_CACHE_VERSION = 1
+
+
+def _stamp(files: dict) -> list:
+    """What the index of ``files`` depends on: each file's name, path, size and modification time."""
+    out = []
+    for name, path in files.items():
+        st = os.stat(path)
+        out.append([name, str(path), st.st_size, st.st_mtime_ns])
+    return out
+
+
+def _load_index_cache(path: Path, stamp: list) -> tuple | None:
+    """``(declarations, fragment file names)`` from the index cache at ``path`` if it was made from exactly the files
+    of ``stamp``; None otherwise (missing, stale, unreadable or malformed: the files are read instead)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+        if doc.get("version") != INDEX_CACHE_VERSION or doc.get("stamp") != stamp:
+            return None
+        names = {name for name, *_ in stamp}
+        declared = [_Declared(str(d["key"]), str(d["family"]), tuple(map(str, d["names"])),
+                              tuple(map(str, d["cs_names"])), bool(d["has_detect_config"])) for d in doc["families"]]
+        fragments = [str(k) for k in doc["fragments"]]
+        if not {d.key for d in declared} | set(fragments) <= names:
+            return None
+        return declared, fragments
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _save_index_cache(path: Path, stamp: list, declared: list, fragments: list) -> None:
+    """Write the index cache atomically (best effort: a read-only cache directory only costs the next start)."""
+    doc = {"version": INDEX_CACHE_VERSION, "stamp": stamp, "fragments": fragments,
+           "families": [{**asdict(d), "names": list(d.names), "cs_names": list(d.cs_names)} for d in declared]}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd, tmp = tempfile.mkstemp(prefix=".mappings-index-", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(doc, f)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError:
+        pass
+
+
 class LazyRegistry:
     """The same lookups as ``Registry``, parsing a family's rules only when it is asked for.
 
@@ -215,22 +276,47 @@ class LazyRegistry:
     clashes as ``Registry`` does) and builds a ``FamilySpec`` on first use. What needs every family (``families``,
     ``by_model``…, ``models()``, detection from key names) loads them all, as ``Registry`` would; so does a file
     whose names are not plainly written, so that its error is raised exactly as ``Registry`` raises it.
+
+    ``index_cache``: a JSON file keeping those declarations between processes, valid for exactly the files (names,
+    paths, sizes, modification times) it was made from; with a valid one, only the asked family's file and the
+    fragments are parsed. Paths always come from the folders' listing, never from the cache.
     """
 
-    def __init__(self, dirs=None):
-        self._raw = _read_all(dirs)
+    def __init__(self, dirs=None, *, index_cache: Path | None = None):
+        self._files = _mapping_files(dirs)
+        self._raw: dict = {}  # file name -> (path, parsed YAML), parsed when needed
         self._lock = threading.RLock()
         self._fragments: dict | None = None
         self._specs: dict = {}  # family -> FamilySpec built so far
         self._full: Registry | None = None
-        self._index = _index(self._raw)
+        stamp = _stamp(self._files) if index_cache is not None else None
+        cached = _load_index_cache(Path(index_cache), stamp) if index_cache is not None else None
+        if cached is not None:
+            declared, self._fragment_keys = cached
+            self._index = _index_of(declared)
+        else:
+            self._raw = {name: (path, read_yaml(path)) for name, path in self._files.items()}
+            self._fragment_keys = [k for k, (_, data) in self._raw.items() if "fragment" in data]
+            self._index = _index(self._raw)
+            if self._index is not None and index_cache is not None:
+                _save_index_cache(Path(index_cache), stamp, list(self._index.families.values()),
+                                  self._fragment_keys)
         if self._index is None:
             self._load_all()
+
+    def _parsed(self, key: str) -> tuple:
+        """``(path, parsed YAML)`` of the mapping file ``key``."""
+        got = self._raw.get(key)
+        if got is None:
+            path = self._files[key]
+            got = self._raw[key] = (path, read_yaml(path))
+        return got
 
     def _load_all(self) -> Registry:
         with self._lock:
             if self._full is None:
-                self._full = Registry.from_raw(self._raw, self._fragments)
+                raw = {key: self._parsed(key) for key in self._files}
+                self._full = Registry.from_raw(raw, self._fragments)
             return self._full
 
     def _spec(self, d: _Declared) -> FamilySpec:
@@ -238,8 +324,8 @@ class LazyRegistry:
             spec = self._specs.get(d.family)
             if spec is None:
                 if self._fragments is None:
-                    self._fragments = _load_fragments(self._raw)
-                path, data = self._raw[d.key]
+                    self._fragments = _load_fragments({k: self._parsed(k) for k in self._fragment_keys})
+                path, data = self._parsed(d.key)
                 spec = load_family(path, self._fragments, data)
                 if (spec.family, tuple(spec.names()), tuple(spec.cs_names),
                         spec.detect.config is not None) != (d.family, d.names, d.cs_names, d.has_detect_config):
@@ -307,13 +393,19 @@ _lock = threading.Lock()
 _default: LazyRegistry | None = None
 
 
+#: the index cache of the installed mapping files, under ckptfs's cache directory
+INDEX_CACHE_NAME = "mappings-index.json"
+
+
 def default_registry() -> LazyRegistry:
     """The registry of the installed mapping files, read once per process; a family's rules are parsed when first
-    used (``LazyRegistry``)."""
+    used, and the names each file declares are kept between processes (``LazyRegistry``, ``index_cache``)."""
     global _default
     with _lock:
         if _default is None:
-            _default = LazyRegistry()
+            from ..options import cache_dir
+
+            _default = LazyRegistry(index_cache=cache_dir() / INDEX_CACHE_NAME)
         return _default
 
 
