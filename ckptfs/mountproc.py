@@ -8,7 +8,8 @@ and returns only once the mount answers (``os.path.ismount`` and a ``stat`` of R
 once, by the server: if it fails before serving (a bad checkpoint, missing params, an unusable run directory…), it
 writes its one-line error to the status pipe (fd ``N``) and exits, and ``mount`` raises that same error (the line a
 foreground mount prints, plus where the log is). A server that exits without a word fails with its log's last
-line.
+line. (The server itself forks once, while it is still single-threaded, to build the cs view's HDF5 skeleton on
+the other CPU: ``ckptfs.layouts.hdf5.Hdf5Layout.fork_build``.)
 """
 from __future__ import annotations
 
@@ -234,13 +235,15 @@ def report_status_error(status_fd: int | None, err: CkptfsError) -> None:
 
 
 def _read_status(status_r: int) -> bytes:
-    """Everything a server wrote to its status pipe, up to its end (the server is exiting) or 1 s of silence."""
+    """The line a server wrote to its status pipe (up to its newline, the pipe's end, or 1 s of silence)."""
     chunks = []
     while select.select([status_r], [], [], 1.0)[0]:
         data = os.read(status_r, 65536)
         if not data:
             break
         chunks.append(data)
+        if b"\n" in data:
+            break
     return b"".join(chunks)
 
 
@@ -324,10 +327,7 @@ def start_background(ckpt, mountpoint, options: MountOptions, *, allow_other: bo
         stop_server(proc, mountpoint)
         raise
     finally:
-        try:
-            os.close(status_r)
-        except OSError:
-            pass  # closed when the server's error was read
+        os.close(status_r)
     return Started(proc.pid, Path(os.path.abspath(str(mountpoint))), log_path)
 
 

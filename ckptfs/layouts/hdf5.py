@@ -635,9 +635,6 @@ class _ChildBuild:
         _check_disjoint(skel)
         return skel
 
-    def cancel(self) -> None:
-        self._finalizer()
-
 
 def _child_build(layout: "Hdf5Layout", items: list, buf: "ScratchBuffer", fd: int) -> None:
     """In the forked child: build, send the result, exit (never returns; no cleanup of the parent's state runs)."""
