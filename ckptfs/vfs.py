@@ -657,14 +657,6 @@ def _crc_store():
     return CrcStore()
 
 
-def check_source(ckpt_path, options: MountOptions) -> None:
-    """Open and close the checkpoint: raises the same ``CheckpointError`` that ``build_tree`` would, far cheaper."""
-    if os.environ.get(TEST_TREE_ENV):
-        return  # test-only synthetic views have no checkpoint
-    _, ckpt = open_source(ckpt_path, options)
-    ckpt.close()
-
-
 def _load_test_factory(spec: str):
     mod, _, func = spec.partition(":")
     if not mod or not func:
