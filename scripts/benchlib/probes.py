@@ -99,9 +99,9 @@ def datacheck(ckpt: str, *st_paths: str) -> dict:
 
 
 def mount_breakdown(ckpt: str, params: str) -> dict:
-    """Where ``ckptfs mount`` time goes: importing ckptfs (CLI, mount, FUSE modules) and building the tree once per view
-    set. The background mount builds the tree twice (validation in the CLI, then in the server) and starts two
-    interpreters."""
+    """Where ``ckptfs mount`` time goes: importing ckptfs (CLI, mount, FUSE modules) and building the tree once (in
+    one interpreter, without the forked cs-skeleton build the server starts). The background mount starts two
+    interpreters: the CLI (which imports no tree code) and the server, which builds the tree once and reports."""
     t0 = time.perf_counter()
     import ckptfs.cli  # noqa: F401
     import ckptfs.commands.mount  # noqa: F401
