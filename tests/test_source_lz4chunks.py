@@ -441,3 +441,26 @@ def test_chunks_looked_up_are_remembered_until_indexing_is_cheaper(tmp_path, mon
         assert r.read(((20, 21), (0, 40))).tobytes() == data[20:21].tobytes()  # 4 more, past the cap: indexed
         assert len(calls) == 12 and r._index is not None and r._looked_up is None
         assert r.read(((0, 60), (0, 40))).tobytes() == data.tobytes()
+
+
+def test_block_reads_hint_the_next_bytes_of_the_file_and_peeks_do_not(tmp_path, monkeypatch):
+    """A fetch of a cache block's worth of stored bytes asks the kernel for the file bytes after it (WILLNEED); a
+    small read does not (a peek must not read megabytes ahead). Bytes are h5py's either way."""
+    rng = np.random.default_rng(11)
+    path = tmp_path / "hint.h5"
+    a = _data(rng, (1024, 512), "<f4", "random")  # 2 MiB, stored raw
+    with h5py.File(path, "w") as f:
+        f.create_dataset("a", data=a, chunks=(64, 128), **hdf5plugin.LZ4())
+    calls = []
+    monkeypatch.setattr(lz4chunks.os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n, advice)),
+                        raising=False)
+    monkeypatch.setattr(lz4chunks, "_BATCH_BYTES", 4 << 20)
+    with h5py.File(path, "r") as f:
+        d = f["a"]
+        stored_end = max(i.byte_offset + i.size for i in [d.id.get_chunk_info(k) for k in range(d.id.get_num_chunks())])
+        peek = _reader_read(d, ((0, 1), (0, 16)), 1)
+        assert peek.tobytes() == a[:1, :16].tobytes()
+        assert calls == []
+        whole = _reader_read(d, ((0, 1024), (0, 512)), 1)
+        assert whole.tobytes() == a.tobytes()
+        assert calls == [(stored_end, lz4chunks.HINT_AHEAD, os.POSIX_FADV_WILLNEED)]
