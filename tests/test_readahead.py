@@ -154,3 +154,18 @@ def test_several_workers_compute_each_queued_block_once():
     assert done == Counter({k: 1 for k in range(40)})
     assert all(cache.get_or_compute(("t", k), lambda: b"") == bytes([k]) * 1000 for k in range(40))
     assert len([th for th in ra._threads if th.is_alive()]) <= 3
+
+
+def test_a_peek_and_the_kernels_small_follow_up_queue_nothing():
+    f, tensors, expected = _run_file([20 * BLOCK])
+    t = tensors[0]
+    # what the kernel sends for a 4 KiB read at a tensor's start: 4 KiB, then 16 KiB after it (initial read-ahead)
+    assert _read(f, 100, 4096) == expected[100:4196]
+    assert _read(f, 4196, 16384) == expected[4196:20580]
+    assert READ_AHEAD.wait_idle(30)
+    assert not any(who == "ckptfs-readahead" for who, _ in t.computed), t.computed
+    # a reader that goes on (the kernel's read-ahead grows: 32, 64 KiB...) gets the read-ahead
+    assert _read(f, 20580, 32768) == expected[20580:53348]
+    assert _read(f, 53348, 65536) == expected[53348:118884]
+    assert READ_AHEAD.wait_idle(30)
+    assert {blk for who, blk in t.computed if who == "ckptfs-readahead"} >= {1, 2, 3}, t.computed

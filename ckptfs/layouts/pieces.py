@@ -288,6 +288,10 @@ Piece = Literal | Zeros | TensorBytes | Computed | TensorRun
 #: a read at least this large is taken as part of a sequential stream (the kernel's read-ahead requests are 128 KiB
 #: to 1 MiB; a 4 KiB peek is not) and prepares the bytes after it when the cache has ``read_ahead`` on
 SEQUENTIAL_READ = 128 << 10
+#: a smaller read counts as sequential only when it starts where the previous one ended and is at least this large:
+#: the kernel follows a 4 KiB peek with a 16 KiB read of the next bytes (its initial read-ahead), which must not
+#: queue megabytes of decoding for a reader that only peeks; a reader that goes on gets 32, 64, 128 KiB requests
+SEQUENTIAL_CONTINUATION = 64 << 10
 
 #: how many files that plan themselves keep their plan (the most recently planned; older ones plan again if read)
 KEEP_OWN_PLANS = 256
@@ -421,7 +425,8 @@ class PiecedFile:
             pos += k
             i += 1
         cache = self.cache
-        if cache is not None and cache.read_ahead and (len(out) >= SEQUENTIAL_READ or offset == self._last_end):
+        if cache is not None and cache.read_ahead and (len(out) >= SEQUENTIAL_READ or (
+                offset == self._last_end and len(out) >= SEQUENTIAL_CONTINUATION)):
             self._read_ahead(plan, i - 1, end, end + cache.read_ahead, cache)  # from the last piece read: a
             # piece may hold many tensors (a TensorRun is a whole safetensors data section)
         self._last_end = end
