@@ -81,7 +81,12 @@ def test_permute_rows_block_reads_only_the_needed_source_rows_in_few_runs():
     read_rows = {r for (a, b), _ in src.boxes for r in range(a, b)}
     assert needed <= read_rows and len(read_rows) <= 7  # only rows 8..14, nothing outside
     assert all(c == (1, 3) for _, c in src.boxes)
+    assert len(src.boxes) == 1  # dense: the covering rows in one request, not one request per row
     np.testing.assert_array_equal(out, p.read_all()[8:16])
+    src.reset()
+    two = p.read(((11, 13), (0, cols)))  # HF rows 3, 4 of head 1 come from CS rows 6 and 1: sparse, two requests
+    assert sorted(src.boxes) == [((9, 10), (0, cols)), ((14, 15), (0, cols))]
+    np.testing.assert_array_equal(two, p.read_all()[11:13])
 
 
 def test_slice_and_select_read_only_their_region():

@@ -266,11 +266,14 @@ class PermuteRows(VirtualTensor):
         if a == b:
             return _empty(self, box)
         rows = self.source_rows(a, b)
-        needed = np.unique(rows)
+        needed = np.sort(rows)  # the reorder is a permutation: no source row twice
+        rest = box[1:]
+        lo, hi = int(needed[0]), int(needed[-1]) + 1
+        if hi - lo <= 2 * len(needed):  # dense (a few rows of a head read every other row): one read of the span
+            return np.ascontiguousarray(self.src.read(((lo, hi),) + rest)[rows - lo])
         # maximal runs of consecutive source rows, each read with one request
         breaks = np.nonzero(np.diff(needed) != 1)[0] + 1
         runs = np.split(needed, breaks)
-        rest = box[1:]
         blocks = [self.src.read(((int(r[0]), int(r[-1]) + 1),) + rest) for r in runs]
         gathered = blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=0)
         position = np.searchsorted(needed, rows)
