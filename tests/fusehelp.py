@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -199,8 +200,15 @@ def start_server(ckpt, mnt: Path, *args, env=None, log_path: Path | None = None)
     with open(log_path, "ab") as logf:
         proc = subprocess.Popen([sys.executable, "-m", "ckptfs", "mount", str(ckpt), str(mnt), *map(str, args),
                                  "--foreground"], env=env or fake_env(), stdin=subprocess.DEVNULL, stdout=logf,
-                                stderr=subprocess.STDOUT)
+                                stderr=subprocess.STDOUT, preexec_fn=_default_signals)
     return Server(mnt, proc, log_path)
+
+
+def _default_signals() -> None:
+    """In the server child: the termination signals at their defaults, whatever the test run inherited (under
+    ``nohup`` SIGHUP is ignored, and libfuse then rightly leaves it ignored: the signal tests would hang)."""
+    for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 @contextlib.contextmanager
