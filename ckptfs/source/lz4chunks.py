@@ -562,25 +562,32 @@ class LZ4ChunkReader:
                                        found[0][1]))
         job = _Job(self, box, out, None, None, None, None, direct)
         buf, pos = job.fetch_few(found)
-        c, step = self.chunks[-1], self.chunk_nbytes + _RAW_HEAD
-        b = box[-1][1]
         raw1 = [self._stored_raw(buf, p, size, mask) for (_, size, mask, _), p in zip(found, pos)]
         k = 0
         while k < len(found):
+            e = self._raw_run_end(found, pos, raw1, k, box)
             idx, p = found[k][3], pos[k]
-            e = k + 1  # chunks k..e-1: neighbours along the last dimension, stored raw, back to back in the buffer,
-            if raw1[k] and idx[-1] * c + c <= b:  # none cut by the box along it (placed with one strided copy)
-                while (e < len(found) and raw1[e] and found[e][3][:-1] == idx[:-1]
-                       and found[e][3][-1] == idx[-1] + e - k and found[e][3][-1] * c + c <= b
-                       and pos[e] == p + (e - k) * step):
-                    e += 1
-            if e - k > 1 and idx[-1] * c >= box[-1][0]:
-                job.place_run(buf, p + _RAW_HEAD, step, sum(i * s for i, s in zip(idx, self._gstride)), e - k)
+            if e - k > 1:
+                job.place_run(buf, p + _RAW_HEAD, self.chunk_nbytes + _RAW_HEAD,
+                              sum(i * s for i, s in zip(idx, self._gstride)), e - k)
             else:
-                e = k + 1
                 job.one(buf, p, found[k][1], found[k][2], idx, raw1[k])
             k = e
         return out.view(self.dtype)
+
+    def _raw_run_end(self, found: list, pos, raw1: list, k: int, box) -> int:
+        """End of the run of chunks from ``found[k]`` that one strided copy places: neighbours along the last
+        dimension, stored raw, back to back in the fetched buffer, none cut by the box along that dimension
+        (``k + 1``: chunk ``k`` is placed alone)."""
+        c, step = self.chunks[-1], self.chunk_nbytes + _RAW_HEAD
+        (a, b), idx, p = box[-1], found[k][3], pos[k]
+        if not raw1[k] or idx[-1] * c < a or idx[-1] * c + c > b:
+            return k + 1
+        e = k + 1
+        while (e < len(found) and raw1[e] and found[e][3][:-1] == idx[:-1] and found[e][3][-1] == idx[-1] + e - k
+               and found[e][3][-1] * c + c <= b and pos[e] == p + (e - k) * step):
+            e += 1
+        return e
 
     def _stored_raw(self, buf, p: int, size: int, mask: int) -> bool:
         """Whether the chunk at ``buf[p:p+size]`` is a one-block LZ4 frame holding its bytes raw."""
