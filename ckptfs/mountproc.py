@@ -379,9 +379,7 @@ def _mount(ckpt, mountpoint, options: MountOptions, *, foreground: bool, allow_o
     if run and background_server:
         check_run(ckpt)  # a directory that cannot be followed as a run fails the background start
     tree = open_run(ckpt, options) if run else build_tree(ckpt, options, fork_builds=True)
-    # what building the tree used and freed (the catalog's HDF5 handle, temporaries) goes back to the system (~10 ms,
-    # before serving: libfuse's loop starts with no other thread of ours alive, as its signal handling expects)
-    trim_memory()
+    trim_memory()  # what building the tree used and freed (the catalog's HDF5 handle, temporaries) goes back
     tree.warm()  # expensive layouts (the cs view's HDF5 skeleton) build while the mount already answers
     setup_logging(debug)
     log.info("mounting %s at %s (%d %s)", ckpt, mp, tree.file_count, "checkpoints" if run else "files")
