@@ -71,6 +71,11 @@ def _load_fragments(raw: dict) -> dict:
     return fragments
 
 
+def _by_detect_priority(specs: list) -> list:
+    """Families sharing a CS name, highest detect priority first (then by name)."""
+    return sorted(specs, key=lambda s: (-s.detect.priority, s.family))
+
+
 class Registry:
     """Every family spec of the given folders, by family name and by model name (all parsed and checked at once)."""
 
@@ -134,7 +139,7 @@ class Registry:
     def families_for_cs_name(self, name: str) -> list:
         """Every family a CS params ``name:`` may mean (several when it is shared), highest detect priority first."""
         if name in self.shared_cs_names:
-            return sorted(self.shared_cs_names[name], key=lambda s: (-s.detect.priority, s.family))
+            return _by_detect_priority(self.shared_cs_names[name])
         spec = self.for_cs_name(name)
         return [spec] if spec is not None else []
 
@@ -373,9 +378,7 @@ class LazyRegistry:
         """As ``Registry.for_cs_name``."""
         if self._full is not None:
             return self._full.for_cs_name(name)
-        if name in self._index.shared_cs_names:
-            return None
-        d = self._index.by_cs_name.get(name) or self._index.by_model.get(name)
+        d = Registry.for_cs_name(self._index, name)  # the same lookup over the declarations (same attribute names)
         return self._spec(d) if d is not None else None
 
     def families_for_cs_name(self, name: str) -> list:
@@ -383,8 +386,7 @@ class LazyRegistry:
         if self._full is not None:
             return self._full.families_for_cs_name(name)
         if name in self._index.shared_cs_names:
-            specs = [self._spec(d) for d in self._index.shared_cs_names[name]]
-            return sorted(specs, key=lambda s: (-s.detect.priority, s.family))
+            return _by_detect_priority([self._spec(d) for d in self._index.shared_cs_names[name]])
         spec = self.for_cs_name(name)
         return [spec] if spec is not None else []
 
