@@ -464,3 +464,27 @@ def test_block_reads_hint_the_next_bytes_of_the_file_and_peeks_do_not(tmp_path, 
         whole = _reader_read(d, ((0, 1024), (0, 512)), 1)
         assert whole.tobytes() == a.tobytes()
         assert calls == [(stored_end, lz4chunks.HINT_AHEAD, os.POSIX_FADV_WILLNEED)]
+
+
+def test_consecutive_block_hints_announce_only_the_new_part_of_the_window(tmp_path, monkeypatch):
+    """The kernel walks every page of an announced range, cached or not, so a run of block reads must not announce
+    the same 8 MiB again and again: each announcement covers only bytes past the previous one, once half a window
+    is new; a jump elsewhere in the file starts a new window."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"\0" * 4096)
+    calls = []
+    monkeypatch.setattr(lz4chunks.os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n)),
+                        raising=False)
+    w = lz4chunks.HINT_AHEAD
+    f = lz4chunks._RawFile(str(path))
+    f.will_need(1000)
+    assert calls == [(1000, w)]
+    for step in range(1, 4):  # blocks of 1 MiB: less than half a window new
+        f.will_need(1000 + step * (1 << 20))
+    assert calls == [(1000, w)]
+    f.will_need(1000 + w // 2)  # half a window new: only that half is announced
+    assert calls[1:] == [(1000 + w, w // 2)]
+    f.will_need(1000 + 3 * w)  # a jump past the window
+    assert calls[2:] == [(1000 + 3 * w, w)]
+    f.will_need(10)  # a jump back before it
+    assert calls[3:] == [(10, w)]
