@@ -31,6 +31,9 @@ CACHE_TIMEOUT = 86400
 READ_AHEAD_KB = 1024
 #: bytes after a sequential read the server prepares in its read-ahead thread (``ckptfs.readahead``)
 SERVER_READ_AHEAD = 4 << 20
+#: libfuse 3 ``fuse_readdir_flags`` / ``fuse_fill_dir_flags`` bits
+_FUSE_READDIR_PLUS = 1
+_FUSE_FILL_DIR_PLUS = 2
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
@@ -141,16 +144,24 @@ class CkptfsOperations:
         return self._stat(self._entry(path))
 
     def readdir(self, path, fh):
+        return [name if attrs is None else (name, attrs, 0) for _, name, attrs in self.readdir_plus(path, fh)]
+
+    def readdir_plus(self, path, fh, start: int = 0) -> list:
+        """``(position, name, stat)`` of ``path``'s entries after position ``start`` (positions count from 1:
+        ``.``, ``..``, then the children in order; ``..`` has no stat: libfuse fills it). Not a FUSE operation
+        name: ``ReadIntoFUSE.readdir_fuse_3`` calls it for READDIRPLUS, ``readdir`` for plain READDIR."""
         e = self._entry(path)
         if not e.is_dir:
             raise _oserror(errno.ENOTDIR)
-        out = [(".", {"st_mode": self._tree.attr(e).mode, "st_ino": e.ino}, 0), ".."]
-        for name in e.children:
+        out = [(1, ".", self._stat(e)), (2, "..", None)][start:]
+        children = e.children
+        for pos in range(max(start, 2) + 1, len(children) + 3):
+            name = children[pos - 3]
             try:
                 c = self._tree.lookup(f"{e.path}/{name}")
             except VirtualPathError:  # gone since listed (a live tree)
                 continue
-            out.append((name, {"st_mode": self._tree.attr(c).mode, "st_ino": c.ino}, 0))
+            out.append((pos, name, self._stat(c)))
         return out
 
     def access(self, path, amode):
@@ -268,6 +279,26 @@ def fuse_class(fuse):
     ``readinto(path, out, offset, fh)`` writes the bytes straight into it (no ``bytes`` object, no second copy)."""
 
     class ReadIntoFUSE(fuse.FUSE):
+        def readdir_fuse_3(self, path, buf, filler, offset, fip, flags):
+            """READDIRPLUS: hand libfuse each entry's whole stat with ``FUSE_FILL_DIR_PLUS`` and its position
+            (libfuse 3.14 sends the kernel the attributes only for entries filled with a non-zero offset), so the
+            kernel caches the entries and their attributes from the listing instead of sending one LOOKUP per
+            entry. A listing larger than the reply continues at ``offset``, the position of the last entry sent."""
+            if not flags & _FUSE_READDIR_PLUS:
+                return super().readdir_fuse_3(path, buf, filler, offset, fip, flags)
+            name = None if path is None else path.decode(self.encoding, self.errors)
+            st = fuse.c_stat()
+            for pos, entry, attrs in self.operations.readdir_plus(name, fip.contents.fh, offset):
+                if attrs is None:
+                    full = filler(buf, entry.encode(self.encoding, self.errors), None, pos, 0)
+                else:
+                    ctypes.memset(ctypes.byref(st), 0, ctypes.sizeof(st))
+                    fuse.set_st_attrs(st, attrs, use_ns=self.use_ns)
+                    full = filler(buf, entry.encode(self.encoding, self.errors), st, pos, _FUSE_FILL_DIR_PLUS)
+                if full != 0:
+                    break
+            return 0
+
         def read(self, path, buf, size, offset, fip):
             if size <= 0:
                 return 0

@@ -69,6 +69,30 @@ def test_ls_lR_lists_every_file_with_exact_size_mode_and_mtime(srv, tree, ckpt):
             assert mode == "dr-xr-xr-x", p
 
 
+def _fuse_requests(pid: int) -> int:
+    """FUSE requests a server has taken so far: each is one read(2) of /dev/fuse (``syscr`` of the process)."""
+    with open(f"/proc/{pid}/io") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith("syscr:"))
+
+
+def test_ls_lR_takes_attributes_from_the_listing_not_one_lookup_per_entry(ckpt, tree):
+    """READDIRPLUS replies carry every entry's attributes (libfuse 3 passes them on only for entries filled with
+    ``FUSE_FILL_DIR_PLUS`` and a position), so ``ls -lR`` of a fresh mount costs the server a fixed number of
+    requests per directory (open, two listings, release) and none per entry; without them the kernel sends a LOOKUP
+    for every entry. The sizes shown are the tree's (attributes from the listing are not placeholders)."""
+    dirs = [p for p in tree.all_paths() if p not in set(tree.file_paths())]
+    entries = len(tree.all_paths())
+    assert entries - len(dirs) >= 2 * len(dirs)  # a LOOKUP per entry would be visible over the per-directory cost
+    with mounted_server(ckpt) as s:
+        before = _fuse_requests(s.proc.pid)
+        r = subprocess.run(["ls", "-lRn", str(s.mnt)], capture_output=True, text=True, timeout=60)
+        taken = _fuse_requests(s.proc.pid) - before
+    assert r.returncode == 0, r.stderr
+    sizes = {ln.split(None, 8)[8]: int(ln.split()[4]) for ln in r.stdout.splitlines() if ln.startswith("-")}
+    assert sizes == {p.rsplit("/", 1)[-1]: tree.attr(p).size for p in tree.file_paths()}
+    assert taken <= 4 * (len(dirs) + 1) + 4, (taken, len(dirs), entries)
+
+
 def test_stat_is_exact_from_the_first_call_and_inodes_are_stable(srv, tree, ckpt):
     for p in tree.all_paths():
         st = os.stat(srv.mnt / p)
