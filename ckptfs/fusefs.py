@@ -42,17 +42,51 @@ class FuseUnavailableError(CkptfsError):
     """libfuse or mfusepy cannot be loaded; the message says what to install."""
 
 
+#: sonames of libfuse 3 (3.17 moved to .so.4), tried with a plain dlopen before asking ``ldconfig``
+LIBFUSE3_SONAMES = ("libfuse3.so.4", "libfuse3.so.3")
+
+
+def libfuse3_path() -> str | None:
+    """What to load libfuse 3 by: a soname the dynamic linker opens as it is (one ``dlopen``, no subprocess), else
+    ``ctypes.util.find_library("fuse3")`` (which runs ``ldconfig -p``: ~10 ms warm, more on a cold disk), else None."""
+    for name in LIBFUSE3_SONAMES:
+        try:
+            ctypes.CDLL(name)
+        except OSError:
+            continue
+        return name
+    return find_library("fuse3")
+
+
+def check_fuse() -> None:
+    """Raise ``FuseUnavailableError`` if mfusepy or libfuse is missing, without importing mfusepy (the mount
+    command's early check; the server imports it and reports anything else through its status pipe)."""
+    from importlib.util import find_spec
+
+    if find_spec("mfusepy") is None:
+        raise FuseUnavailableError(None, "mfusepy is not installed: pip install 'mfusepy~=3.1'")
+    if not (os.environ.get("FUSE_LIBRARY_PATH") or os.environ.get("FUSE_LIBRARY_NAME") or libfuse3_path()
+            or find_library("fuse")):
+        raise FuseUnavailableError(None, _NO_LIBFUSE.format("libfuse not found"))
+
+
+_NO_LIBFUSE = ("cannot load libfuse ({}): install fuse3 (Debian/Ubuntu: apt install fuse3; Fedora: dnf install fuse3) "
+               "and make /dev/fuse usable")
+
+
 def load_mfusepy():
-    """Import mfusepy, preferring libfuse 3 (``FUSE_LIBRARY_NAME=fuse3`` when it is installed)."""
+    """Import mfusepy, preferring libfuse 3 (``FUSE_LIBRARY_PATH`` set to it when it is installed, unless the user
+    chose a library with ``FUSE_LIBRARY_PATH`` or ``FUSE_LIBRARY_NAME``)."""
     if "mfusepy" in sys.modules:
         return sys.modules["mfusepy"]
-    if not os.environ.get("FUSE_LIBRARY_PATH") and not os.environ.get("FUSE_LIBRARY_NAME") and find_library("fuse3"):
-        os.environ["FUSE_LIBRARY_NAME"] = "fuse3"
+    if not os.environ.get("FUSE_LIBRARY_PATH") and not os.environ.get("FUSE_LIBRARY_NAME"):
+        path = libfuse3_path()
+        if path:
+            os.environ["FUSE_LIBRARY_PATH"] = path
     try:
         import mfusepy
     except OSError as e:
-        raise FuseUnavailableError(None, f"cannot load libfuse ({e}): install fuse3 (Debian/Ubuntu: "
-                                         "apt install fuse3; Fedora: dnf install fuse3) and make /dev/fuse usable") from e
+        raise FuseUnavailableError(None, _NO_LIBFUSE.format(e)) from e
     except ImportError as e:
         raise FuseUnavailableError(None, f"mfusepy is not installed ({e}): pip install 'mfusepy~=3.1'") from e
     return mfusepy

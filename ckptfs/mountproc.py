@@ -365,13 +365,14 @@ def _mount(ckpt, mountpoint, options: MountOptions, *, foreground: bool, allow_o
            background_server: bool) -> Started | None:
     check_options(options)  # a --config that does not exist or does not parse: one line, nothing mounted
     mp = check_mountpoint(mountpoint)
-    from .fusefs import load_mfusepy
+    from .fusefs import check_fuse, load_mfusepy
 
-    load_mfusepy()  # a missing libfuse is reported before anything is built or started
     if not foreground:
+        check_fuse()  # a missing libfuse or mfusepy is reported before a server is started
         # The server opens the checkpoint (once) and relays its error, if any: a bad checkpoint is still one line,
         # exit 2, nothing left mounted.
         return start_background(ckpt, mp, options, allow_other=allow_other, debug=debug)
+    load_mfusepy()  # a missing libfuse is reported before anything is built
     from .fusefs import CACHE_TIMEOUT, serve, trim_memory
     from .runtree import RUN_CACHE_TIMEOUT, check_run, is_run, open_run
 

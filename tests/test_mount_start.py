@@ -45,13 +45,42 @@ def test_the_cli_starts_a_mount_without_importing_what_a_tree_needs():
         o = options.from_args(args)
         options.check_options(o)
         check_mountpoint(tempfile.mkdtemp())
-        heavy = sorted(m for m in ("h5py", "numpy", "yaml", "ckptfs.source", "ckptfs.views.hf", "ckptfs.mapping.spec")
-                       if m in sys.modules)
-        print(",".join(heavy))
+        import subprocess
+        spawned = []
+        subprocess.Popen.__init__ = lambda self, args, *a, **k: spawned.append(args) or 1 / 0
+        from ckptfs.fusefs import check_fuse
+        check_fuse()
+        heavy = sorted(m for m in ("h5py", "numpy", "yaml", "ckptfs.source", "ckptfs.views.hf", "ckptfs.mapping.spec",
+                                   "mfusepy") if m in sys.modules)
+        print(",".join(heavy) + ";" + repr(spawned))
     """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == ""
+    # nothing heavy imported, and libfuse 3 found without running ``ldconfig -p`` (ctypes.util.find_library)
+    assert r.stdout.strip() == ";[]"
+
+
+@needs_fuse
+def test_libfuse3_is_loaded_by_soname_without_a_subprocess(monkeypatch):
+    from ckptfs import fusefs
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", lambda *a, **k: pytest.fail(f"subprocess started: {a[1:]}"))
+    name = fusefs.libfuse3_path()
+    assert name in fusefs.LIBFUSE3_SONAMES
+    import ctypes
+
+    assert ctypes.CDLL(name).fuse_version() >= 30
+
+
+def test_a_missing_mfusepy_is_one_line_naming_the_fix(monkeypatch):
+    import importlib.util
+
+    from ckptfs import fusefs
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mfusepy" else real(name, *a))
+    with pytest.raises(fusefs.FuseUnavailableError, match=r"mfusepy is not installed: pip install"):
+        fusefs.check_fuse()
 
 
 @needs_fuse
