@@ -488,3 +488,27 @@ def test_consecutive_block_hints_announce_only_the_new_part_of_the_window(tmp_pa
     assert calls[2:] == [(1000 + 3 * w, w)]
     f.will_need(10)  # a jump back before it
     assert calls[3:] == [(10, w)]
+
+
+def test_reading_a_checkpoint_registers_only_the_lz4_filter(tmp_path):
+    """Opening a checkpoint's store makes HDF5 read LZ4 datasets (its own filter pipeline, not ours) without
+    importing hdf5plugin, whose import loads every filter library it ships (a fifth of a cold mount)."""
+    import subprocess
+    import sys
+
+    a = np.arange(6000, dtype="<f4").reshape(60, 100) * np.float32(0.5)
+    path = tmp_path / "lz4.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("a", data=a, chunks=(16, 32), **hdf5plugin.LZ4())
+    code = f"""if True:
+        import sys, h5py, hashlib
+        import ckptfs.source.h5store
+        assert "hdf5plugin" not in sys.modules
+        with h5py.File({str(path)!r}, "r") as f:
+            print(hashlib.sha256(f["a"][...].tobytes()).hexdigest(), "hdf5plugin" in sys.modules)
+    """
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    import hashlib
+
+    assert r.stdout.split() == [hashlib.sha256(a.tobytes()).hexdigest(), "False"]

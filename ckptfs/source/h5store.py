@@ -14,14 +14,15 @@ from dataclasses import replace
 from pathlib import Path
 
 import h5py
-import hdf5plugin  # noqa: F401  registers the LZ4 filter (id 32004) that every Cerebras dataset uses
 import numpy as np
 from h5py import h5a, h5t
 
 from ..errors import CheckpointError, TensorReadError
 from .confine import Confinement, RefusedReference, non_regular_kind
+from .lz4filter import register_lz4
 from .watch import FileIdentity, check_unchanged
 
+register_lz4()  # the LZ4 filter (id 32004) that every Cerebras dataset uses, before any file is opened
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 _SIGNATURE_OFFSETS = (0, 512, 1024, 2048, 4096, 8192)
 

@@ -52,13 +52,12 @@ import threading
 import weakref
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 
 from ..tensor import aligned_block_elems  # noqa: F401 - cache-block alignment to chunk rows lives with the blocks
+from .lz4filter import LZ4_FILTER_ID, lz4_library
 
-LZ4_FILTER_ID = 32004
 ENV_THREADS = "CKPTFS_DECODE_THREADS"
 #: total chunk-index entries (20 bytes each) kept across all readers before the least recently used are dropped
 INDEX_BUDGET_ENTRIES = 1_000_000
@@ -106,20 +105,17 @@ _lib_state: list = []  # [] = not tried; [fn] = loaded; [None] = unavailable
 
 
 def lz4_decompress_safe():
-    """``LZ4_decompress_safe(src, dst, compressed_size, capacity) -> int`` from hdf5plugin's libh5lz4.so, or None."""
+    """``LZ4_decompress_safe(src, dst, compressed_size, capacity) -> int`` from hdf5plugin's libh5lz4, or None."""
     if _lib_state:
         return _lib_state[0]
     with _lib_lock:
         if not _lib_state:
-            fn = None
+            lib = lz4_library()
             try:
-                import hdf5plugin
-
-                lib = ctypes.CDLL(str(Path(hdf5plugin.PLUGIN_PATH) / "libh5lz4.so"))
                 fn = lib.LZ4_decompress_safe
                 fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int)
                 fn.restype = ctypes.c_int
-            except (ImportError, OSError, AttributeError):
+            except AttributeError:  # no library (None has no such attribute), or one without the symbol
                 fn = None
             _lib_state.append(fn)
     return _lib_state[0]

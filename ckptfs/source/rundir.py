@@ -105,7 +105,10 @@ def parse_name(name: str):
 def probe(path) -> tuple:
     """``(complete, status)`` of one checkpoint file, from its root attributes only (HDF5 opened without locking)."""
     import h5py
-    import hdf5plugin  # noqa: F401  (registers the LZ4 filter before any HDF5 file is opened)
+
+    from .lz4filter import register_lz4
+
+    register_lz4()  # before any HDF5 file is opened
 
     try:
         f = h5py.File(path, "r", locking=False)
