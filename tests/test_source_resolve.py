@@ -42,6 +42,19 @@ def test_subdirectories_and_timestamp_suffix(tmp_path):
     assert resolve_checkpoint(tmp_path) == later
 
 
+def test_model_zoo_date_stamps_are_checkpoints_and_order_by_date(tmp_path):
+    """Model Zoo's ``checkpoint_<step>_<YYYYmmdd_HHMMSS>.mdl`` names: the same names a run mount shows (one parser,
+    ``checkpoint_name``), the later date of a step wins, a name whose date is invalid is not a checkpoint."""
+    _ckpt(tmp_path, "checkpoint_70.mdl")
+    later = _ckpt(tmp_path, "checkpoint_70_20240102_030405.mdl")
+    _ckpt(tmp_path, "checkpoint_70_20231231_235959.mdl")
+    _ckpt(tmp_path, "checkpoint_70_20241399_000000.mdl")  # month 13: not a checkpoint
+    assert resolve_checkpoint(tmp_path) == later
+    only = tmp_path / "only"
+    dated = _ckpt(only, "checkpoint_5_20240102_030405.mdl")
+    assert resolve_checkpoint(only) == dated  # was: "is a directory with no checkpoint_<step>.mdl file"
+
+
 def test_latest_pointer_file_and_symlink(tmp_path):
     old = _ckpt(tmp_path, "checkpoint_10.mdl")
     _ckpt(tmp_path, "checkpoint_20.mdl")

@@ -9,11 +9,31 @@ timestamp suffix, then the newer file.
 from __future__ import annotations
 
 import re
+from datetime import datetime
 from pathlib import Path
 
 from ..errors import CheckpointError
 
-CHECKPOINT_NAME = re.compile(r"^checkpoint_(\d+)(?:_(\d+))?\.mdl$")
+#: ``checkpoint_<step>.mdl`` or ``checkpoint_<step>_<stamp>.mdl`` (stamp: Model Zoo's ``%Y%m%d_%H%M%S``, or the
+#: unix time that older tools appended)
+CHECKPOINT_FILE = re.compile(r"^checkpoint_(?P<step>\d+)(?:_(?P<stamp>\d{8}_\d{6}|\d+))?\.mdl$")
+
+
+def checkpoint_name(name: str):
+    """``(step, stamp)`` of a checkpoint file name (stamp ``datetime.min`` when it has none), or None if the name
+    is not a checkpoint's; a timestamp that is not a valid date makes the name not a checkpoint's, as in Model Zoo."""
+    m = CHECKPOINT_FILE.match(name)
+    if m is None:
+        return None
+    stamp = m.group("stamp")
+    if stamp is None:
+        return int(m.group("step")), datetime.min
+    try:
+        when = (datetime.strptime(stamp, "%Y%m%d_%H%M%S") if "_" in stamp
+                else datetime.fromtimestamp(int(stamp)))
+    except (ValueError, OverflowError, OSError):
+        return None
+    return int(m.group("step")), when
 
 
 def _latest_pointer(d: Path) -> Path | None:
@@ -41,8 +61,7 @@ def _latest_pointer(d: Path) -> Path | None:
 
 
 def checkpoint_sort_key(p: Path):
-    m = CHECKPOINT_NAME.match(p.name)
-    step, stamp = int(m.group(1)), int(m.group(2) or 0)
+    step, stamp = checkpoint_name(p.name)
     try:
         mtime = p.stat().st_mtime
     except OSError:
@@ -52,7 +71,7 @@ def checkpoint_sort_key(p: Path):
 
 def find_checkpoints(d: Path) -> list[Path]:
     """Every ``checkpoint_<step>[_<time>].mdl`` file under ``d``, oldest first."""
-    found = [p for p in d.rglob("checkpoint_*.mdl") if CHECKPOINT_NAME.match(p.name) and p.is_file()]
+    found = [p for p in d.rglob("checkpoint_*.mdl") if checkpoint_name(p.name) is not None and p.is_file()]
     return sorted(found, key=checkpoint_sort_key)
 
 

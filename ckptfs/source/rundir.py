@@ -28,10 +28,8 @@ import numpy as np
 
 from ..errors import CheckpointError
 from .h5store import one_line
+from .resolve import CHECKPOINT_FILE, checkpoint_name
 
-#: ``checkpoint_<step>.mdl`` or ``checkpoint_<step>_<stamp>.mdl`` (stamp: Model Zoo's ``%Y%m%d_%H%M%S``, or the
-#: unix time that older tools appended)
-CHECKPOINT_FILE = re.compile(r"^checkpoint_(?P<step>\d+)(?:_(?P<stamp>\d{8}_\d{6}|\d+))?\.mdl$")
 #: the temporary file of a save in progress (or of a failed one): ``<checkpoint name>.<8 hex>.tmp``
 TEMPORARY_FILE = re.compile(r"^(?P<final>checkpoint_.+\.mdl)\.[0-9a-fA-F]{8}\.tmp$")
 
@@ -85,21 +83,13 @@ class RunListing:
 
 
 def parse_name(name: str):
-    """``(step, stamp)`` of a checkpoint file name, or None if the name is not a checkpoint's (nor the temporary
-    file of one); a timestamp that is not a valid date makes the name not a checkpoint's, as in Model Zoo."""
+    """``(step, stamp)`` of a checkpoint file name (``resolve.checkpoint_name``), ``(None, datetime.min)`` for the
+    temporary file of a save whose final name is not a step name, or None if the name is neither."""
     tmp = TEMPORARY_FILE.match(name)
-    m = CHECKPOINT_FILE.match(tmp.group("final") if tmp else name)
-    if m is None:
-        return (None, datetime.min) if tmp else None
-    stamp = m.group("stamp")
-    if stamp is None:
-        return int(m.group("step")), datetime.min
-    try:
-        when = (datetime.strptime(stamp, "%Y%m%d_%H%M%S") if "_" in stamp
-                else datetime.fromtimestamp(int(stamp)))
-    except (ValueError, OverflowError, OSError):
-        return None
-    return int(m.group("step")), when
+    final = tmp.group("final") if tmp else name
+    if tmp and CHECKPOINT_FILE.match(final) is None:
+        return None, datetime.min
+    return checkpoint_name(final)
 
 
 def probe(path) -> tuple:
