@@ -11,7 +11,7 @@ from ckptfs.errors import ConfigError, MappingError
 from ckptfs.mapping.convert import to_hf
 from ckptfs.mapping.expr import ExprError, Scope, evaluate, parse
 from ckptfs.mapping.pattern import KeyPattern, PatternError
-from ckptfs.mapping.registry import Registry, default_registry, list_models, mapping_dirs
+from ckptfs.mapping.registry import LazyRegistry, Registry, default_registry, list_models, mapping_dirs
 from mappinghelp import RecordingTensor, checkpoint_from_model
 
 REQUIRED_NAMES = {"gpt2", "gpt2-headless", "llama", "llamaV2", "code-llama", "wizardlm", "llama-headless",
@@ -90,6 +90,33 @@ def test_name_clash_between_files(tmp_path):
     (tmp_path / "b.yaml").write_text(yaml.safe_dump(toy_family(family="toy2")))
     with pytest.raises(MappingError, match="model name 'toy' also belongs"):
         Registry([tmp_path])
+
+
+def test_family_defined_twice_names_both_files(tmp_path):
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump(toy_family()))
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump(toy_family(models=[{"name": "other", "hf_class": "X"}])))
+    with pytest.raises(MappingError, match=r"b\.yaml: family 'toy' also defined in .*a\.yaml"):
+        Registry([tmp_path])
+
+
+@pytest.mark.parametrize("detect_both", [False, True])
+def test_a_shared_cs_name_needs_detect_config_in_every_sharing_family(tmp_path, detect_both):
+    detect = {"config": "get('k', 0) == 1"}
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump(toy_family(cs_names=["shared"], detect=detect)))
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump(toy_family(
+        family="toy2", models=[{"name": "toy2", "hf_class": "X"}], cs_names=["shared"],
+        **({"detect": {"config": "get('k', 0) == 2"}} if detect_both else {}))))
+    if not detect_both:
+        with pytest.raises(MappingError, match=r"b\.yaml: CS model name 'shared' also claimed by a\.yaml"):
+            Registry([tmp_path])
+        with pytest.raises(MappingError, match=r"CS model name 'shared' also claimed by a\.yaml"):
+            LazyRegistry([tmp_path])  # its index refuses the clash, and the full parse says why
+        return
+    reg = Registry([tmp_path])
+    assert reg.for_cs_name("shared") is None
+    assert [s.family for s in reg.families_for_cs_name("shared")] == ["toy", "toy2"]
+    lazy = LazyRegistry([tmp_path])
+    assert lazy._index is not None and [s.family for s in lazy.families_for_cs_name("shared")] == ["toy", "toy2"]
 
 
 def test_a_new_family_needs_only_yaml(tmp_path):

@@ -91,34 +91,19 @@ class Registry:
         return reg
 
     def _load(self, raw: dict, fragments: dict) -> None:
-        self.families: dict[str, FamilySpec] = {}
-        self.by_model: dict[str, FamilySpec] = {}
-        self.by_cs_name: dict[str, FamilySpec] = {}
-        # CS names several families share (the Model Zoo's one `vision_transformer` class serves both HF ViT
-        # and CLIP): each sharing family tells its checkpoints apart with detect.config
-        self.shared_cs_names: dict[str, list] = {}
+        claims = _Claims()
         for path, data in raw.values():
             if "fragment" in data:
                 continue
             spec = load_family(path, fragments, data)
-            if spec.family in self.families:
-                raise MappingError(path, f"family {spec.family!r} also defined in {self.families[spec.family].path}")
-            self.families[spec.family] = spec
-            for name in spec.names():
-                if name in self.by_model:
-                    raise MappingError(path, f"model name {name!r} also belongs to family "
-                                             f"{self.by_model[name].family!r} ({self.by_model[name].path.name})")
-                self.by_model[name] = spec
-            for name in spec.cs_names:
-                claims = self.shared_cs_names.get(name) or ([self.by_cs_name[name]] if name in self.by_cs_name else [])
-                if claims and not (spec.detect.config and all(c.detect.config for c in claims)):
-                    raise MappingError(path, f"CS model name {name!r} also claimed by {claims[0].path.name} (families "
-                                             f"sharing a CS name each need detect.config to tell them apart)")
-                if claims:
-                    self.shared_cs_names[name] = claims + [spec]
-                    self.by_cs_name.pop(name, None)
-                else:
-                    self.by_cs_name[name] = spec
+            try:
+                claims.add(spec, spec.family, spec.names(), spec.cs_names, spec.detect.config is not None, path)
+            except _Clash as e:
+                raise MappingError(path, str(e)) from None
+        self.families: dict[str, FamilySpec] = claims.families
+        self.by_model: dict[str, FamilySpec] = claims.by_model
+        self.by_cs_name: dict[str, FamilySpec] = claims.by_cs_name
+        self.shared_cs_names: dict[str, list] = claims.shared_cs_names
 
     def family(self, name: str) -> FamilySpec:
         try:
@@ -183,44 +168,64 @@ def _declared(key: str, data: dict) -> _Declared | None:
     return _Declared(key, family, tuple(names), tuple(cs_names), detect.get("config") is not None)
 
 
-@dataclass
-class _Index:
-    """Which file declares each family, model name and CS name (``Registry``'s lookups, without the specs)."""
-
-    families: dict
-    by_model: dict
-    by_cs_name: dict
-    shared_cs_names: dict
+class _Clash(Exception):
+    """A family file claims a family, model name or CS name another one already has (the message says which)."""
 
 
-def _index(raw: dict) -> _Index | None:
+class _Claims:
+    """Which family claims each family name, model name and CS name: the lookups ``Registry`` answers. The claimant
+    is whatever the caller indexes (``Registry``: built specs; ``LazyRegistry``: each file's ``_Declared`` names),
+    so the rules about clashes are written once. A claimant has a ``family`` attribute."""
+
+    def __init__(self):
+        self.families: dict = {}
+        self.by_model: dict = {}
+        self.by_cs_name: dict = {}
+        # CS names several families share (the Model Zoo's one `vision_transformer` class serves both HF ViT
+        # and CLIP): each sharing family tells its checkpoints apart with detect.config
+        self.shared_cs_names: dict = {}
+        self._where: dict = {}  # family -> (path of its file, has detect.config)
+
+    def add(self, item, family: str, names, cs_names, detect_config: bool, path: Path) -> None:
+        """Record ``item``'s claims; ``_Clash`` if one of them is another family's (or repeated)."""
+        if family in self.families:
+            raise _Clash(f"family {family!r} also defined in {self._where[family][0]}")
+        self.families[family] = item
+        self._where[family] = (Path(path), detect_config)
+        for name in names:
+            if name in self.by_model:
+                other = self.by_model[name].family
+                raise _Clash(f"model name {name!r} also belongs to family {other!r} ({self._where[other][0].name})")
+            self.by_model[name] = item
+        for name in cs_names:
+            claims = self.shared_cs_names.get(name) or ([self.by_cs_name[name]] if name in self.by_cs_name else [])
+            others = [c.family for c in claims]
+            if claims and not (detect_config and all(self._where[o][1] for o in others)):
+                raise _Clash(f"CS model name {name!r} also claimed by {self._where[others[0]][0].name} (families "
+                             f"sharing a CS name each need detect.config to tell them apart)")
+            if claims:
+                self.shared_cs_names[name] = claims + [item]
+                self.by_cs_name.pop(name, None)
+            else:
+                self.by_cs_name[name] = item
+
+
+def _index(raw: dict) -> _Claims | None:
     """The lookups of every family file of ``raw``; None if any file is irregular or two files clash (the full
     parse then raises the error that says which)."""
     declared = [_declared(key, data) for key, (_, data) in raw.items() if "fragment" not in data]
     return None if None in declared else _index_of(declared)
 
 
-def _index_of(declared: list) -> _Index | None:
+def _index_of(declared: list) -> _Claims | None:
     """The lookups of these family files' declarations; None if two of them clash."""
-    idx = _Index({}, {}, {}, {})
-    for d in declared:
-        if d.family in idx.families or len(set(d.names)) != len(d.names):
-            return None
-        idx.families[d.family] = d
-        for name in d.names:
-            if name in idx.by_model:
-                return None
-            idx.by_model[name] = d
-        for name in d.cs_names:
-            claims = idx.shared_cs_names.get(name) or ([idx.by_cs_name[name]] if name in idx.by_cs_name else [])
-            if claims and not (d.has_detect_config and all(c.has_detect_config for c in claims)):
-                return None
-            if claims:
-                idx.shared_cs_names[name] = claims + [d]
-                idx.by_cs_name.pop(name, None)
-            else:
-                idx.by_cs_name[name] = d
-    return idx
+    claims = _Claims()
+    try:
+        for d in declared:
+            claims.add(d, d.family, d.names, d.cs_names, d.has_detect_config, Path(d.key))
+    except _Clash:
+        return None
+    return claims
 
 
 #: version of the index cache file's format (``LazyRegistry(index_cache=…)``)
