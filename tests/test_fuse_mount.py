@@ -69,6 +69,20 @@ def test_ls_lR_lists_every_file_with_exact_size_mode_and_mtime(srv, tree, ckpt):
             assert mode == "dr-xr-xr-x", p
 
 
+def test_the_mount_reads_ahead_read_ahead_kb(srv):
+    """The server raises its mount's kernel read-ahead (bdi ``read_ahead_kb``) to ``READ_AHEAD_KB`` when it may:
+    a page fault of a memory-mapped file then reads that much around it (``from_pretrained`` maps the weights)."""
+    from ckptfs.fusefs import READ_AHEAD_KB, mount_device, mount_target
+
+    dev = mount_device(mount_target(srv.mnt))
+    assert dev is not None
+    ra = f"/sys/class/bdi/{dev}/read_ahead_kb"
+    if os.geteuid() != 0:
+        pytest.skip("only root may raise a mount's read-ahead (the server leaves it at the kernel's default)")
+    with open(ra) as f:
+        assert int(f.read()) == READ_AHEAD_KB > 128  # above the kernel default for FUSE (128 KiB)
+
+
 def _fuse_requests(pid: int) -> int:
     """FUSE requests a server has taken so far: each is one read(2) of /dev/fuse (``syscr`` of the process)."""
     with open(f"/proc/{pid}/io") as f:

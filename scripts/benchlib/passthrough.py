@@ -1,6 +1,6 @@
 """A trivial read-only passthrough FUSE filesystem over one directory, on the same binding and options as ckptfs
 (mfusepy on libfuse 3 through ``ckptfs.fusefs.fuse_class``: reads filled into libfuse's buffer, one loop thread,
-kernel cache, 1 MiB read-ahead, malloc pinned). Its ``cp`` throughput is the ceiling the ckptfs server's first
+kernel cache, the same read-ahead, malloc pinned). Its ``cp`` throughput is the ceiling the ckptfs server's first
 read of a file can reach with this binding on this machine (the bench's "passthrough ceiling" line).
 
 Usage: ``python passthrough.py SRC_DIR MOUNTPOINT`` (foreground; unmount with ``fusermount3 -u``).
