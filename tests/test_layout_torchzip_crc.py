@@ -10,11 +10,13 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ckptfs.cache import BlockCache
 from ckptfs.dtypes import BY_NAME, UINT8
 from ckptfs.tensor import BLOCK_BYTES, VirtualTensor, box_shape
-from ckptfs.layouts.crc import CrcStore, default_crc_dir
+from ckptfs.layouts.crc import CrcStore, crc32, default_crc_dir
 from ckptfs.layouts.torchzip import TorchZipLayout
 
 
@@ -191,3 +193,20 @@ def test_default_crc_dir(monkeypatch, tmp_path):
     monkeypatch.delenv("CKPTFS_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
     assert default_crc_dir() == tmp_path / "x" / "ckptfs" / "crc"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(max_size=3000), st.integers(0, 0xFFFFFFFF), st.integers(0, 3000))
+def test_the_crc_function_is_zlibs_crc32_running_or_not(data, start, cut):
+    """``crc32`` (zlib-ng's when installed) is zlib's CRC-32, also when folded in pieces from a running value."""
+    import zlib
+
+    assert crc32(data) == zlib.crc32(data)
+    assert crc32(data[cut:], crc32(data[:cut], start)) == zlib.crc32(data, start)
+
+
+def test_the_fast_crc_is_installed():
+    """zlib-ng is a dependency: the fallback to the standard library is for broken installs, not the norm."""
+    import zlib_ng.zlib_ng
+
+    assert crc32 is zlib_ng.zlib_ng.crc32

@@ -1,4 +1,8 @@
-"""Persistent store of computed CRC-32 values, so a checkpoint's zip records are hashed once, not per mount.
+"""CRC-32 of zip records: the function (``crc32``), and a persistent store of computed values, so a checkpoint's
+records are hashed once, not per mount.
+
+``crc32`` is zlib-ng's when it is installed (a dependency: the same CRC-32 as zlib's, computed with SIMD, ~24 GB/s
+here against zlib's ~2.8 GB/s, which cost ~0.35 CPU-s per GB of a CRC-exact ``.bin``), else zlib's.
 
 One small JSON file per key (``<dir>/<key>.json``: ``{"format": 1, "crcs": {record: crc}}``). A key
 is a hash of the caller's ``identity`` (e.g. the source checkpoint's realpath, size, mtime_ns and
@@ -16,7 +20,12 @@ import tempfile
 import threading
 from pathlib import Path
 
-__all__ = ["CrcStore", "default_crc_dir"]
+try:
+    from zlib_ng.zlib_ng import crc32
+except ImportError:  # pragma: no cover - zlib-ng is a dependency; the standard library's is the same function
+    from zlib import crc32
+
+__all__ = ["CrcStore", "crc32", "default_crc_dir"]
 
 _FORMAT = 1
 

@@ -21,14 +21,13 @@ import functools
 import hashlib
 import struct
 import threading
-import zlib
 from array import array
 from dataclasses import dataclass
 
 from ..cache import BlockCache
 from ..errors import CkptfsError, TensorReadError
 from ..tensor import VirtualTensor
-from .crc import CrcStore
+from .crc import CrcStore, crc32
 from .pickle2 import Global, PersistentId, PickleTypeError, Reduce, dumps2
 from .pieces import Computed, Literal, PiecedFile, TensorBytes, packed
 
@@ -325,7 +324,7 @@ class TorchZipLayout(PiecedFile):
         self._fixed = dict(zip([0, 1, 2, 3, count - 2, count - 1], [
             (b"data.pkl", pkl), (b".format_version", b"1"), (b".storage_alignment", b"64"), (b"byteorder", b"little"),
             (b"version", b"3\n"), (b".data/serialization_id", sid)]))
-        crcs = {i: 0 if crc == "zero" else zlib.crc32(payload) for i, (_, payload) in self._fixed.items()}
+        crcs = {i: 0 if crc == "zero" else crc32(payload) for i, (_, payload) in self._fixed.items()}
         self._fixed[0] = (b"data.pkl", packed(pkl))
 
         self._starts = array("q")  # each record's local header offset, then the central directory's
@@ -429,7 +428,7 @@ class TorchZipLayout(PiecedFile):
             if self._crcs[i] >= 0 or not (a <= hashed < a + len(data)):
                 return
             mv = memoryview(data)[hashed - a:]
-            running = zlib.crc32(mv, running)
+            running = crc32(mv, running)
             hashed += len(mv)
             self._unsaved += len(mv)
             if hashed < self._size(i):
