@@ -47,6 +47,11 @@ class FuseUnavailableError(CkptfsError):
     """libfuse or mfusepy cannot be loaded; the message says what to install."""
 
 
+#: the message of a libfuse that cannot be loaded ({}: why)
+_NO_LIBFUSE = ("cannot load libfuse ({}): install fuse3 (Debian/Ubuntu: apt install fuse3; Fedora: dnf install fuse3) "
+               "and make /dev/fuse usable")
+
+
 #: sonames of libfuse 3 (3.17 moved to .so.4), tried with a plain dlopen before asking ``ldconfig``
 LIBFUSE3_SONAMES = ("libfuse3.so.4", "libfuse3.so.3")
 
@@ -73,10 +78,6 @@ def check_fuse() -> None:
     if not (os.environ.get("FUSE_LIBRARY_PATH") or os.environ.get("FUSE_LIBRARY_NAME") or libfuse3_path()
             or find_library("fuse")):
         raise FuseUnavailableError(None, _NO_LIBFUSE.format("libfuse not found"))
-
-
-_NO_LIBFUSE = ("cannot load libfuse ({}): install fuse3 (Debian/Ubuntu: apt install fuse3; Fedora: dnf install fuse3) "
-               "and make /dev/fuse usable")
 
 
 def load_mfusepy():

@@ -97,7 +97,7 @@ class Registry:
                 continue
             spec = load_family(path, fragments, data)
             try:
-                claims.add(spec, spec.family, spec.names(), spec.cs_names, spec.detect.config is not None, path)
+                claims.add(spec, spec.names(), spec.cs_names, spec.detect.config is not None, path)
             except _Clash as e:
                 raise MappingError(path, str(e)) from None
         self.families: dict[str, FamilySpec] = claims.families
@@ -186,8 +186,10 @@ class _Claims:
         self.shared_cs_names: dict = {}
         self._where: dict = {}  # family -> (path of its file, has detect.config)
 
-    def add(self, item, family: str, names, cs_names, detect_config: bool, path: Path) -> None:
-        """Record ``item``'s claims; ``_Clash`` if one of them is another family's (or repeated)."""
+    def add(self, item, names, cs_names, detect_config: bool, path: Path) -> None:
+        """Record ``item``'s claims (its ``family``, model ``names``, ``cs_names``); ``_Clash`` if one of them is
+        another family's (or repeated)."""
+        family = item.family
         if family in self.families:
             raise _Clash(f"family {family!r} also defined in {self._where[family][0]}")
         self.families[family] = item
@@ -222,7 +224,7 @@ def _index_of(declared: list) -> _Claims | None:
     claims = _Claims()
     try:
         for d in declared:
-            claims.add(d, d.family, d.names, d.cs_names, d.has_detect_config, Path(d.key))
+            claims.add(d, d.names, d.cs_names, d.has_detect_config, Path(d.key))
     except _Clash:
         return None
     return claims

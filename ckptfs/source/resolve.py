@@ -60,19 +60,22 @@ def _latest_pointer(d: Path) -> Path | None:
     return target
 
 
-def checkpoint_sort_key(p: Path):
-    step, stamp = checkpoint_name(p.name)
+def _mtime(p: Path) -> float:
     try:
-        mtime = p.stat().st_mtime
+        return p.stat().st_mtime
     except OSError:
-        mtime = 0.0
-    return step, stamp, mtime, str(p)
+        return 0.0
 
 
 def find_checkpoints(d: Path) -> list[Path]:
-    """Every ``checkpoint_<step>[_<time>].mdl`` file under ``d``, oldest first."""
-    found = [p for p in d.rglob("checkpoint_*.mdl") if checkpoint_name(p.name) is not None and p.is_file()]
-    return sorted(found, key=checkpoint_sort_key)
+    """Every ``checkpoint_<step>[_<time>].mdl`` file under ``d``, oldest first (step, then timestamp suffix, then
+    modification time, then path); each name is parsed once."""
+    found = []
+    for p in d.rglob("checkpoint_*.mdl"):
+        parsed = checkpoint_name(p.name)
+        if parsed is not None and p.is_file():
+            found.append((*parsed, _mtime(p), str(p), p))
+    return [key[-1] for key in sorted(found)]
 
 
 def resolve_checkpoint(path) -> Path:

@@ -94,11 +94,7 @@ def parse_name(name: str):
 
 def probe(path) -> tuple:
     """``(complete, status)`` of one checkpoint file, from its root attributes only (HDF5 opened without locking)."""
-    import h5py
-
-    from .lz4filter import register_lz4
-
-    register_lz4()  # before any HDF5 file is opened
+    import h5py  # the LZ4 filter is registered: this module imports .h5store, which registers it on import
 
     try:
         f = h5py.File(path, "r", locking=False)
