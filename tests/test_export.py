@@ -107,3 +107,17 @@ def test_a_model_dir_means_its_latest_checkpoint(tmp_path):
     r = ckptfs("export", model_dir, "README.txt", "-", env=env)
     assert r.returncode == 0, r.stderr
     assert "checkpoint_200.mdl" in r.stdout.decode()
+
+
+def test_a_model_dir_of_dated_checkpoints_means_the_latest_one(tmp_path):
+    """Model Zoo's ``checkpoint_<step>_<YYYYmmdd_HHMMSS>.mdl`` names: ``ckptfs export model_dir`` takes the highest
+    step, then the later date (before, such a folder had "no checkpoint_<step>.mdl file")."""
+    env = {k: v for k, v in fake_env().items() if k != "CKPTFS_TEST_TREE"}
+    model_dir = tmp_path / "model_dir"
+    model_dir.mkdir()
+    for name in ("checkpoint_200_20240102_030405.mdl", "checkpoint_200_20231231_235959.mdl",
+                 "checkpoint_10_20250101_000000.mdl"):
+        (model_dir / name).symlink_to(FIXTURES_CKPT)
+    r = ckptfs("export", model_dir, "README.txt", "-", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "checkpoint_200_20240102_030405.mdl" in r.stdout.decode()
