@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from ckptfs.cache import BlockCache
 from ckptfs.dtypes import BFLOAT16, BOOL, from_numpy
 from ckptfs.errors import TensorReadError
-from ckptfs.source import lz4chunks
+from ckptfs.source import filereads, lz4chunks
 from ckptfs.source.h5store import H5Store
 from ckptfs.source.tensors import H5DatasetTensor, _to_storage
 from ckptfs.tensor import BLOCK_BYTES
@@ -54,16 +54,35 @@ def _data(rng, shape, dtype, kind):
 
 
 def _reader_read(d, box, threads, fetch="direct"):
-    """Read ``box`` with a fresh reader; ``fetch="chunks"`` forces read_direct_chunk instead of direct file reads."""
+    """Read ``box`` with a fresh reader; ``fetch="chunks"`` forces read_direct_chunk instead of direct file reads,
+    ``fetch="disk"`` makes the page cache look empty, so the file reads bypass it (``O_DIRECT``)."""
     lz4chunks.set_decode_threads(threads)
     r = lz4chunks.plan(d)
     assert r is not None, lz4chunks.why_not(d)
     if fetch == "chunks":
         r._raw = False
+    if fetch == "disk":
+        assert filereads.page_cache.works, "this kernel has no cachestat"
+        reads = []
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(filereads.page_cache, "cached", lambda fd, off, n: False)
+            mp.setattr(filereads.SourceFile, "read_into", _recording(filereads.SourceFile.read_into, reads))
+            out = r.read(box)
+        if out is not None and out.size and _stored_under(r, box):
+            assert r._raw and reads and all(direct for _, direct in reads), "the disk reads were not direct"
+        return out
     out = r.read(box)
     if fetch == "direct" and out is not None and out.size and _stored_under(r, box):
         assert r._raw, "direct file reads were not used"
     return out
+
+
+def _recording(fn, log: list):
+    def wrapper(*a, **k):
+        got = fn(*a, **k)
+        log.append(got)
+        return got
+    return wrapper
 
 
 def _stored_under(r, box) -> bool:
@@ -112,7 +131,7 @@ def test_random_boxes_match_h5py(case):
             d = f["x"]
             for box in boxes + [tuple((0, n) for n in shape)]:
                 want = d[tuple(slice(a, b) for a, b in box)]
-                for threads, fetch in ((1, "direct"), (3, "direct"), (2, "chunks")):
+                for threads, fetch in ((1, "direct"), (3, "disk"), (2, "chunks")):
                     got = _reader_read(d, box, threads, fetch)
                     assert got.dtype == want.dtype and got.shape == want.shape
                     assert got.tobytes() == want.tobytes(), (box, threads, fetch)
@@ -167,7 +186,7 @@ def test_chunks_stored_out_of_order_and_apart(tmp_path):
         offs = [i.byte_offset for i in (f["x"].id.get_chunk_info(k) for k in range(f["x"].id.get_num_chunks()))]
         assert offs != sorted(offs)
         for box in (((0, 40), (0, 90)), ((3, 37), (5, 88)), ((8, 16), (0, 90))):
-            for threads, fetch in ((1, "direct"), (2, "direct"), (1, "chunks")):
+            for threads, fetch in ((1, "direct"), (2, "disk"), (1, "chunks")):
                 got = _reader_read(f["x"], box, threads, fetch)
                 assert got.tobytes() == data[tuple(slice(a, b) for a, b in box)].tobytes()
 
@@ -444,8 +463,9 @@ def test_chunks_looked_up_are_remembered_until_indexing_is_cheaper(tmp_path, mon
 
 
 def test_block_reads_hint_the_next_bytes_of_the_file_and_peeks_do_not(tmp_path, monkeypatch):
-    """A fetch of a cache block's worth of stored bytes asks the kernel for the file bytes after it (WILLNEED); a
-    small read does not (a peek must not read megabytes ahead). Bytes are h5py's either way."""
+    """A fetch of a cache block's worth of stored bytes from the page cache asks the kernel for the file bytes after
+    it (WILLNEED); a small read does not (a peek must not read megabytes ahead), nor does a block read straight from
+    the disk (that would fill the page cache the direct read avoids). Bytes are h5py's either way."""
     rng = np.random.default_rng(11)
     path = tmp_path / "hint.h5"
     a = _data(rng, (1024, 512), "<f4", "random")  # 2 MiB, stored raw
@@ -461,33 +481,15 @@ def test_block_reads_hint_the_next_bytes_of_the_file_and_peeks_do_not(tmp_path, 
         peek = _reader_read(d, ((0, 1), (0, 16)), 1)
         assert peek.tobytes() == a[:1, :16].tobytes()
         assert calls == []
-        whole = _reader_read(d, ((0, 1024), (0, 512)), 1)
+        with monkeypatch.context() as mp:
+            mp.setattr(filereads.page_cache, "cached", lambda fd, off, n: True)
+            whole = _reader_read(d, ((0, 1024), (0, 512)), 1)
         assert whole.tobytes() == a.tobytes()
         assert calls == [(stored_end, lz4chunks.HINT_AHEAD, os.POSIX_FADV_WILLNEED)]
-
-
-def test_consecutive_block_hints_announce_only_the_new_part_of_the_window(tmp_path, monkeypatch):
-    """The kernel walks every page of an announced range, cached or not, so a run of block reads must not announce
-    the same 8 MiB again and again: each announcement covers only bytes past the previous one, once half a window
-    is new; a jump elsewhere in the file starts a new window."""
-    path = tmp_path / "f.bin"
-    path.write_bytes(b"\0" * 4096)
-    calls = []
-    monkeypatch.setattr(lz4chunks.os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n)),
-                        raising=False)
-    w = lz4chunks.HINT_AHEAD
-    f = lz4chunks._RawFile(str(path))
-    f.will_need(1000)
-    assert calls == [(1000, w)]
-    for step in range(1, 4):  # blocks of 1 MiB: less than half a window new
-        f.will_need(1000 + step * (1 << 20))
-    assert calls == [(1000, w)]
-    f.will_need(1000 + w // 2)  # half a window new: only that half is announced
-    assert calls[1:] == [(1000 + w, w // 2)]
-    f.will_need(1000 + 3 * w)  # a jump past the window
-    assert calls[2:] == [(1000 + 3 * w, w)]
-    f.will_need(10)  # a jump back before it
-    assert calls[3:] == [(10, w)]
+        lz4chunks._raw_files.clear()  # a fresh handle: its hint window starts empty
+        cold = _reader_read(d, ((0, 1024), (0, 512)), 1, "disk")
+        assert cold.tobytes() == a.tobytes()
+        assert calls == [(stored_end, lz4chunks.HINT_AHEAD, os.POSIX_FADV_WILLNEED)]
 
 
 def test_reading_a_checkpoint_registers_only_the_lz4_filter(tmp_path):

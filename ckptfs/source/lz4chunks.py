@@ -7,10 +7,11 @@ HDF5 decodes chunks one at a time, with per-chunk overhead, under h5py's global 
    filter mask of every allocated chunk; ``_IndexLRU`` bounds the memory of all indexes together); a small read
    of a dataset not indexed yet (at most ``_LOOKUP_CHUNKS`` chunks, at most half of them: a peek at a tensor's
    start) looks its chunks up one by one instead (``get_chunk_info_by_coord``, one B-tree lookup each);
-2. the stored bytes are fetched into a thread-local buffer: with ``os.preadv`` over coalesced file ranges when the
-   file is a plain (sec2) file whose chunk addresses were checked against ``read_direct_chunk`` once per open
-   file (our own read-only handle, shared by the file's readers and closed with the last of them), otherwise
-   chunk by chunk with ``dset.id.read_direct_chunk`` (no filter applied);
+2. the stored bytes are fetched into a thread-local buffer: over coalesced file ranges, from the page cache or
+   straight from the disk (``ckptfs.source.filereads``), when the file is a plain (sec2) file whose chunk addresses
+   were checked against ``read_direct_chunk`` once per open file (our own read-only handles, shared by the file's
+   readers and closed with the last of them), otherwise chunk by chunk with ``dset.id.read_direct_chunk`` (no
+   filter applied);
 3. the HDF5-LZ4 framing is checked and decoded here: a run of neighbouring chunks stored raw (incompressible
    data, i.e. most real weights) is copied into the output with one strided numpy copy; other chunks are decoded
    with ``LZ4_decompress_safe`` from hdf5plugin's own ``libh5lz4.so`` through ctypes (which releases the GIL);
@@ -46,6 +47,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import math
+import mmap
 import os
 import struct
 import threading
@@ -56,6 +58,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ..tensor import aligned_block_elems  # noqa: F401 - cache-block alignment to chunk rows lives with the blocks
+from .filereads import HINT_AHEAD, SourceFile, aligned_slots
 from .lz4filter import LZ4_FILTER_ID, lz4_library
 
 ENV_THREADS = "CKPTFS_DECODE_THREADS"
@@ -73,9 +76,9 @@ _BATCH_BYTES = 4 << 20
 #: bytes of the file after it will be read soon (``posix_fadvise(WILLNEED)``: an asynchronous read into the page
 #: cache). The chunks of a tensor, and the tensors of a checkpoint, follow each other in the file, so a block read
 #: is most often followed by a read of the next chunks; the disk fetches them while this block is decoded. A cold
-#: ``cp`` through the mount measured ~10% faster, a cold ``from_pretrained`` ~15%.
+#: ``cp`` through the mount measured ~10% faster, a cold ``from_pretrained`` ~15%. Only after a read from the page
+#: cache: chunks read straight from the disk (``filereads``) are not to be loaded into it.
 HINT_AFTER_BYTES = 512 << 10
-HINT_AHEAD = 8 << 20
 #: reads over at most this many chunks go chunk by chunk in plain Python (numpy set-up costs more)
 _FEW_CHUNKS = 4
 #: while a dataset is not indexed, reads look their chunks up in HDF5's chunk index (one B-tree lookup each) and
@@ -219,12 +222,13 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _scratch(name: str, n: int) -> bytearray:
-    """A thread-local scratch buffer of at least ``n`` bytes (big ones are not kept)."""
+def _scratch(name: str, n: int) -> mmap.mmap:
+    """A thread-local scratch buffer of at least ``n`` bytes (big ones are not kept), page-aligned (an anonymous
+    mapping) as direct reads need (``filereads.ALIGN``)."""
     buf = getattr(_local, name, None)
     if buf is not None and len(buf) >= n:
         return buf
-    buf = bytearray(n)
+    buf = mmap.mmap(-1, max(n, 1))
     if n <= _KEEP_SCRATCH_BYTES:
         setattr(_local, name, buf)
     return buf
@@ -272,43 +276,12 @@ _indexes = _IndexLRU(INDEX_BUDGET_ENTRIES)
 
 
 # -- direct file access ---------------------------------------------------------------------------------------------
-class _RawFile:
-    """An unbuffered read-only handle on an HDF5 file, shared by the readers of its datasets (closed when unused)."""
-
-    def __init__(self, path: str):
-        self.file = open(path, "rb", buffering=0)  # noqa: SIM115 (lives as long as its readers)
-        self.fd = self.file.fileno()
-        self._hinted = (0, 0)  # the file range last announced with ``will_need``
-
-    def will_need(self, offset: int) -> None:
-        """Announce ``[offset, offset + HINT_AHEAD)`` to the kernel, minus what the last announcement covered.
-
-        The kernel walks its page cache over the whole range on every call (~130 us for 8 MiB already cached), so
-        consecutive blocks announce only the new part, and only once at least half a window is new. Best effort:
-        readers racing on ``_hinted`` at worst announce a range twice."""
-        lo, hi = self._hinted
-        end = offset + HINT_AHEAD
-        if lo <= offset <= hi:  # continues the announced range
-            if end - hi < HINT_AHEAD // 2:
-                return
-            start = hi
-        else:
-            start = lo = offset
-        self._hinted = (lo, end)
-        _hint_will_need(self.fd, start, end - start)
-
-    def __del__(self):
-        f = getattr(self, "file", None)
-        if f is not None:
-            f.close()
-
-
 _raw_lock = threading.Lock()
-_raw_files: "weakref.WeakValueDictionary[tuple, _RawFile]" = weakref.WeakValueDictionary()
+_raw_files: "weakref.WeakValueDictionary[tuple, SourceFile]" = weakref.WeakValueDictionary()
 _raw_refused: set = set()
 
 
-def _raw_file(dset, coords: tuple, offset: int, size: int) -> "_RawFile | None":
+def _raw_file(dset, coords: tuple, offset: int, size: int) -> "SourceFile | None":
     """A direct handle on the file holding ``dset``, if it is a plain file (sec2 driver) whose chunk addresses are
     file offsets: checked once per open file by reading one chunk (``coords``, at ``offset``) both ways."""
     from h5py import h5fd, h5i
@@ -324,7 +297,7 @@ def _raw_file(dset, coords: tuple, offset: int, size: int) -> "_RawFile | None":
             if rf is not None or key in _raw_refused:
                 return rf
             if fid.get_access_plist().get_driver() == h5fd.SEC2:
-                rf = _RawFile(os.fsdecode(fid.name))
+                rf = SourceFile(os.fsdecode(fid.name))
                 mine = os.fstat(rf.fd)
                 _, want = dset.id.read_direct_chunk(coords)
                 if (mine.st_dev, mine.st_ino) == key[1:] and os.pread(rf.fd, size, offset) == bytes(want):
@@ -415,7 +388,7 @@ class LZ4ChunkReader:
             self.fill = fill.view(self.udtype)[0]
         self._index = None
         self._lock = threading.Lock()
-        self._raw: "_RawFile | bool | None" = None  # None: not yet checked; False: use read_direct_chunk
+        self._raw: "SourceFile | bool | None" = None  # None: not yet checked; False: use read_direct_chunk
         self._can_look_up = hasattr(dset.id, "get_chunk_info_by_coord")
         self._looked_up: dict | None = None  # linear chunk index -> (offset, size, mask) while not indexed
 
@@ -452,7 +425,7 @@ class LZ4ChunkReader:
             masks[li] = np.fromiter((i.filter_mask for i in infos), np.int64, n)
         return offs, sizes, masks
 
-    def _direct(self, first_stored) -> "_RawFile | None":
+    def _direct(self, first_stored) -> "SourceFile | None":
         """The direct file handle (None: use ``read_direct_chunk``), looked up once per reader; ``first_stored()``
         gives ``(coords, offset, size)`` of one allocated chunk to check the handle with (None: none yet, ask again
         next time). It is only called while the handle is not known."""
@@ -635,16 +608,6 @@ class LZ4ChunkReader:
         self._raw = None
 
 
-def _hint_will_need(fd: int, offset: int, length: int) -> None:
-    """Ask the kernel to start reading ``[offset, offset + length)`` of ``fd`` into its page cache (best effort)."""
-    advise = getattr(os, "posix_fadvise", None)
-    if advise is not None:
-        try:
-            advise(fd, offset, length, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
-
-
 def _in_parallel(fn, parts: list) -> None:
     """``fn(*part)`` for every part: the first in the calling thread, the others in the shared pool."""
     pool = _executor(len(parts) - 1)
@@ -761,16 +724,16 @@ class _Job:
                 spans[-1][2].append(k)
             else:
                 spans.append([off, off + size, [k]])
-        buf = _scratch("raw", sum(end - lo for lo, end, _ in spans))
-        mv, at = memoryview(buf), 0
-        for lo, end, ks in spans:
-            got = os.preadv(self.direct.fd, [mv[at:at + end - lo]], lo)
-            if got != end - lo:
+        slots, total = aligned_slots([(lo, end) for lo, end, _ in spans])
+        buf = _scratch("raw", total)
+        mv = memoryview(buf)
+        for (at, a, n), (lo, end, ks) in zip(slots, spans):
+            got, _ = self.direct.read_into(mv[at:at + n], a, end - a)
+            if got < end - a:
                 raise CorruptChunkError(self.coords(found[ks[0]][3]),
-                                        f"file ends inside the chunk ({got} of {end - lo} bytes)")
+                                        f"file ends inside the chunk ({max(0, got - (lo - a))} of {end - lo} bytes)")
             for k in ks:
-                pos[k] = at + found[k][0] - lo
-            at += end - lo
+                pos[k] = at + found[k][0] - a
         return buf, pos
 
     def _fetch_direct(self, offs, sizes, li):
@@ -783,18 +746,21 @@ class _Job:
         starts = np.concatenate(([0], breaks))
         span_lo = o[starts]
         span_len = np.maximum.reduceat(ends, starts) - span_lo
-        span_at = np.concatenate(([0], np.cumsum(span_len)[:-1]))
-        total = int(span_len.sum())
+        span_end = span_lo + span_len
+        slots, total = aligned_slots(zip(span_lo.tolist(), span_end.tolist()))
         buf = _scratch("raw", total)
         mv = memoryview(buf)
-        for k, (at, n, lo) in enumerate(zip(span_at.tolist(), span_len.tolist(), span_lo.tolist())):
-            got = os.preadv(self.direct.fd, [mv[at:at + n]], lo)
-            if got != n:
+        buffered = False
+        for k, ((at, a, n), lo, end) in enumerate(zip(slots, span_lo.tolist(), span_end.tolist())):
+            got, direct = self.direct.read_into(mv[at:at + n], a, end - a)
+            buffered |= not direct
+            if got < end - a:
                 first = int(starts[k]) if order is None else int(order[starts[k]])
                 raise CorruptChunkError(self._coords(int(li[first])),
-                                        f"file ends inside the chunk ({got} of {n} bytes)")
-        if total >= HINT_AFTER_BYTES:
+                                        f"file ends inside the chunk ({max(0, got - (lo - a))} of {end - lo} bytes)")
+        if buffered and total >= HINT_AFTER_BYTES:  # a direct read keeps the source out of the page cache
             self.direct.will_need(int(ends.max()))
+        span_at = np.array([at + lo - a for (at, a, _), lo in zip(slots, span_lo.tolist())], dtype=np.int64)
         pos_sorted = np.repeat(span_at - span_lo, np.diff(np.concatenate((starts, [len(o)])))) + o
         if order is None:
             return buf, pos_sorted

@@ -1,0 +1,173 @@
+"""ckptfs.source.filereads: ranges of a checkpoint file from the page cache when cached there, else with O_DIRECT."""
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import random
+
+import pytest
+
+from ckptfs.source import filereads
+from ckptfs.source.filereads import ALIGN, SourceFile, aligned_slots
+
+
+def _kernel_has_cachestat() -> bool:
+    major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    return (major, minor) >= (6, 5)
+
+
+def _file(tmp_path, n: int, seed: int = 0):
+    data = random.Random(seed).randbytes(n)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    return path, data
+
+
+def _read_spans(f: SourceFile, spans) -> tuple[list, list]:
+    """Each span's bytes, read the way the chunk reader does, and whether each read was direct."""
+    slots, total = aligned_slots(spans)
+    buf = mmap.mmap(-1, max(total, 1))
+    mv, got, how = memoryview(buf), [], []
+    for (at, a, n), (lo, end) in zip(slots, spans):
+        assert at % ALIGN == 0 and a % ALIGN == 0 and n % ALIGN == 0 and a <= lo and end <= a + n
+        k, direct = f.read_into(mv[at:at + n], a, end - a)
+        assert k >= end - a
+        got.append(bytes(mv[at + lo - a:at + end - a]))
+        how.append(direct)
+    return got, how
+
+
+def test_cachestat_tells_cached_pages_from_evicted_ones(tmp_path):
+    """After a read the pages are cached; after the kernel was told to drop them, they are not."""
+    path, data = _file(tmp_path, 5 * ALIGN + 123)
+    if not _kernel_has_cachestat():
+        assert filereads.page_cache.cached(0, 0, 1) is None
+        return
+    with open(path, "rb") as fh:
+        fd = fh.fileno()
+        os.fsync(fd)
+        assert fh.read() == data
+        assert filereads.page_cache.cached(fd, 0, len(data)) is True
+        assert filereads.page_cache.cached(fd, ALIGN + 7, 100) is True
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert filereads.page_cache.cached(fd, 0, len(data)) is False
+
+
+@pytest.mark.parametrize("cold", [False, True])
+def test_reads_give_the_files_bytes_cached_or_straight_from_the_disk(tmp_path, monkeypatch, cold):
+    """Unaligned spans, neighbours in one block, a span ending at the file's end: the file's bytes, whichever way
+    they are read; cold ranges are read directly, cached ones from the page cache."""
+    path, data = _file(tmp_path, 9 * ALIGN + 777, seed=3)
+    monkeypatch.setattr(filereads.page_cache, "cached", lambda fd, off, n: not cold)
+    f = SourceFile(str(path))
+    assert f.direct_fd is not None, "O_DIRECT refused on the test file system"
+    rng = random.Random(5)
+    spans = [(0, 1), (10, ALIGN + 5), (ALIGN - 1, ALIGN + 1), (len(data) - 300, len(data)), (3 * ALIGN, 5 * ALIGN)]
+    for _ in range(40):
+        lo = rng.randrange(len(data))
+        spans.append((lo, rng.randrange(lo + 1, len(data) + 1)))
+    got, how = _read_spans(f, spans)
+    assert got == [data[lo:end] for lo, end in spans]
+    assert how == [cold] * len(spans)
+
+
+def test_a_read_past_the_end_of_the_file_comes_back_short(tmp_path, monkeypatch):
+    path, data = _file(tmp_path, ALIGN + 10)
+    monkeypatch.setattr(filereads.page_cache, "cached", lambda fd, off, n: False)
+    f = SourceFile(str(path))
+    buf = mmap.mmap(-1, 4 * ALIGN)
+    k, direct = f.read_into(memoryview(buf), 0, 3 * ALIGN)
+    assert direct and k == len(data) < 3 * ALIGN and bytes(buf[:k]) == data
+
+
+def test_a_direct_read_the_device_refuses_falls_back_to_the_page_cache_for_good(tmp_path, monkeypatch):
+    path, data = _file(tmp_path, 3 * ALIGN)
+    monkeypatch.setattr(filereads.page_cache, "cached", lambda fd, off, n: False)
+    f = SourceFile(str(path))
+    dfd, real = f.direct_fd, os.preadv
+
+    def preadv(fd, bufs, off, *a):
+        if fd == dfd:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, bufs, off, *a)
+
+    monkeypatch.setattr(filereads.os, "preadv", preadv)
+    got, how = _read_spans(f, [(5, 2 * ALIGN + 9), (0, 10)])
+    assert got == [data[5:2 * ALIGN + 9], data[:10]] and how == [False, False]
+    assert f.direct_fd is None
+
+
+def test_other_read_errors_are_raised(tmp_path, monkeypatch):
+    path, _ = _file(tmp_path, ALIGN)
+    monkeypatch.setattr(filereads.page_cache, "cached", lambda fd, off, n: False)
+    f = SourceFile(str(path))
+
+    def preadv(fd, bufs, off, *a):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(filereads.os, "preadv", preadv)
+    with pytest.raises(OSError, match="Input/output"):
+        f.read_into(memoryview(mmap.mmap(-1, ALIGN)), 0, 10)
+
+
+def test_direct_reads_can_be_turned_off(tmp_path, monkeypatch):
+    path, data = _file(tmp_path, 2 * ALIGN)
+    monkeypatch.setattr(filereads.page_cache, "cached", lambda fd, off, n: False)
+    monkeypatch.setenv(filereads.ENV_DIRECT, "0")
+    f = SourceFile(str(path))
+    assert f.direct_fd is None
+    assert _read_spans(f, [(1, 100)]) == ([data[1:100]], [False])
+
+
+def test_a_path_replaced_between_the_two_opens_gets_no_direct_descriptor(tmp_path, monkeypatch):
+    """The direct descriptor must be on the same file as the checked buffered one, or it is not used."""
+    path, data = _file(tmp_path, 2 * ALIGN)
+    other = tmp_path / "other.bin"
+    other.write_bytes(b"x" * (2 * ALIGN))
+    real = os.open
+    monkeypatch.setattr(filereads.os, "open", lambda p, flags, *a: real(other if flags & os.O_DIRECT else p, flags, *a))
+    monkeypatch.setattr(filereads.page_cache, "cached", lambda fd, off, n: False)
+    f = SourceFile(str(path))
+    assert f.direct_fd is None
+    assert _read_spans(f, [(0, 2 * ALIGN)]) == ([data], [False])
+
+
+def test_without_cachestat_every_read_uses_the_page_cache(tmp_path, monkeypatch):
+    """An older kernel (cachestat answers ENOSYS): no direct descriptor, reads as before."""
+    path, data = _file(tmp_path, 2 * ALIGN)
+    probe = filereads._PageCacheProbe()
+    if not probe.works:
+        pytest.fail("no syscall entry point for cachestat on this platform")
+    monkeypatch.setattr(probe, "_number", 10**6)  # no such system call: ENOSYS
+    assert probe.cached(0, 0, 1) is None and not probe.works
+    monkeypatch.setattr(filereads, "page_cache", probe)
+    f = SourceFile(str(path))
+    assert f.direct_fd is None
+    assert _read_spans(f, [(0, 2 * ALIGN)]) == ([data], [False])
+
+
+def test_consecutive_block_hints_announce_only_the_new_part_of_the_window(tmp_path, monkeypatch):
+    """The kernel walks every page of an announced range, cached or not, so a run of block reads must not announce
+    the same 8 MiB again and again: each announcement covers only bytes past the previous one, once half a window
+    is new; a jump elsewhere in the file starts a new window."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"\0" * 4096)
+    calls = []
+    monkeypatch.setattr(filereads.os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n)),
+                        raising=False)
+    w = filereads.HINT_AHEAD
+    f = SourceFile(str(path))
+    f.will_need(1000)
+    assert calls == [(1000, w)]
+    for step in range(1, 4):  # blocks of 1 MiB: less than half a window new
+        f.will_need(1000 + step * (1 << 20))
+    assert calls == [(1000, w)]
+    f.will_need(1000 + w // 2)  # half a window new: only that half is announced
+    assert calls[1:] == [(1000 + w, w // 2)]
+    f.will_need(1000 + 3 * w)  # a jump past the window
+    assert calls[2:] == [(1000 + 3 * w, w)]
+    f.will_need(10)  # a jump back before it
+    assert calls[3:] == [(10, w)]
+
+
