@@ -11,12 +11,14 @@ from .errors import CkptfsError
 COMMANDS = ["info", "ls", "models", "mount", "umount", "export", "convert_config", "explain"]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or of ``only`` (the command being run: the others' modules are not imported,
+    which is most of a cold ``ckptfs mount``'s start)."""
     p = argparse.ArgumentParser(prog="ckptfs", description="Mount Cerebras checkpoints as Hugging Face / torch / upgraded Cerebras files, converted lazily on read.")
     p.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for name in COMMANDS:
+    for name in [only] if only else COMMANDS:
         mod = importlib.import_module(f".commands.{name}", __package__)
         sp = mod.add_parser(sub)
         sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
@@ -24,8 +26,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _command_named(argv: list) -> str | None:
+    """The command ``argv`` runs when it is plain to see (its first argument, or the one after ``--debug``)."""
+    rest = argv[1:] if argv[:1] == ["--debug"] else argv
+    modules = {m.replace("_", "-"): m for m in COMMANDS}  # a command's name is its module's, with - for _
+    return modules.get(rest[0]) if rest else None
+
+
 def main(argv=None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(_command_named(argv))
     args = parser.parse_args(argv)
     debug = getattr(args, "debug", False)
     try:

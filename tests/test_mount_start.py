@@ -60,6 +60,32 @@ def test_the_cli_starts_a_mount_without_importing_what_a_tree_needs():
     assert r.stdout.strip() == ";[]"
 
 
+def test_the_cli_imports_only_the_command_it_runs():
+    """``ckptfs mount …`` (also after ``--debug``) imports the mount command's module alone; ``ckptfs --help`` and
+    anything that is not a command name still get the parser of every command."""
+    code = """if True:
+        import sys
+        from ckptfs import cli
+        for argv in (["mount", "x.mdl", "mnt"], ["--debug", "mount", "x.mdl", "mnt"], ["convert-config", "p.yaml"]):
+            before = set(sys.modules)
+            cli.build_parser(cli._command_named(argv)).parse_args(argv)
+            print(sorted(m for m in set(sys.modules) - before if m.startswith("ckptfs.commands.")))
+        for argv in (["--help"], ["mnt"], ["convert_config"], []):
+            print(cli._command_named(argv))
+    """
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:7] == ["['ckptfs.commands.mount']", "[]", "['ckptfs.commands.convert_config']",
+                                         "None", "None", "None", "None"]
+    full = subprocess.run([sys.executable, "-m", "ckptfs", "--help"], capture_output=True, text=True, cwd=REPO,
+                          timeout=120)
+    assert full.returncode == 0 and all(c in full.stdout for c in ("mount", "umount", "export", "convert-config",
+                                                                   "explain", "models", "info"))
+    one = subprocess.run([sys.executable, "-m", "ckptfs", "umount", "--help"], capture_output=True, text=True,
+                         cwd=REPO, timeout=120)
+    assert one.returncode == 0 and one.stdout.startswith("usage: ckptfs umount")
+
+
 @needs_fuse
 def test_libfuse3_is_loaded_by_soname_without_a_subprocess(monkeypatch):
     from ckptfs import fusefs
