@@ -12,6 +12,13 @@ from ckptfs.source import filereads
 from ckptfs.source.filereads import ALIGN, SourceFile, aligned_slots
 
 
+@pytest.fixture(autouse=True)
+def _local_disk(monkeypatch, request):
+    """The test files count as on a local disk wherever the temporary directory is (one test says otherwise)."""
+    if "file_system_type" not in request.node.name:
+        monkeypatch.setattr(filereads, "file_system_type", lambda dev: "ext4")
+
+
 def _kernel_has_cachestat() -> bool:
     major, minor = (int(x) for x in os.uname().release.split(".")[:2])
     return (major, minor) >= (6, 5)
@@ -131,6 +138,28 @@ def test_a_path_replaced_between_the_two_opens_gets_no_direct_descriptor(tmp_pat
     f = SourceFile(str(path))
     assert f.direct_fd is None
     assert _read_spans(f, [(0, 2 * ALIGN)]) == ([data], [False])
+
+
+def test_file_system_type_comes_from_mountinfo(tmp_path):
+    info = tmp_path / "mountinfo"
+    info.write_text("22 27 0:21 / /proc rw,relatime - proc proc rw\n"
+                    "27 1 254:0 / / rw,relatime - ext4 /dev/vda rw,discard\n"
+                    "40 27 0:45 / /mnt/nfs rw,relatime shared:9 - nfs4 srv:/x rw,vers=4.2\n")
+    assert filereads.file_system_type(os.makedev(254, 0), str(info)) == "ext4"
+    assert filereads.file_system_type(os.makedev(0, 45), str(info)) == "nfs4"
+    assert filereads.file_system_type(os.makedev(8, 1), str(info)) is None
+    assert filereads.file_system_type(os.makedev(8, 1), str(tmp_path / "missing")) is None
+    assert filereads.file_system_type(os.stat(tmp_path).st_dev) is not None  # this machine's own mountinfo
+
+
+def test_files_on_other_file_systems_are_read_through_the_page_cache(tmp_path, monkeypatch):
+    """NFS, FUSE, tmpfs…: no direct descriptor (their own read-ahead is what makes them fast)."""
+    path, data = _file(tmp_path, 2 * ALIGN)
+    monkeypatch.setattr(filereads, "file_system_type", lambda dev: "nfs4")
+    monkeypatch.setattr(filereads.page_cache, "cached", lambda fd, off, n: False)
+    f = SourceFile(str(path))
+    assert f.direct_fd is None
+    assert _read_spans(f, [(3, 2 * ALIGN)]) == ([data[3:]], [False])
 
 
 def test_without_cachestat_every_read_uses_the_page_cache(tmp_path, monkeypatch):

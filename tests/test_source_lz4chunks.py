@@ -64,7 +64,9 @@ def _reader_read(d, box, threads, fetch="direct"):
     if fetch == "disk":
         assert filereads.page_cache.works, "this kernel has no cachestat"
         reads = []
+        lz4chunks._raw_files.clear()  # a handle opened here, with the file taken as on a local disk
         with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(filereads, "file_system_type", lambda dev: "ext4")
             mp.setattr(filereads.page_cache, "cached", lambda fd, off, n: False)
             mp.setattr(filereads.SourceFile, "read_into", _recording(filereads.SourceFile.read_into, reads))
             out = r.read(box)

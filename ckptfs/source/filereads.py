@@ -12,6 +12,10 @@ which, unlike a non-blocking read, starts no read-ahead) and reads it
 * otherwise with ``preadv`` on a second, ``O_DIRECT`` descriptor, over the range widened to whole ``ALIGN`` blocks,
   into a buffer aligned to them (``aligned_slots`` lays spans out so).
 
+Direct reads are used on local disk file systems only (``DIRECT_FILE_SYSTEMS``, looked up in /proc/self/mountinfo):
+on a network or FUSE file system the kernel's read-ahead over many requests in flight is what makes reads fast, and
+tmpfs is memory already.
+
 A direct read gets no kernel read-ahead (the caller's own read-ahead threads keep the disk busy), and ``will_need``
 (``posix_fadvise(WILLNEED)``: ask the kernel to load the next bytes into the page cache) is for buffered reads only.
 Both descriptors are read-only; the kernel writes dirty cached pages back before a direct read of them, so either
@@ -31,6 +35,9 @@ ALIGN = 4096
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 #: bytes after a block read that ``will_need`` announces to the kernel
 HINT_AHEAD = 8 << 20
+
+#: file systems whose files are read directly when cold (local disks; ext4 is the one measured)
+DIRECT_FILE_SYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs"})
 
 _CACHESTAT = {"x86_64": 451, "aarch64": 451, "arm64": 451, "riscv64": 451, "ppc64le": 451, "s390x": 451}
 
@@ -83,6 +90,21 @@ def direct_io_enabled() -> bool:
     return os.environ.get(ENV_DIRECT, "1").strip() != "0"
 
 
+def file_system_type(st_dev: int, mountinfo: str = "/proc/self/mountinfo") -> str | None:
+    """The type of the file system mounted from device ``st_dev`` (None: not found, or no /proc)."""
+    want = f"{os.major(st_dev)}:{os.minor(st_dev)}"
+    try:
+        with open(mountinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                head, sep, tail = line.partition(" - ")
+                fields = head.split()
+                if sep and len(fields) > 2 and fields[2] == want and tail.split():
+                    return tail.split()[0]
+    except OSError:
+        pass
+    return None
+
+
 def aligned_slots(spans) -> tuple[list, int]:
     """Lay ``spans`` (``(offset, end)`` file ranges) out in one buffer, each in a slot of whole ``ALIGN`` blocks that
     starts at the block holding its first byte: ``([(slot position, aligned file offset, slot length)], total)``.
@@ -106,7 +128,8 @@ class SourceFile:
         self.direct_fd: int | None = None
         self._lock = threading.Lock()
         self._hinted = (0, 0)  # the file range last announced with ``will_need``
-        if direct_io_enabled() and page_cache.works and hasattr(os, "O_DIRECT"):
+        if (direct_io_enabled() and page_cache.works and hasattr(os, "O_DIRECT")
+                and file_system_type(os.fstat(self.fd).st_dev) in DIRECT_FILE_SYSTEMS):
             try:
                 self.direct_fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
             except OSError:  # a file system without O_DIRECT (e.g. an old tmpfs)
