@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from contextlib import contextmanager
 from typing import Callable, Hashable
 
 DEFAULT_CACHE_BYTES = 256 << 20
@@ -156,6 +157,19 @@ class BlockCache:
                 k, v = self._data.popitem(last=False)
                 self._taken.pop(k, None)
                 self._size -= _cost(v)
+
+    @contextmanager
+    def sequential(self, read_ahead: int):
+        """While inside: serve one reader going through files in order, as the FUSE server does for the kernel —
+        blocks dropped once read whole and the ``read_ahead`` bytes after each read prepared by the read-ahead
+        threads (the next blocks decode, and their chunks come from the disk, while the reader writes this one).
+        The previous settings are restored after."""
+        saved = self.streaming, self.read_ahead
+        self.streaming, self.read_ahead = True, max(self.read_ahead, int(read_ahead))
+        try:
+            yield self
+        finally:
+            self.streaming, self.read_ahead = saved
 
     def clear(self) -> None:
         with self._lock:

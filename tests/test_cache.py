@@ -19,3 +19,18 @@ def test_streaming_drop_gives_back_the_whole_charge():
     assert cache.size == 1000 + BLOCK_OVERHEAD
     cache.taken("a", 1000)
     assert cache.size == 0 and not cache.peek("a")
+
+
+def test_sequential_turns_streaming_and_read_ahead_on_and_restores_them():
+    c = BlockCache(1 << 20)
+    c.read_ahead = 1 << 20
+    with c.sequential(8 << 20) as inside:
+        assert inside is c and c.streaming and c.read_ahead == 8 << 20
+    assert not c.streaming and c.read_ahead == 1 << 20
+    c.streaming, c.read_ahead = True, 16 << 20  # a FUSE server's cache keeps its larger setting
+    try:
+        with c.sequential(8 << 20):
+            raise KeyError("x")
+    except KeyError:
+        pass
+    assert c.streaming and c.read_ahead == 16 << 20

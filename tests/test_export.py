@@ -121,3 +121,23 @@ def test_a_model_dir_of_dated_checkpoints_means_the_latest_one(tmp_path):
     r = ckptfs("export", model_dir, "README.txt", "-", env=env)
     assert r.returncode == 0, r.stderr
     assert "checkpoint_200_20240102_030405.mdl" in r.stdout.decode()
+
+
+def test_a_file_export_reads_ahead_while_it_writes_and_leaves_the_tree_as_it_was(tmp_path, monkeypatch):
+    """``export_file`` reads like the FUSE server's kernel does (blocks dropped once read, the next ones prepared in
+    the background), same bytes, and the tree's cache settings are back afterwards."""
+    from ckptfs.commands.export import export_file
+    from ckptfs.vfs import build_tree
+
+    tree = build_tree(FIXTURES_CKPT)
+    try:
+        seen = []
+        real = tree.read
+        monkeypatch.setattr(tree, "read", lambda e, off, n: seen.append((tree.cache.streaming, tree.cache.read_ahead))
+                            or real(e, off, n))
+        size = export_file(tree, "model.safetensors", tmp_path / "m.safetensors", block=4096)
+        assert (tmp_path / "m.safetensors").read_bytes() == real("model.safetensors", 0, size)
+        assert len(seen) == -(-size // 4096) and set(seen) == {(True, 4096)}
+        assert not tree.cache.streaming and tree.cache.read_ahead == 0
+    finally:
+        tree.close()
