@@ -17,6 +17,8 @@ def _local_disk(monkeypatch, request):
     """The test files count as on a local disk wherever the temporary directory is (one test says otherwise)."""
     if "file_system_type" not in request.node.name:
         monkeypatch.setattr(filereads, "file_system_type", lambda dev: "ext4")
+    if "small_reads" not in request.node.name:
+        monkeypatch.setattr(filereads, "DIRECT_MIN_BYTES", 1)  # the tests' spans are small
 
 
 def _kernel_has_cachestat() -> bool:
@@ -77,6 +79,15 @@ def test_reads_give_the_files_bytes_cached_or_straight_from_the_disk(tmp_path, m
     got, how = _read_spans(f, spans)
     assert got == [data[lo:end] for lo, end in spans]
     assert how == [cold] * len(spans)
+
+
+def test_small_reads_always_use_the_page_cache(tmp_path, monkeypatch):
+    """A peek's chunks are read through the page cache even when cold, so they are cached for the next reader."""
+    path, data = _file(tmp_path, 4 * filereads.DIRECT_MIN_BYTES)
+    monkeypatch.setattr(filereads.page_cache, "cached", lambda fd, off, n: False)
+    f = SourceFile(str(path))
+    small, big = filereads.DIRECT_MIN_BYTES - 1, filereads.DIRECT_MIN_BYTES
+    assert _read_spans(f, [(0, small), (big, 2 * big)]) == ([data[:small], data[big:2 * big]], [False, True])
 
 
 def test_a_read_past_the_end_of_the_file_comes_back_short(tmp_path, monkeypatch):

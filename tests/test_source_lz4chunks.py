@@ -67,6 +67,7 @@ def _reader_read(d, box, threads, fetch="direct"):
         lz4chunks._raw_files.clear()  # a handle opened here, with the file taken as on a local disk
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(filereads, "file_system_type", lambda dev: "ext4")
+            mp.setattr(filereads, "DIRECT_MIN_BYTES", 1)
             mp.setattr(filereads.page_cache, "cached", lambda fd, off, n: False)
             mp.setattr(filereads.SourceFile, "read_into", _recording(filereads.SourceFile.read_into, reads))
             out = r.read(box)

@@ -9,8 +9,13 @@ which, unlike a non-blocking read, starts no read-ahead) and reads it
 
 * with a plain ``preadv`` when every page of it is cached (a warm checkpoint costs what it did), or when ``O_DIRECT``
   cannot be used (no ``cachestat``, a file system that refuses ``O_DIRECT``, a read it rejects);
-* otherwise with ``preadv`` on a second, ``O_DIRECT`` descriptor, over the range widened to whole ``ALIGN`` blocks,
-  into a buffer aligned to them (``aligned_slots`` lays spans out so).
+* otherwise, for a read of at least ``DIRECT_MIN_BYTES`` (a cache block's chunks, not a peek), with ``preadv`` on a
+  second, ``O_DIRECT`` descriptor, over the range widened to whole ``ALIGN`` blocks, into a buffer aligned to them
+  (``aligned_slots`` lays spans out so).
+
+A range read directly stays out of the page cache, so the next mount reads it from the disk again (at the disk's
+rate, with little CPU) instead of from memory; for checkpoints of many GB that is what the page cache could offer
+anyway.
 
 Direct reads are used on local disk file systems only (``DIRECT_FILE_SYSTEMS``, looked up in /proc/self/mountinfo):
 on a network or FUSE file system the kernel's read-ahead over many requests in flight is what makes reads fast, and
@@ -35,6 +40,9 @@ ALIGN = 4096
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 #: bytes after a block read that ``will_need`` announces to the kernel
 HINT_AHEAD = 8 << 20
+#: smaller reads (a peek, the chunks of a small tensor) always go through the page cache: a direct read would leave
+#: them out of it, and such reads come back (every mount of a small checkpoint re-reads the same chunks)
+DIRECT_MIN_BYTES = 512 << 10
 
 #: file systems whose files are read directly when cold (local disks; ext4 is the one measured)
 DIRECT_FILE_SYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs"})
@@ -144,7 +152,7 @@ class SourceFile:
         at the end of the file. ``offset`` and the view's address and length must be ``ALIGN``-aligned (a direct read
         fills the whole view, up to the end of the file); a buffered read reads ``need`` bytes."""
         dfd = self.direct_fd
-        if dfd is not None and page_cache.cached(self.fd, offset, need) is False:
+        if dfd is not None and need >= DIRECT_MIN_BYTES and page_cache.cached(self.fd, offset, need) is False:
             try:
                 return os.preadv(dfd, [view], offset), True
             except OSError as e:
