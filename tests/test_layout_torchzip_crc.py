@@ -210,3 +210,28 @@ def test_the_fast_crc_is_installed():
     import zlib_ng.zlib_ng
 
     assert crc32 is zlib_ng.zlib_ng.crc32
+
+
+def test_hashing_for_the_central_directory_reads_ahead_like_a_sequential_read(monkeypatch):
+    """With the cache's read-ahead on (the FUSE server's), the hasher queues the blocks after the one it reads —
+    into the next tensor at a tensor's end — so they decode while it hashes; every element is still produced once
+    and the directory is the one computed without read-ahead."""
+    from ckptfs import readahead
+
+    queued = []
+    real = readahead.READ_AHEAD.submit
+    monkeypatch.setattr(readahead.READ_AHEAD, "submit", lambda cache, key, compute: queued.append(key) or
+                        real(cache, key, compute))
+    cache = BlockCache(256 << 20)
+    cache.read_ahead = 4 << 20
+    obj = make_obj()
+    layout = TorchZipLayout(obj, "m", cache=cache)
+    cd = layout.read(layout.cd_offset, layout.size - layout.cd_offset)
+    assert readahead.READ_AHEAD.wait_idle(30)
+    plain = TorchZipLayout(make_obj(), "m")
+    assert cd == plain.read(plain.cd_offset, plain.size - plain.cd_offset)
+    a, b = obj["a"], obj["b"]
+    assert (a.cache_key, 1) in queued and (a.cache_key, 2) in queued  # the blocks after the first
+    assert (b.cache_key, 0) in queued  # the next tensor's first block, queued from a's end
+    for t in storages(obj):
+        assert t.elems == t.numel, t.describe()

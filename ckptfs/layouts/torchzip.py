@@ -450,7 +450,8 @@ class TorchZipLayout(PiecedFile):
             return
         with self._hash_lock:
             hashed_any = False
-            for i in records:
+            todo = [i for i in records if crcs[i] < 0]
+            for k, i in enumerate(todo):
                 if crcs[i] >= 0:
                     continue
                 t, size = self._tensor(i), self._size(i)
@@ -458,6 +459,7 @@ class TorchZipLayout(PiecedFile):
                 while crcs[i] < 0:
                     pos = self._partial.get(i, (0, 0))[0]
                     stop = min(size, (pos // block + 1) * block)
+                    self._hash_ahead(todo, k, stop)
                     self._fold(i, pos, t.read_bytes(pos, stop, self.cache))
                     hashed_any = True
                     if crcs[i] < 0 and self._partial.get(i, (0, 0))[0] <= pos:  # every pass progresses or fails
@@ -467,6 +469,16 @@ class TorchZipLayout(PiecedFile):
             if hashed_any and self._store is not None:
                 with self._lock:
                     self._save_store()
+
+    def _hash_ahead(self, todo: list, k: int, stop: int) -> None:
+        """While the hasher reads record ``todo[k]`` up to ``stop``, queue the ``cache.read_ahead`` bytes after it
+        for the read-ahead threads (into the next record when this one ends sooner), as a sequential read gets."""
+        ra = self.cache.read_ahead if self.cache is not None else 0
+        while ra > 0 and k < len(todo):
+            t = self._tensor(todo[k])
+            t.prefetch(stop, stop + ra, self.cache)
+            ra -= max(0, self._size(todo[k]) - stop)
+            k, stop = k + 1, 0
 
     def _set_crc(self, i: int, crc: int) -> None:
         self._crcs[i] = crc
