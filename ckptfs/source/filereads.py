@@ -136,7 +136,7 @@ class SourceFile:
         self.direct_fd: int | None = None
         self._lock = threading.Lock()
         self._hinted = (0, 0)  # the file range last announced with ``will_need``
-        if (direct_io_enabled() and page_cache.works and hasattr(os, "O_DIRECT")
+        if (direct_io_enabled() and hasattr(os, "O_DIRECT") and page_cache.cached(self.fd, 0, 1) is not None
                 and file_system_type(os.fstat(self.fd).st_dev) in DIRECT_FILE_SYSTEMS):
             try:
                 self.direct_fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
