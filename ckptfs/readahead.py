@@ -17,6 +17,8 @@ import threading
 from collections import deque
 from typing import Callable, Hashable
 
+from .source.filereads import direct_reads_by_this_thread
+
 #: blocks queued at most; further requests are dropped (the reader computes them itself)
 MAX_QUEUED = 8
 
@@ -24,7 +26,8 @@ MAX_QUEUED = 8
 #: background threads computing blocks (``$CKPTFS_READ_AHEAD_THREADS`` overrides it): two, because a cold block is
 #: read straight from the disk (``ckptfs.source.filereads``: no kernel read-ahead on the checkpoint file), so one
 #: thread waits for the disk while the other places a block (1 GB bf16, cold ``cp`` through the mount: 444-530 MB/s
-#: against 333-455 with one; a warm ``cp`` is the same with either)
+#: against 333-455 with one). The second computes a block only while blocks go to the disk: with the checkpoint in
+#: the page cache, two threads cost more kernel time than one and gained nothing.
 WORKERS = int(os.environ.get("CKPTFS_READ_AHEAD_THREADS", "2") or 2)
 
 
@@ -39,6 +42,7 @@ class ReadAhead:
         self._cond = threading.Condition()
         self._threads: list = []
         self._busy = 0  # blocks taken off the queue and still being computed
+        self._limit = self.workers  # blocks computed at once: all workers while the last block went to the disk
 
     def submit(self, cache, key: Hashable, compute: Callable[[], bytes]) -> None:
         """Compute block ``key`` of ``cache`` in the background unless it is kept, computing, queued or lately
@@ -61,14 +65,16 @@ class ReadAhead:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue:
+                while not self._queue or self._busy >= self._limit:
                     self._cond.wait()
                 ident, cache, key, compute = self._queue.popleft()
                 self._busy += 1
+            reads = direct_reads_by_this_thread()
             try:
                 cache.prefetch(key, compute)
             finally:
                 with self._cond:
+                    self._limit = self.workers if direct_reads_by_this_thread() > reads else 1
                     self._queued.discard(ident)
                     self._busy -= 1
                     self._cond.notify_all()

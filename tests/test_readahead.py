@@ -156,6 +156,35 @@ def test_several_workers_compute_each_queued_block_once():
     assert len([th for th in ra._threads if th.is_alive()]) <= 3
 
 
+@pytest.mark.parametrize("disk", [False, True])
+def test_a_second_worker_computes_only_while_blocks_go_to_the_disk(disk):
+    """Blocks that read the disk directly (``filereads``) are computed two at a time; blocks from the page cache one
+    at a time (after the first, which starts with all workers)."""
+    from ckptfs.readahead import ReadAhead
+    from ckptfs.source import filereads
+
+    ra = ReadAhead(max_queued=64, workers=2)
+    cache = BlockCache(64 << 20)
+    lock, running, most = threading.Lock(), [0], []
+
+    def compute():
+        with lock:
+            running[0] += 1
+            most.append(running[0])
+        if disk:  # what SourceFile.read_into counts for a direct read
+            filereads._this_thread.direct_reads = filereads.direct_reads_by_this_thread() + 1
+        threading.Event().wait(0.02)
+        with lock:
+            running[0] -= 1
+        return b"x"
+
+    for k in range(12):
+        ra.submit(cache, ("d", k), compute)
+    assert ra.wait_idle(30)
+    assert len(most) == 12
+    assert (max(most[2:]) == 2) if disk else (max(most[2:]) == 1)
+
+
 def test_a_peek_and_the_kernels_small_follow_up_queue_nothing():
     f, tensors, expected = _run_file([20 * BLOCK])
     t = tensors[0]

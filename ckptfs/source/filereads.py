@@ -91,6 +91,12 @@ class _PageCacheProbe:
 
 
 page_cache = _PageCacheProbe()
+_this_thread = threading.local()
+
+
+def direct_reads_by_this_thread() -> int:
+    """How many direct reads the calling thread has made (the read-ahead threads compare it around a block)."""
+    return getattr(_this_thread, "direct_reads", 0)
 
 
 def direct_io_enabled() -> bool:
@@ -154,7 +160,9 @@ class SourceFile:
         dfd = self.direct_fd
         if dfd is not None and need >= DIRECT_MIN_BYTES and page_cache.cached(self.fd, offset, need) is False:
             try:
-                return os.preadv(dfd, [view], offset), True
+                got = os.preadv(dfd, [view], offset)
+                _this_thread.direct_reads = direct_reads_by_this_thread() + 1
+                return got, True
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
