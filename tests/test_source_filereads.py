@@ -9,7 +9,7 @@ import random
 import pytest
 
 from ckptfs.source import filereads
-from ckptfs.source.filereads import ALIGN, SourceFile, aligned_slots
+from ckptfs.source.filereads import ALIGN, ShortRead, SourceFile
 
 
 @pytest.fixture(autouse=True)
@@ -35,16 +35,23 @@ def _file(tmp_path, n: int, seed: int = 0):
 
 def _read_spans(f: SourceFile, spans) -> tuple[list, list]:
     """Each span's bytes, read the way the chunk reader does, and whether each read was direct."""
-    slots, total = aligned_slots(spans)
-    buf = mmap.mmap(-1, max(total, 1))
-    mv, got, how = memoryview(buf), [], []
-    for (at, a, n), (lo, end) in zip(slots, spans):
-        assert at % ALIGN == 0 and a % ALIGN == 0 and n % ALIGN == 0 and a <= lo and end <= a + n
-        k, direct = f.read_into(mv[at:at + n], a, end - a)
-        assert k >= end - a
-        got.append(bytes(mv[at + lo - a:at + end - a]))
-        how.append(direct)
-    return got, how
+    how, real = [], f.read_into
+
+    def read_into(view, offset, need):
+        got = real(view, offset, need)
+        how.append(got[1])
+        return got
+
+    f.read_into = read_into
+    try:
+        buf, starts, buffered = f.read_spans(spans, lambda n: mmap.mmap(-1, max(n, 1)))
+    finally:
+        del f.read_into
+    for at, (lo, end) in zip(starts, spans):
+        if end - lo >= filereads.DIRECT_MIN_BYTES:  # a large span's slot starts on a block boundary
+            assert (at - lo % ALIGN) % ALIGN == 0
+    assert buffered == (not all(how))
+    return [bytes(buf[at:at + end - lo]) for at, (lo, end) in zip(starts, spans)], how
 
 
 def test_cachestat_tells_cached_pages_from_evicted_ones(tmp_path):
@@ -88,6 +95,44 @@ def test_small_reads_always_use_the_page_cache(tmp_path, monkeypatch):
     f = SourceFile(str(path))
     small, big = filereads.DIRECT_MIN_BYTES - 1, filereads.DIRECT_MIN_BYTES
     assert _read_spans(f, [(0, small), (big, 2 * big)]) == ([data[:small], data[big:2 * big]], [False, True])
+
+
+def test_many_small_reads_need_no_more_buffer_than_their_bytes(tmp_path):
+    """Small spans are packed (only large ones get block-aligned slots): a chunk index of many tiny chunks far
+    apart cannot make the scratch buffer thousands of times larger than the bytes it holds."""
+    path, data = _file(tmp_path, 3 << 20)
+    f = SourceFile(str(path))
+    spans = [(lo, lo + 17) for lo in range(5, 3 << 20, 70_001)]
+    sizes = []
+    buf, starts, _ = f.read_spans(spans, lambda n: sizes.append(n) or mmap.mmap(-1, max(n, 1)))
+    assert sizes == [17 * len(spans)]
+    assert [bytes(buf[a:a + 17]) for a in starts] == [data[lo:end] for lo, end in spans]
+    big = [(1, 1 + filereads.DIRECT_MIN_BYTES), (5, 9), (ALIGN + 3, ALIGN + 3 + filereads.DIRECT_MIN_BYTES)]
+    sizes.clear()
+    buf, starts, _ = f.read_spans(big, lambda n: sizes.append(n) or mmap.mmap(-1, max(n, 1)))
+    assert sizes[0] <= sum(e - lo for lo, e in big) + 2 * 2 * ALIGN
+    assert [bytes(buf[a:a + e - lo]) for a, (lo, e) in zip(starts, big)] == [data[lo:e] for lo, e in big]
+
+
+def test_a_span_past_the_end_of_the_file_is_a_short_read(tmp_path):
+    path, data = _file(tmp_path, 2 * ALIGN + 5)
+    f = SourceFile(str(path))
+    with pytest.raises(ShortRead) as e:
+        f.read_spans([(0, 10), (ALIGN, 3 * ALIGN)], lambda n: mmap.mmap(-1, max(n, 1)))
+    assert (e.value.k, e.value.got) == (1, ALIGN + 5)
+
+
+def test_a_direct_descriptor_given_up_stays_open_until_the_file_is_dropped(tmp_path, monkeypatch):
+    """Another thread may be reading it: closing it at once could hand its number to another open file."""
+    path, data = _file(tmp_path, 3 * ALIGN)
+    monkeypatch.setattr(filereads.page_cache, "cached", lambda fd, off, n: False)
+    f = SourceFile(str(path))
+    dfd = f.direct_fd
+    f._no_direct()
+    assert f.direct_fd is None and os.fstat(dfd)  # still open
+    del f
+    with pytest.raises(OSError):
+        os.fstat(dfd)
 
 
 def test_a_read_past_the_end_of_the_file_comes_back_short(tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ which, unlike a non-blocking read, starts no read-ahead) and reads it
   cannot be used (no ``cachestat``, a file system that refuses ``O_DIRECT``, a read it rejects);
 * otherwise, for a read of at least ``DIRECT_MIN_BYTES`` (a cache block's chunks, not a peek), with ``preadv`` on a
   second, ``O_DIRECT`` descriptor, over the range widened to whole ``ALIGN`` blocks, into a buffer aligned to them
-  (``aligned_slots`` lays spans out so).
+  (``read_spans`` lays spans out so).
 
 A range read directly stays out of the page cache, so the next mount reads it from the disk again (at the disk's
 rate, with little CPU) instead of from memory; for checkpoints of many GB that is what the page cache could offer
@@ -47,7 +47,9 @@ DIRECT_MIN_BYTES = 512 << 10
 #: file systems whose files are read directly when cold (local disks; ext4 is the one measured)
 DIRECT_FILE_SYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs"})
 
-_CACHESTAT = {"x86_64": 451, "aarch64": 451, "arm64": 451, "riscv64": 451, "ppc64le": 451, "s390x": 451}
+#: ``cachestat``'s system call number, the same in the unified table of every architecture listed
+_CACHESTAT_NR = 451
+_CACHESTAT_MACHINES = frozenset({"x86_64", "aarch64", "arm64", "riscv64", "ppc64le", "s390x"})
 
 
 class _Range(ctypes.Structure):
@@ -65,8 +67,7 @@ class _PageCacheProbe:
     def __init__(self):
         self.works = False
         self._syscall = None
-        number = _CACHESTAT.get(os.uname().machine) if hasattr(os, "uname") else None
-        if number is None:
+        if not hasattr(os, "uname") or os.uname().machine not in _CACHESTAT_MACHINES:
             return
         try:
             libc = ctypes.CDLL(None, use_errno=True)
@@ -74,7 +75,7 @@ class _PageCacheProbe:
         except (OSError, AttributeError):
             return
         fn.restype = ctypes.c_long
-        self._syscall, self._number, self.works = fn, number, True
+        self._syscall, self._number, self.works = fn, _CACHESTAT_NR, True
 
     def cached(self, fd: int, offset: int, length: int) -> bool | None:
         """Whether every page of ``[offset, offset + length)`` of ``fd`` is in the page cache; None: cannot tell."""
@@ -119,39 +120,58 @@ def file_system_type(st_dev: int, mountinfo: str = "/proc/self/mountinfo") -> st
     return None
 
 
-def aligned_slots(spans) -> tuple[list, int]:
-    """Lay ``spans`` (``(offset, end)`` file ranges) out in one buffer, each in a slot of whole ``ALIGN`` blocks that
-    starts at the block holding its first byte: ``([(slot position, aligned file offset, slot length)], total)``.
-    The span's byte ``offset`` lands at ``slot position + offset - aligned file offset``."""
-    slots, total = [], 0
-    for lo, end in spans:
-        a = lo - lo % ALIGN
-        n = -(-(end - a) // ALIGN) * ALIGN
-        slots.append((total, a, n))
-        total += n
-    return slots, total
+class ShortRead(Exception):
+    """The file ends inside span ``k`` of a ``read_spans``: only ``got`` of its bytes are there."""
+
+    def __init__(self, k: int, got: int):
+        super().__init__(f"span {k}: {got} bytes")
+        self.k, self.got = k, got
 
 
 class SourceFile:
     """Read-only descriptors on one checkpoint file (a buffered one and, when allowed, an ``O_DIRECT`` one)."""
 
     def __init__(self, path: str):
-        self.path = path
         self.file = open(path, "rb", buffering=0)  # noqa: SIM115 (lives as long as its readers)
         self.fd = self.file.fileno()
-        self.direct_fd: int | None = None
-        self._lock = threading.Lock()
+        self.direct_fd: int | None = None  # the O_DIRECT descriptor while direct reads are used
+        self._owned_fd: int | None = None  # the O_DIRECT descriptor, closed with this object
         self._hinted = (0, 0)  # the file range last announced with ``will_need``
         if (direct_io_enabled() and hasattr(os, "O_DIRECT") and page_cache.cached(self.fd, 0, 1) is not None
                 and file_system_type(os.fstat(self.fd).st_dev) in DIRECT_FILE_SYSTEMS):
             try:
-                self.direct_fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+                self._owned_fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
             except OSError:  # a file system without O_DIRECT (e.g. an old tmpfs)
-                self.direct_fd = None
+                pass
             else:
-                a, b = os.fstat(self.fd), os.fstat(self.direct_fd)
-                if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):  # the path was replaced in between: not this file
-                    self._no_direct()
+                a, b = os.fstat(self.fd), os.fstat(self._owned_fd)
+                if (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino):  # else the path was replaced in between
+                    self.direct_fd = self._owned_fd
+
+    def read_spans(self, spans, scratch) -> tuple:
+        """Read the file ranges ``spans`` (``(offset, end)`` each) into one buffer of ``scratch(size)`` (page-aligned):
+        ``(buffer, position of each span's first byte, whether any span came from the page cache)``. A span of at
+        least ``DIRECT_MIN_BYTES`` gets a slot of whole ``ALIGN`` blocks (it may be read directly); smaller ones are
+        packed, so the buffer outgrows the bytes read by at most ``2 * ALIGN`` per large span, whatever the spans.
+        Raises ``ShortRead`` when the file ends inside a span."""
+        spans, slots, total = list(spans), [], 0
+        for lo, end in spans:
+            if end - lo >= DIRECT_MIN_BYTES:
+                total = -(-total // ALIGN) * ALIGN
+                a = lo - lo % ALIGN
+                slots.append((total, a, -(-(end - a) // ALIGN) * ALIGN))
+            else:
+                slots.append((total, lo, end - lo))
+            total += slots[-1][2]
+        buf = scratch(total)
+        mv, starts, buffered = memoryview(buf), [], False
+        for k, ((at, a, n), (lo, end)) in enumerate(zip(slots, spans)):
+            got, direct = self.read_into(mv[at:at + n], a, end - a)
+            if got < end - a:
+                raise ShortRead(k, max(0, got - (lo - a)))
+            buffered |= not direct
+            starts.append(at + lo - a)
+        return buf, starts, buffered
 
     def read_into(self, view: memoryview, offset: int, need: int) -> tuple[int, bool]:
         """Read the file from ``offset`` into ``view``: ``(bytes read, whether directly)``; fewer than ``need`` only
@@ -170,10 +190,9 @@ class SourceFile:
         return os.preadv(self.fd, [view[:need]], offset), False
 
     def _no_direct(self) -> None:
-        with self._lock:
-            dfd, self.direct_fd = self.direct_fd, None
-        if dfd is not None:
-            os.close(dfd)
+        """Stop reading directly. The descriptor stays open until the file is dropped: another thread may be inside
+        a read of it, and a closed number could be reused by an unrelated open file."""
+        self.direct_fd = None
 
     def will_need(self, offset: int) -> None:
         """Announce ``[offset, offset + HINT_AHEAD)`` to the kernel, minus what the last announcement covered.
@@ -196,8 +215,8 @@ class SourceFile:
         f = getattr(self, "file", None)
         if f is not None:
             f.close()
-        if getattr(self, "direct_fd", None) is not None:
-            os.close(self.direct_fd)
+        if getattr(self, "_owned_fd", None) is not None:
+            os.close(self._owned_fd)
 
 
 def hint_will_need(fd: int, offset: int, length: int) -> None:

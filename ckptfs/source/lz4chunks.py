@@ -58,7 +58,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ..tensor import aligned_block_elems  # noqa: F401 - cache-block alignment to chunk rows lives with the blocks
-from .filereads import HINT_AHEAD, SourceFile, aligned_slots
+from .filereads import HINT_AHEAD, ShortRead, SourceFile
 from .lz4filter import LZ4_FILTER_ID, lz4_library
 
 ENV_THREADS = "CKPTFS_DECODE_THREADS"
@@ -724,16 +724,15 @@ class _Job:
                 spans[-1][2].append(k)
             else:
                 spans.append([off, off + size, [k]])
-        slots, total = aligned_slots([(lo, end) for lo, end, _ in spans])
-        buf = _scratch("raw", total)
-        mv = memoryview(buf)
-        for (at, a, n), (lo, end, ks) in zip(slots, spans):
-            got, _ = self.direct.read_into(mv[at:at + n], a, end - a)
-            if got < end - a:
-                raise CorruptChunkError(self.coords(found[ks[0]][3]),
-                                        f"file ends inside the chunk ({max(0, got - (lo - a))} of {end - lo} bytes)")
+        try:
+            buf, at, _ = self.direct.read_spans([(lo, end) for lo, end, _ in spans], lambda n: _scratch("raw", n))
+        except ShortRead as e:
+            lo, end, ks = spans[e.k]
+            raise CorruptChunkError(self.coords(found[ks[0]][3]),
+                                    f"file ends inside the chunk ({e.got} of {end - lo} bytes)") from None
+        for (lo, _, ks), a in zip(spans, at):
             for k in ks:
-                pos[k] = at + found[k][0] - a
+                pos[k] = a + found[k][0] - lo
         return buf, pos
 
     def _fetch_direct(self, offs, sizes, li):
@@ -746,21 +745,16 @@ class _Job:
         starts = np.concatenate(([0], breaks))
         span_lo = o[starts]
         span_len = np.maximum.reduceat(ends, starts) - span_lo
-        span_end = span_lo + span_len
-        slots, total = aligned_slots(zip(span_lo.tolist(), span_end.tolist()))
-        buf = _scratch("raw", total)
-        mv = memoryview(buf)
-        buffered = False
-        for k, ((at, a, n), lo, end) in enumerate(zip(slots, span_lo.tolist(), span_end.tolist())):
-            got, direct = self.direct.read_into(mv[at:at + n], a, end - a)
-            buffered |= not direct
-            if got < end - a:
-                first = int(starts[k]) if order is None else int(order[starts[k]])
-                raise CorruptChunkError(self._coords(int(li[first])),
-                                        f"file ends inside the chunk ({max(0, got - (lo - a))} of {end - lo} bytes)")
-        if buffered and total >= HINT_AFTER_BYTES:  # a direct read keeps the source out of the page cache
+        try:
+            buf, at, buffered = self.direct.read_spans(zip(span_lo.tolist(), (span_lo + span_len).tolist()),
+                                                       lambda n: _scratch("raw", n))
+        except ShortRead as e:
+            first = int(starts[e.k]) if order is None else int(order[starts[e.k]])
+            raise CorruptChunkError(self._coords(int(li[first])),
+                                    f"file ends inside the chunk ({e.got} of {int(span_len[e.k])} bytes)") from None
+        if buffered and int(span_len.sum()) >= HINT_AFTER_BYTES:  # a direct read keeps the source out of the cache
             self.direct.will_need(int(ends.max()))
-        span_at = np.array([at + lo - a for (at, a, _), lo in zip(slots, span_lo.tolist())], dtype=np.int64)
+        span_at = np.array(at, dtype=np.int64)
         pos_sorted = np.repeat(span_at - span_lo, np.diff(np.concatenate((starts, [len(o)])))) + o
         if order is None:
             return buf, pos_sorted
