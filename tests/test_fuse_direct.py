@@ -1,0 +1,54 @@
+"""Through a real mount: a checkpoint that is not in the page cache is read straight from the disk (issue 14's direct
+reads, ``ckptfs.source.filereads``): ``cp`` gives the tree's bytes and leaves the checkpoint out of the page cache,
+which a buffered read (``CKPTFS_DIRECT_IO=0``, the control) fills."""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckptfs.source import filereads
+from fusehelp import fake_env, mounted, needs_fuse
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+from benchlib import gen  # noqa: E402
+
+#: tensors of 1-2 MiB: a cache block's chunks are one span of at least ``DIRECT_MIN_BYTES``
+DIMS = gen.LlamaDims(hidden=512, layers=1, heads=8, kv_heads=8, ffn=1024, vocab=2048)
+
+
+def _cached_fraction(path: Path, window: int = 64 << 10) -> float:
+    """The share of the file's 64 KiB windows that are wholly in the page cache (``cachestat``)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        hits = [filereads.page_cache.cached(f.fileno(), lo, min(window, size - lo)) for lo in range(0, size, window)]
+    return sum(bool(h) for h in hits) / len(hits)
+
+
+def _evict(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    assert _cached_fraction(path) < 0.05
+
+
+@needs_fuse
+def test_a_cold_checkpoint_is_read_straight_from_the_disk_through_the_mount(tmp_path):
+    assert filereads.page_cache.works, "this kernel has no cachestat (Linux 6.5+)"
+    ck = tmp_path / "checkpoint_0.mdl"
+    gen.write_checkpoint(ck, DIMS, "bf16", seed=5)
+    gen.write_params(tmp_path / "params.yaml", DIMS)
+    env = {k: v for k, v in fake_env().items() if k != "CKPTFS_TEST_TREE"}
+    got = {}
+    for direct in ("1", "0"):
+        _evict(ck)
+        with mounted(ck, env={**env, filereads.ENV_DIRECT: direct}) as mnt:
+            shutil.copyfile(mnt / "model.safetensors", tmp_path / f"copy-{direct}.safetensors")
+        got[direct] = _cached_fraction(ck)
+    assert (tmp_path / "copy-1.safetensors").read_bytes() == (tmp_path / "copy-0.safetensors").read_bytes()
+    assert got["1"] < 0.3 < 0.9 < got["0"], got  # the control proves the measure: a buffered cp caches it all
