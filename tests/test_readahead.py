@@ -198,3 +198,38 @@ def test_a_peek_and_the_kernels_small_follow_up_queue_nothing():
     assert _read(f, 53348, 65536) == expected[53348:118884]
     assert READ_AHEAD.wait_idle(30)
     assert {blk for who, blk in t.computed if who == "ckptfs-readahead"} >= {1, 2, 3}, t.computed
+
+
+def test_an_idle_worker_is_not_woken_for_a_block_it_may_not_take():
+    """With blocks from the page cache one worker computes at a time; the other sleeps through the whole queue
+    instead of waking (a thread switch and a GIL hand-off) for every block queued or finished."""
+    from ckptfs.readahead import ReadAhead
+
+    class CountingCondition(threading.Condition):
+        waits = 0
+
+        def wait(self, timeout=None):
+            CountingCondition.waits += 1
+            return super().wait(timeout)
+
+    ra = ReadAhead(max_queued=64, workers=2)
+    lock = threading.Lock()
+    ra._cond, ra._idle = CountingCondition(lock), threading.Condition(lock)
+    cache = BlockCache(64 << 20)
+    done, queued = Counter(), threading.Event()
+
+    def compute(k):
+        def run():
+            queued.wait(30)  # the first blocks start once all are queued: the rest wait in the queue
+            threading.Event().wait(0.002)  # computing a block lets other threads run (GIL released)
+            done[k] += 1
+            return b"x"
+        return run
+
+    for k in range(20):
+        ra.submit(cache, ("w", k), compute(k))
+    queued.set()
+    assert ra.wait_idle(30)
+    assert done == Counter({k: 1 for k in range(20)})
+    # each worker waits once when it has nothing it may take (and again when the queue runs dry): not per block
+    assert CountingCondition.waits <= 6, CountingCondition.waits
