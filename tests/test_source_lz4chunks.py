@@ -465,19 +465,20 @@ def test_chunks_looked_up_are_remembered_until_indexing_is_cheaper(tmp_path, mon
         assert r.read(((0, 60), (0, 40))).tobytes() == data.tobytes()
 
 
-def test_block_reads_hint_the_next_bytes_of_the_file_and_peeks_do_not(tmp_path, monkeypatch):
+@pytest.mark.parametrize("rows", [1024, 2048])  # 64 chunks: read chunk by chunk (_FEW_RAW_CHUNKS); 128: batched
+def test_block_reads_hint_the_next_bytes_of_the_file_and_peeks_do_not(tmp_path, monkeypatch, rows):
     """A fetch of a cache block's worth of stored bytes from the page cache asks the kernel for the file bytes after
     it (WILLNEED); a small read does not (a peek must not read megabytes ahead), nor does a block read straight from
     the disk (that would fill the page cache the direct read avoids). Bytes are h5py's either way."""
     rng = np.random.default_rng(11)
     path = tmp_path / "hint.h5"
-    a = _data(rng, (1024, 512), "<f4", "random")  # 2 MiB, stored raw
+    a = _data(rng, (rows, 512), "<f4", "random")  # 2 or 4 MiB, stored raw
     with h5py.File(path, "w") as f:
         f.create_dataset("a", data=a, chunks=(64, 128), **hdf5plugin.LZ4())
     calls = []
     monkeypatch.setattr(lz4chunks.os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n, advice)),
                         raising=False)
-    monkeypatch.setattr(lz4chunks, "_BATCH_BYTES", 4 << 20)
+    monkeypatch.setattr(lz4chunks, "_BATCH_BYTES", 8 << 20)  # one batch
     with h5py.File(path, "r") as f:
         d = f["a"]
         stored_end = max(i.byte_offset + i.size for i in [d.id.get_chunk_info(k) for k in range(d.id.get_num_chunks())])
@@ -486,13 +487,36 @@ def test_block_reads_hint_the_next_bytes_of_the_file_and_peeks_do_not(tmp_path, 
         assert calls == []
         with monkeypatch.context() as mp:
             mp.setattr(filereads.page_cache, "cached", lambda fd, off, n: True)
-            whole = _reader_read(d, ((0, 1024), (0, 512)), 1)
+            whole = _reader_read(d, ((0, rows), (0, 512)), 1)
         assert whole.tobytes() == a.tobytes()
         assert calls == [(stored_end, lz4chunks.HINT_AHEAD, os.POSIX_FADV_WILLNEED)]
         lz4chunks._raw_files.clear()  # a fresh handle: its hint window starts empty
-        cold = _reader_read(d, ((0, 1024), (0, 512)), 1, "disk")
+        cold = _reader_read(d, ((0, rows), (0, 512)), 1, "disk")
         assert cold.tobytes() == a.tobytes()
         assert calls == [(stored_end, lz4chunks.HINT_AHEAD, os.POSIX_FADV_WILLNEED)]
+
+
+@pytest.mark.parametrize("kind,batched", [("random", False), ("smooth", True)])
+def test_a_block_of_raw_chunks_is_read_chunk_by_chunk_and_compressed_ones_in_a_batch(tmp_path, monkeypatch, kind,
+                                                                                     batched):
+    """A cache block over 32 chunks stored raw (incompressible weights) goes the plain-Python way, which costs less
+    than numpy's set-up; the same block of LZ4-compressed chunks keeps the batch, whose decoding threads share, and
+    so does a read over more than a few compressed chunks (here the padded edge chunks of random data)."""
+    rng = np.random.default_rng(5)
+    a = _data(rng, (512, 2048), "<i2", kind)
+    path = tmp_path / "k.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("a", data=a, chunks=(500, 64), **hdf5plugin.LZ4())  # cstorch's bf16 chunk shape
+    batches = []
+    monkeypatch.setattr(lz4chunks._Job, "_batch", _recording(lz4chunks._Job._batch, batches))
+    with h5py.File(path, "r") as f:
+        r = lz4chunks.plan(f["a"])
+        r.index()
+        block = r.read(((0, 500), (0, 2048)))  # one chunk row: 32 chunks
+        assert block.tobytes() == a[:500].tobytes()
+        assert bool(batches) is batched
+        assert r.read(((0, 512), (0, 2048))).tobytes() == a.tobytes()  # 64 chunks, the edge row compressed
+        assert batches
 
 
 def test_reading_a_checkpoint_registers_only_the_lz4_filter(tmp_path):

@@ -81,6 +81,13 @@ _BATCH_BYTES = 4 << 20
 HINT_AFTER_BYTES = 512 << 10
 #: reads over at most this many chunks go chunk by chunk in plain Python (numpy set-up costs more)
 _FEW_CHUNKS = 4
+#: ... and so do reads over at most this many chunks of which at most ``_FEW_CHUNKS`` are not stored raw (raw chunks
+#: are incompressible weights: nothing to decode, so nothing to share over threads). A 2 MB cache block of a bf16
+#: matrix is 32 chunks of cstorch's shape; read chunk by chunk it cost 0.36-0.44 CPU-s per GB against 0.51-0.55
+#: through the numpy batch (in-process, page cache warm, best of 5)
+_FEW_RAW_CHUNKS = 64
+#: ``_read_few``'s answer when the read has more compressed chunks than it takes: use the batch
+_BATCH = object()
 #: while a dataset is not indexed, reads look their chunks up in HDF5's chunk index (one B-tree lookup each) and
 #: remember them, up to this many chunks (and half of the dataset's); a read needing more indexes the dataset. A
 #: peek at the start of every tensor decodes a handful of chunks, and indexing all of them cost more than the rest
@@ -496,8 +503,10 @@ class LZ4ChunkReader:
         if self._may_look_up(ranges, n):
             return self._read_few(box, out, ranges, None)  # a peek: its chunks looked up, the dataset not indexed
         offs, sizes, masks = index = self.index()
-        if n <= _FEW_CHUNKS:  # small read: plain Python is cheaper than numpy
-            return self._read_few(box, out, ranges, index)
+        if n <= _FEW_RAW_CHUNKS:  # plain Python is cheaper than numpy
+            got = self._read_few(box, out, ranges, index, None if n <= _FEW_CHUNKS else _FEW_CHUNKS)
+            if got is not _BATCH:
+                return got
         direct = self._direct(lambda: self._first_indexed(offs, sizes))
         # every chunk under the box, in C order of the chunk grid
         li = np.zeros([len(r) for r in ranges], np.int64)
@@ -527,9 +536,10 @@ class LZ4ChunkReader:
             _in_parallel(job.run, parts)
         return out.view(self.dtype)
 
-    def _read_few(self, box, out, ranges, index):
+    def _read_few(self, box, out, ranges, index, most_packed: int | None = None):
         """``read`` for a box over a few chunks, chunk by chunk in plain Python; each chunk's place comes from
-        ``index`` (None: looked up, ``_lookup``); neighbouring chunks are fetched with one ``preadv``."""
+        ``index`` (None: looked up, ``_lookup``); neighbouring chunks are fetched with one ``preadv``. With
+        ``most_packed``: ``_BATCH`` (nothing fetched) if more chunks than that are not the size of a raw one."""
         found = []  # (offset, size, mask, grid indices) of the allocated chunks
         lookup, last = self._lookup_at, ranges[-1]
         for head in itertools.product(*ranges[:-1]):  # C order: the last grid index varies fastest
@@ -545,6 +555,10 @@ class LZ4ChunkReader:
                     found.append((off, size, mask, idx))
         if not found:
             return out.view(self.dtype)
+        if most_packed is not None:
+            raw_size = self.chunk_nbytes + _RAW_HEAD
+            if sum(size != raw_size for _, size, _, _ in found) > most_packed:
+                return _BATCH
         direct = self._direct(lambda: (tuple(i * c for i, c in zip(found[0][3], self.chunks)), found[0][0],
                                        found[0][1]))
         job = _Job(self, box, out, None, None, None, None, direct)
@@ -725,11 +739,14 @@ class _Job:
             else:
                 spans.append([off, off + size, [k]])
         try:
-            buf, at, _ = self.direct.read_spans([(lo, end) for lo, end, _ in spans], lambda n: _scratch("raw", n))
+            buf, at, buffered = self.direct.read_spans([(lo, end) for lo, end, _ in spans],
+                                                       lambda n: _scratch("raw", n))
         except ShortRead as e:
             lo, end, ks = spans[e.k]
             raise CorruptChunkError(self.coords(found[ks[0]][3]),
                                     f"file ends inside the chunk ({e.got} of {end - lo} bytes)") from None
+        if buffered and sum(end - lo for lo, end, _ in spans) >= HINT_AFTER_BYTES:  # a block, not a peek
+            self.direct.will_need(max(end for _, end, _ in spans))
         for (lo, _, ks), a in zip(spans, at):
             for k in ks:
                 pos[k] = a + found[k][0] - lo
