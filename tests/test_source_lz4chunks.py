@@ -541,3 +541,51 @@ def test_reading_a_checkpoint_registers_only_the_lz4_filter(tmp_path):
     import hashlib
 
     assert r.stdout.split() == [hashlib.sha256(a.tobytes()).hexdigest(), "False"]
+
+
+def _recording_args(fn, log: list):
+    def wrapper(self, view, offset, need):
+        log.append((offset, need))
+        return fn(self, view, offset, need)
+    return wrapper
+
+
+@pytest.mark.parametrize("rows,spans_per_chunk", [((0, 2), 1), ((999, 1000), 2)])  # a tensor's head; its tail
+def test_a_peek_at_raw_chunks_reads_only_its_rows_of_each_all_announced_at_once(tmp_path, monkeypatch, rows,
+                                                                                 spans_per_chunk):
+    """A peek over a row of 32 raw chunks of a bf16 matrix reads the frame header and the needed rows of each chunk
+    (not 2 MB of whole chunks), every range announced to the kernel first so that a cold disk reads them together."""
+    rng = np.random.default_rng(3)
+    a = _data(rng, (1000, 2048), "<i2", "random")
+    path = tmp_path / "p.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("a", data=a, chunks=(500, 64), **hdf5plugin.LZ4())
+    reads, hints = [], []
+    monkeypatch.setattr(filereads.SourceFile, "read_into", _recording_args(filereads.SourceFile.read_into, reads))
+    monkeypatch.setattr(filereads, "hint_will_need", lambda fd, off, n: hints.append((off, n)))
+    box = (rows, (0, 2048))
+    with h5py.File(path, "r") as f:
+        got = _reader_read(f["a"], box, 1)
+    assert got.tobytes() == a[rows[0]:rows[1]].tobytes()
+    assert len(reads) == len(hints) == 32 * spans_per_chunk
+    assert sum(n for _, n in reads) == 32 * (16 + (rows[1] - rows[0]) * 64 * 2)
+    assert sorted(hints) == sorted(reads)
+
+
+def test_a_raw_sized_chunk_that_is_compressed_is_decoded_whole(tmp_path):
+    """A compressed frame padded with trailing bytes to exactly the size of a raw one (valid: HDF5's filter ignores
+    what follows the last block) is not taken for raw rows: its header is checked, and it is decoded whole."""
+    a = _data(None, (1000, 64), "<i2", "smooth")
+    path = tmp_path / "c.h5"
+    with h5py.File(path, "w") as f:
+        d = f.create_dataset("a", data=a, chunks=(500, 64), **hdf5plugin.LZ4())
+        nbytes = 500 * 64 * 2
+        _, frame = d.id.read_direct_chunk((0, 0))
+        assert len(frame) < nbytes + 16
+        d.id.write_direct_chunk((0, 0), frame + bytes(nbytes + 16 - len(frame)))
+    with h5py.File(path, "r") as f:
+        d = f["a"]
+        assert d.id.get_chunk_info(0).size == nbytes + 16
+        for box in (((0, 2), (0, 64)), ((499, 500), (0, 64)), ((0, 1000), (0, 64))):
+            want = d[tuple(slice(*b) for b in box)]
+            assert _reader_read(d, box, 1).tobytes() == want.tobytes() == a[slice(*box[0])].tobytes()

@@ -194,6 +194,16 @@ class SourceFile:
         a read of it, and a closed number could be reused by an unrelated open file."""
         self.direct_fd = None
 
+    def read_scattered(self, spans, scratch) -> tuple:
+        """``read_spans`` for small ranges far apart (a peek's rows in each chunk of a row of chunks): every range is
+        announced to the kernel first, so that the disk reads them together instead of one after the other (32
+        cold 4 KiB ranges 64 KiB apart here: ~1 ms, against ~3 ms read in turn and ~4-5 ms as one 2 MB range)."""
+        spans = list(spans)
+        if len(spans) > 1:
+            for lo, end in spans:
+                hint_will_need(self.fd, lo, end - lo)
+        return self.read_spans(spans, scratch)
+
     def will_need(self, offset: int) -> None:
         """Announce ``[offset, offset + HINT_AHEAD)`` to the kernel, minus what the last announcement covered.
 
