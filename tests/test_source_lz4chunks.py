@@ -589,3 +589,26 @@ def test_a_raw_sized_chunk_that_is_compressed_is_decoded_whole(tmp_path):
         for box in (((0, 2), (0, 64)), ((499, 500), (0, 64)), ((0, 1000), (0, 64))):
             want = d[tuple(slice(*b) for b in box)]
             assert _reader_read(d, box, 1).tobytes() == want.tobytes() == a[slice(*box[0])].tobytes()
+
+
+def test_a_peek_at_rows_past_the_end_of_a_truncated_file_names_the_chunk(tmp_path):
+    """A file cut short after it was opened: a small read whose rows lie past the new end raises CorruptChunkError
+    for the chunk holding them (never zeros, never another chunk's bytes)."""
+    rng = np.random.default_rng(8)
+    a = _data(rng, (1000, 2048), "<i2", "random")
+    path = tmp_path / "t.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("a", data=a, chunks=(500, 64), **hdf5plugin.LZ4())
+    with h5py.File(path, "r") as f:
+        r = lz4chunks.plan(f["a"])
+        r.index()
+        last = max(r.index()[0])  # the chunk stored last in the file
+        k = int(np.flatnonzero(r.index()[0] == last)[0])
+        coords = tuple(i * c for i, c in zip(r._chunk_idx(k), r.chunks))
+        assert r.read(((0, 1), (0, 2048))).tobytes() == a[:1].tobytes()  # the direct handle is checked and kept
+        os.truncate(path, int(last) + 1000)
+        assert coords[1] >= 64
+        box = ((coords[0] + 499, coords[0] + 500), (coords[1] - 64, coords[1] + 64))  # its neighbour first
+        with pytest.raises(lz4chunks.CorruptChunkError) as ei:
+            r.read(box)
+        assert ei.value.coords == coords and "file ends inside the chunk" in ei.value.detail

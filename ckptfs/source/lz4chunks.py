@@ -11,7 +11,8 @@ HDF5 decodes chunks one at a time, with per-chunk overhead, under h5py's global 
    straight from the disk (``ckptfs.source.filereads``), when the file is a plain (sec2) file whose chunk addresses
    were checked against ``read_direct_chunk`` once per open file (our own read-only handles, shared by the file's
    readers and closed with the last of them), otherwise chunk by chunk with ``dset.id.read_direct_chunk`` (no
-   filter applied);
+   filter applied). A small read over chunks stored raw (a peek) fetches only each chunk's frame header and the
+   rows it needs, every range announced to the kernel first so that a cold disk reads them together;
 3. the HDF5-LZ4 framing is checked and decoded here: a run of neighbouring chunks stored raw (incompressible
    data, i.e. most real weights) is copied into the output with one strided numpy copy; other chunks are decoded
    with ``LZ4_decompress_safe`` from hdf5plugin's own ``libh5lz4.so`` through ctypes (which releases the GIL);
@@ -19,6 +20,8 @@ HDF5 decodes chunks one at a time, with per-chunk overhead, under h5py's global 
 
 The chunks of one read are split over a small shared thread pool (the calling thread takes one share) when the
 read has enough compressed chunks to decode; chunks stored raw are memory copies and stay in the calling thread.
+Reads over a few chunks (up to 64 when at most 4 are compressed: a cache block of raw weights) go chunk by chunk in
+plain Python, which costs less than numpy's set-up of the batch.
 
 Framing (hdf5plugin ``src/LZ4/H5Zlz4.c``): 8-byte big-endian total uncompressed size, 4-byte big-endian block size
 (clamped to the total), then per block a 4-byte big-endian stored size and the block; a block whose stored size
@@ -603,8 +606,9 @@ class LZ4ChunkReader:
         try:
             buf, at, _ = direct.read_scattered(spans, lambda n: _scratch("raw", n))
         except ShortRead as e:
-            raise CorruptChunkError(tuple(i * c for i, c in zip(found[0][3], self.chunks)),
-                                    f"file ends inside a chunk ({e.got} of {spans[e.k][1] - spans[e.k][0]} bytes)"
+            k = next(k for k, (h, r, _, _, _) in enumerate(where) if e.k in (h, r))
+            raise CorruptChunkError(tuple(i * c for i, c in zip(found[k][3], self.chunks)),
+                                    f"file ends inside the chunk ({e.got} of {spans[e.k][1] - spans[e.k][0]} bytes)"
                                     ) from None
         for h, _, _, _, _ in where:
             total, block, stored = _HEAD.unpack_from(buf, at[h])
