@@ -317,7 +317,9 @@ def metadata_scale(ctx: Ctx, ck: Ckpt) -> dict:
 def first_read_warm(ctx: Ctx, ck: Ckpt, layout: dict, local: Path) -> dict:
     """First read of the safetensors weights from a fresh mount with the checkpoint already in the page cache
     (so the server's own cost shows, not the disk's), beside a trivial passthrough FUSE filesystem of the same
-    binding serving the local copy of the same files (warm too): the ceiling for this binding and machine."""
+    binding serving the local copy of the same files (warm too): the ceiling for this binding and machine. Dirty
+    pages are written back before each timed copy (``os.sync``), so that no earlier step's writeback lands in it
+    (the first of three runs was 2-4x slower than the others for the mount and the passthrough alike)."""
     names = layout["safetensors"]
     nbytes = sum(layout["sizes"][n] for n in names)
     runs, ceiling = [], []
@@ -325,6 +327,7 @@ def first_read_warm(ctx: Ctx, ck: Ckpt, layout: dict, local: Path) -> dict:
         with ctx.mount(ck, "first-read-warm") as m:
             src = m.mountpoint / layout["hf_rel"]
             _read_through(ck.path)
+            os.sync()
             t = 0.0
             for n in names:
                 dt, _ = sysutil.timed(["cp", src / n, "/dev/null"])
@@ -333,6 +336,7 @@ def first_read_warm(ctx: Ctx, ck: Ckpt, layout: dict, local: Path) -> dict:
         with passthrough_mount(ctx, local) as mnt:
             for n in names:
                 _read_through(local / n)
+            os.sync()
             t = 0.0
             for n in names:
                 dt, _ = sysutil.timed(["cp", mnt / n, "/dev/null"])
