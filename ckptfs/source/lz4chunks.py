@@ -61,7 +61,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ..tensor import aligned_block_elems  # noqa: F401 - cache-block alignment to chunk rows lives with the blocks
-from .filereads import HINT_AHEAD, ShortRead, SourceFile
+from .filereads import HINT_AHEAD, ShortRead, SourceFile  # noqa: F401 (HINT_AHEAD: the hint window, re-exported)
 from .lz4filter import LZ4_FILTER_ID, lz4_library
 
 ENV_THREADS = "CKPTFS_DECODE_THREADS"
@@ -75,19 +75,12 @@ _KEEP_SCRATCH_BYTES = 64 << 20
 _MIN_PARALLEL_BYTES = 256 << 10
 #: stored bytes fetched and placed at a time by one thread
 _BATCH_BYTES = 4 << 20
-#: a fetch of at least this many stored bytes (a cache block, not a peek) tells the kernel that the ``HINT_AHEAD``
-#: bytes of the file after it will be read soon (``posix_fadvise(WILLNEED)``: an asynchronous read into the page
-#: cache). The chunks of a tensor, and the tensors of a checkpoint, follow each other in the file, so a block read
-#: is most often followed by a read of the next chunks; the disk fetches them while this block is decoded. A cold
-#: ``cp`` through the mount measured ~10% faster, a cold ``from_pretrained`` ~15%. Only after a read from the page
-#: cache: chunks read straight from the disk (``filereads``) are not to be loaded into it.
-HINT_AFTER_BYTES = 512 << 10
 #: reads over at most this many chunks go chunk by chunk in plain Python (numpy set-up costs more)
 _FEW_CHUNKS = 4
 #: ... and so do reads over at most this many chunks of which at most ``_FEW_CHUNKS`` are not stored raw (raw chunks
 #: are incompressible weights: nothing to decode, so nothing to share over threads). A 2 MB cache block of a bf16
-#: matrix is 32 chunks of cstorch's shape; read chunk by chunk it cost 0.36-0.44 CPU-s per GB against 0.51-0.55
-#: through the numpy batch (in-process, page cache warm, best of 5)
+#: matrix is 32 chunks of cstorch's shape; read chunk by chunk it cost 0.41-0.50 CPU-s per GB against 0.61-0.69
+#: through the numpy batch (in-process, page cache warm, best of 5, interleaved)
 _FEW_RAW_CHUNKS = 64
 #: ``_read_few``'s answer when the read has more compressed chunks than it takes: use the batch
 _BATCH = object()
@@ -610,9 +603,8 @@ class LZ4ChunkReader:
             raise CorruptChunkError(tuple(i * c for i, c in zip(found[k][3], self.chunks)),
                                     f"file ends inside the chunk ({e.got} of {spans[e.k][1] - spans[e.k][0]} bytes)"
                                     ) from None
-        for h, _, _, _, _ in where:
-            total, block, stored = _HEAD.unpack_from(buf, at[h])
-            if not total == stored == self.chunk_nbytes <= block:
+        for (_, size, mask, _), (h, _, _, _, _) in zip(found, where):
+            if not self._stored_raw(buf, at[h], size, mask):
                 return False  # the whole chunk is read and decoded (or reported) the usual way
         for (_, _, _, idx), (_, r, skip, lo, hi) in zip(found, where):
             src, dst = self._slices(box, idx)
@@ -783,14 +775,11 @@ class _Job:
             else:
                 spans.append([off, off + size, [k]])
         try:
-            buf, at, buffered = self.direct.read_spans([(lo, end) for lo, end, _ in spans],
-                                                       lambda n: _scratch("raw", n))
+            buf, at, _ = self.direct.read_spans([(lo, end) for lo, end, _ in spans], lambda n: _scratch("raw", n))
         except ShortRead as e:
             lo, end, ks = spans[e.k]
             raise CorruptChunkError(self.coords(found[ks[0]][3]),
                                     f"file ends inside the chunk ({e.got} of {end - lo} bytes)") from None
-        if buffered and sum(end - lo for lo, end, _ in spans) >= HINT_AFTER_BYTES:  # a block, not a peek
-            self.direct.will_need(max(end for _, end, _ in spans))
         for (lo, _, ks), a in zip(spans, at):
             for k in ks:
                 pos[k] = a + found[k][0] - lo
@@ -807,14 +796,12 @@ class _Job:
         span_lo = o[starts]
         span_len = np.maximum.reduceat(ends, starts) - span_lo
         try:
-            buf, at, buffered = self.direct.read_spans(zip(span_lo.tolist(), (span_lo + span_len).tolist()),
-                                                       lambda n: _scratch("raw", n))
+            buf, at, _ = self.direct.read_spans(zip(span_lo.tolist(), (span_lo + span_len).tolist()),
+                                                lambda n: _scratch("raw", n))
         except ShortRead as e:
             first = int(starts[e.k]) if order is None else int(order[starts[e.k]])
             raise CorruptChunkError(self._coords(int(li[first])),
                                     f"file ends inside the chunk ({e.got} of {int(span_len[e.k])} bytes)") from None
-        if buffered and int(span_len.sum()) >= HINT_AFTER_BYTES:  # a direct read keeps the source out of the cache
-            self.direct.will_need(int(ends.max()))
         span_at = np.array(at, dtype=np.int64)
         pos_sorted = np.repeat(span_at - span_lo, np.diff(np.concatenate((starts, [len(o)])))) + o
         if order is None:
