@@ -1,6 +1,7 @@
 """Through a real mount: a checkpoint that is not in the page cache is read straight from the disk (issue 14's direct
 reads, ``ckptfs.source.filereads``): ``cp`` gives the tree's bytes and leaves the checkpoint out of the page cache,
-which a buffered read (``CKPTFS_DIRECT_IO=0``, the control) fills."""
+which a buffered read (``CKPTFS_DIRECT_IO=0``, the control) fills; peeks at every tensor of a cold mount (read as
+only the rows asked for, ``lz4chunks._read_rows``) give the file's bytes."""
 from __future__ import annotations
 
 import os
@@ -52,3 +53,31 @@ def test_a_cold_checkpoint_is_read_straight_from_the_disk_through_the_mount(tmp_
         got[direct] = _cached_fraction(ck)
     assert (tmp_path / "copy-1.safetensors").read_bytes() == (tmp_path / "copy-0.safetensors").read_bytes()
     assert got["1"] < 0.3 < 0.9 < got["0"], got  # the control proves the measure: a buffered cp caches it all
+
+
+@needs_fuse
+def test_peeks_at_every_tensor_of_a_cold_mount_give_the_files_bytes(tmp_path):
+    """4 KiB from the start of every tensor of model.safetensors through a fresh mount of a cold checkpoint (how a
+    user inspects weights; the server reads only each raw chunk's header and the rows asked for): the same bytes as
+    the whole file copied through another mount."""
+    import json
+    import struct
+
+    ck = tmp_path / "checkpoint_0.mdl"
+    gen.write_checkpoint(ck, DIMS, "bf16", seed=6)
+    gen.write_params(tmp_path / "params.yaml", DIMS)
+    env = {k: v for k, v in fake_env().items() if k != "CKPTFS_TEST_TREE"}
+    with mounted(ck, env=env) as mnt:
+        whole = (mnt / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", whole[:8])
+    header = json.loads(whole[8:8 + n])
+    starts = sorted(8 + n + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
+    assert len(starts) > 5
+    _evict(ck)
+    with mounted(ck, env=env) as mnt:
+        fd = os.open(mnt / "model.safetensors", os.O_RDONLY)
+        try:
+            peeks = {a: os.pread(fd, 4096, a) for a in starts}
+        finally:
+            os.close(fd)
+    assert all(got == whole[a:a + 4096] for a, got in peeks.items())
