@@ -9,12 +9,16 @@
    never written (metadata only), and a params YAML next to each.
 2. Measures (each 3x, median; page cache dropped before every run when root; every FUSE run on a fresh mount):
    raw h5py read of every tensor (the baseline); ``cp`` of the safetensors and .bin weights (CRC exact, cold CRC
-   store, and CRC zero) to /dev/null; ``ckptfs export``; ``from_pretrained`` through the mount vs a local copy of
-   the same files; first read of the weights with the checkpoint in the page cache, beside a trivial passthrough
+   store, and CRC zero) to /dev/null, beside ``cp`` of the local copy of the same files through a trivial
+   passthrough FUSE filesystem of the same binding (the ceiling of the cp lines); ``ckptfs export``;
+   ``from_pretrained`` through the mount vs a local copy of the same files (and through the passthrough, its
+   ceiling); first read of the weights with the checkpoint in the page cache, beside a trivial passthrough
    FUSE filesystem of the same binding (the ceiling); 4 KiB from every tensor vs every tensor whole; checkpoint ->
    loaded model end to end (mount + from_pretrained + umount) vs ``ckptfs export`` + local from_pretrained;
    ``torch.load(mmap=True)`` first open of a .bin (cold and warm CRC store); 70B mount and ``ls -lR``
-   time and index read; that no tensor data is read to answer stat/index; the servers' peak RSS.
+   time and index read; that no tensor data is read to answer stat/index; the servers' peak RSS; at the start and
+   the end, what writing fresh memory costs on this machine (a VM whose balloon hands freed memory back to the
+   host makes every page a FUSE server writes into the page cache wait for the host).
 3. Prints one line per target, writes the JSON report. Exit 0 when every item was measured (targets may FAIL),
    1 when something crashed or could not be measured, 2 on bad arguments.
 
@@ -142,6 +146,7 @@ def run_dtype(r: Runner, ctx: measure.Ctx, ck: measure.Ckpt) -> None:
     how = r.item(f"{d}.local_copy", measure.ensure_local_copy, ctx, ck, layout, local)
     if how is None:
         return
+    r.item(f"{d}.cp_passthrough", measure.cp_passthrough, ctx, layout, local)
     r.item(f"{d}.export_matches_mount", measure.export_matches_mount, ctx, ck, layout, local)
     r.item(f"{d}.datacheck", sysutil.probe, "datacheck", ck.path, *[local / n for n in layout["safetensors"]],
            env=ctx.env)
@@ -187,6 +192,7 @@ def main(argv=None) -> int:
             "environment": environment(), "checkpoints": {}}
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
+        r.item("memory.start", measure.memory_first_touch, ctx)
         cks = {}
         for d in args.dtypes:
             dims = gen.dims_for_size(args.size_bytes, d)
@@ -204,6 +210,7 @@ def main(argv=None) -> int:
                 run_dtype(r, ctx, cks[d])
         if big:
             r.item("70b.metadata", measure.metadata_scale, ctx, big)
+        r.item("memory.end", measure.memory_first_touch, ctx)
     except KeyboardInterrupt:
         r.errors["interrupted"] = "KeyboardInterrupt"
     finally:

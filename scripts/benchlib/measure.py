@@ -231,8 +231,9 @@ def export_matches_mount(ctx: Ctx, ck: Ckpt, layout: dict, local: Path) -> bool:
 
 
 def from_pretrained(ctx: Ctx, ck: Ckpt, layout: dict, local: Path) -> dict:
-    """``from_pretrained`` + touching every weight page: through a fresh mount vs the local copy, interleaved."""
-    runs: dict = {"mount": [], "local": []}
+    """``from_pretrained`` + touching every weight page: through a fresh mount vs the local copy, and, as the
+    ceiling of the binding, through the trivial passthrough serving that local copy (cold too), interleaved."""
+    runs: dict = {"mount": [], "local": [], "passthrough": []}
     server_cpu = []
     for _ in range(ctx.repeat):
         with ctx.mount(ck, "from_pretrained") as m:
@@ -242,6 +243,9 @@ def from_pretrained(ctx: Ctx, ck: Ckpt, layout: dict, local: Path) -> dict:
             server_cpu.append(round(m.cpu() - c0, 2))
         drop_caches()
         runs["local"].append(probe("from_pretrained", local, env=_hf_env(ctx)))
+        with passthrough_mount(ctx, local) as mnt:
+            drop_caches()
+            runs["passthrough"].append(probe("from_pretrained", mnt, env=_hf_env(ctx)))
     out = {}
     for side, rs in runs.items():
         out[side] = {**_summary([r["seconds"] for r in rs]),
@@ -250,7 +254,33 @@ def from_pretrained(ctx: Ctx, ck: Ckpt, layout: dict, local: Path) -> dict:
                      "model": {k: rs[-1][k] for k in ("class", "dtype", "bytes")}}
     out["mount"]["server_cpu_s"] = server_cpu
     out["ratio"] = round(out["mount"]["median_s"] / out["local"]["median_s"], 3)
+    out["passthrough_ratio"] = round(out["passthrough"]["median_s"] / out["local"]["median_s"], 3)
     return out
+
+
+def cp_passthrough(ctx: Ctx, layout: dict, local: Path) -> dict:
+    """The ceiling of the cp lines: ``cp`` of the local copy of the safetensors weights to /dev/null through the
+    trivial passthrough (same binding and options as ckptfs, nothing to convert), page cache dropped first."""
+    names = layout["safetensors"]
+    nbytes = sum(layout["sizes"][n] for n in names)
+    runs = []
+    for _ in range(ctx.repeat):
+        with passthrough_mount(ctx, local) as mnt:
+            drop_caches()
+            t = 0.0
+            for n in names:
+                dt, _ = sysutil.timed(["cp", mnt / n, "/dev/null"])
+                t += dt
+            runs.append(t)
+    return _summary(runs, nbytes, files=names)
+
+
+def memory_first_touch(ctx: Ctx) -> dict:
+    """Seconds per GB to write 256 MiB of memory the first time and again (``probes.first_touch``). On a VM whose
+    balloon reports free pages to the host, memory freed a few seconds ago is taken back, and the first write to
+    each page then waits for the host: every byte a FUSE server puts into the kernel's page cache pays that on the
+    server's CPU, while a disk read into the page cache lands there without the guest's CPU."""
+    return probe("first_touch", env=ctx.env)
 
 
 def _hf_env(ctx: Ctx) -> dict:

@@ -37,6 +37,12 @@ class Passthrough:
     def readdir(self, path, fh):
         return [".", ".."] + os.listdir(self._path(path))
 
+    def readdir_plus(self, path, fh, start: int = 0):
+        """What ``fuse_class``'s READDIRPLUS asks for: ``(position, name, attributes)`` from ``start`` on."""
+        names = self.readdir(path, fh)
+        return [(i + 1, n, self.getattr(os.path.join(path, n)) if n not in (".", "..") else None)
+                for i, n in enumerate(names) if i >= start]
+
     def open(self, path, flags):
         fd = os.open(self._path(path), os.O_RDONLY)
         self._fds[fd] = True

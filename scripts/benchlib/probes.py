@@ -6,6 +6,7 @@ work itself:
 * ``raw CKPT``: h5py reads every dataset of a checkpoint in full (the baseline);
 * ``from_pretrained DIR``: ``AutoModelForCausalLM.from_pretrained(DIR, dtype="auto")``, then one byte of every
   4 KiB page of every parameter is touched, so lazily mapped weights are really read;
+* ``first_touch``: seconds per GB to write fresh memory, and the same memory again;
 * ``torchload FILE``: ``torch.load(FILE, mmap=True, weights_only=True)`` (the first-open latency);
 * ``mount_breakdown CKPT PARAMS``: import time of the ckptfs mount modules and one ``build_tree``;
 * ``peek SAFETENSORS…`` / ``whole SAFETENSORS…``: 4 KiB from the start of every tensor, or every tensor whole;
@@ -55,6 +56,21 @@ def from_pretrained(path: str) -> dict:
     t2 = time.perf_counter()
     return {"seconds": t2 - t0, "load_seconds": t1 - t0, "touch_seconds": t2 - t1, "bytes": nbytes,
             "class": type(model).__name__, "dtype": str(next(model.parameters()).dtype)}
+
+
+def first_touch() -> dict:
+    """Write 256 MiB of fresh memory, then the same memory again: seconds per GB of each (see
+    ``measure.memory_first_touch``)."""
+    import numpy as np
+
+    n = 256 << 20
+    t0 = time.perf_counter()
+    a = np.empty(n, np.uint8)
+    a.fill(1)
+    t1 = time.perf_counter()
+    a.fill(2)
+    t2 = time.perf_counter()
+    return {"first_s_per_gb": (t1 - t0) * 1e9 / n, "again_s_per_gb": (t2 - t1) * 1e9 / n}
 
 
 def torchload(path: str) -> dict:
@@ -162,7 +178,7 @@ def whole(*paths: str) -> dict:
     return {"seconds": secs, "tensors": len(ranges), "bytes": got}
 
 
-PROBES = {"peek": peek, "whole": whole, "mount_breakdown": mount_breakdown, "raw": raw, "from_pretrained": from_pretrained, "torchload": torchload, "datacheck": datacheck}
+PROBES = {"peek": peek, "whole": whole, "mount_breakdown": mount_breakdown, "raw": raw, "from_pretrained": from_pretrained, "first_touch": first_touch, "torchload": torchload, "datacheck": datacheck}
 
 if __name__ == "__main__":
     print(json.dumps(PROBES[sys.argv[1]](*sys.argv[2:])))

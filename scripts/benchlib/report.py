@@ -65,6 +65,10 @@ def target_lines(results: dict, errors: dict, dtypes: list, cache_bytes: int) ->
         lines += _ratio_lines(d, "cp safetensors", r.get("cp_safetensors"), raw, "cp_safetensors", errors)
         lines += _ratio_lines(d, "cp .bin (crc exact, cold)", r.get("cp_bin_exact"), raw, "cp_bin_exact", errors)
         lines += _ratio_lines(d, "cp .bin (crc zero)", r.get("cp_bin_zero"), raw, "cp_bin_zero", errors)
+        name = f"{d}: cp, trivial passthrough of the local copy (ceiling)"
+        lines.append(_measured(name, errors, [f"{d}.cp_passthrough", f"{d}.raw"], r.get("cp_passthrough"),
+                               lambda pt: Line(name, f"{pt['mb_s'] / raw['mb_s']:.2f}x raw h5py ({pt['mb_s']:.0f} "
+                                                     f"MB/s, cold, nothing converted)", "", "INFO")))
         exp = r.get("export")
         e = _err(f"{d}: ckptfs export safetensors", errors, [f"{d}.export", f"{d}.raw"])
         if e:
@@ -75,7 +79,8 @@ def target_lines(results: dict, errors: dict, dtypes: list, cache_bytes: int) ->
         name = f"{d}: from_pretrained mount / local"
         lines.append(_measured(name, errors, [f"{d}.from_pretrained", f"{d}.layout"], r.get("from_pretrained"),
                                lambda fp: Line(name, f"{fp['ratio']:.2f}x ({fp['mount']['median_s']:.2f} vs "
-                                                     f"{fp['local']['median_s']:.2f} s)",
+                                                     f"{fp['local']['median_s']:.2f} s; passthrough ceiling "
+                                                     f"{fp['passthrough_ratio']:.2f}x)",
                                                f"<= {FROM_PRETRAINED_TARGET:.2f}x",
                                                _verdict(fp["ratio"] <= FROM_PRETRAINED_TARGET))))
         lines += _issue14_lines(d, r, errors)
@@ -131,6 +136,11 @@ def target_lines(results: dict, errors: dict, dtypes: list, cache_bytes: int) ->
         lines.append(Line("70B: read model.safetensors.index.json",
                           f"{big['index_read']['median_s'] * 1000:.1f} ms, server rchar "
                           f"+{max(big['server_rchar_during_ls_and_index']) // 1024} KiB", "", "INFO"))
+    mem = results.get("memory", {})
+    if mem:
+        lines.append(Line("memory: first write / again (s per GB)",
+                          " · ".join(f"{when} {m['first_s_per_gb']:.2f} / {m['again_s_per_gb']:.2f}"
+                                     for when, m in mem.items()), "", "INFO"))
     peaks = [p["peak_rss"] for p in results.get("servers", []) if p.get("peak_rss")]
     limit = RSS_BASE_BYTES + cache_bytes
     if not peaks:
