@@ -127,3 +127,34 @@ def test_report_marks_unmeasured_items_as_errors():
     assert lines and all(x.result == "ERROR" for x in lines)
     assert "boom" in lines[0].measured
     assert "RESULT" in report.table(lines).splitlines()[0]
+
+
+def test_report_reproduces_a_real_run():
+    """The measurements of the README's bench run give back exactly the lines that run printed, the ceilings beside
+    the cp, from_pretrained and first-read lines and the fresh-memory line included (fails when a line's wording,
+    verdict or source changes without the README's run being redone)."""
+    from benchlib import report
+
+    run = json.loads((REPO / "tests" / "bench_report_6a21f4c.json").read_text())
+    lines = report.target_lines(run["results"], run["errors"], run["args"]["dtypes"], run["args"]["cache_bytes"])
+    assert report.as_json(lines) == run["targets"]
+    text = report.table(lines)
+    assert "passthrough ceiling 1.61x" in text and "1330 MB/s, cold, nothing converted" in text
+    assert "start 2.17 / 0.04" in text
+    assert sum(x.result == "PASS" for x in lines) == 8
+
+
+def test_report_ceilings_follow_the_measurements():
+    """The ceiling lines are computed from the passthrough's own runs, not copied: halving its cp time doubles the
+    reported ceiling."""
+    from benchlib import report
+
+    run = json.loads((REPO / "tests" / "bench_report_6a21f4c.json").read_text())
+    res = run["results"]
+    before = res["bf16"]["cp_passthrough"]["mb_s"]
+    res["bf16"]["cp_passthrough"]["mb_s"] = 2 * before
+    res["bf16"]["from_pretrained"]["passthrough_ratio"] = 0.5
+    lines = {x.target: x for x in report.target_lines(res, run["errors"], ["bf16"], run["args"]["cache_bytes"])}
+    ceiling = lines["bf16: cp, trivial passthrough of the local copy (ceiling)"].measured
+    assert f"({2 * before:.0f} MB/s," in ceiling and f"{before:.0f} MB/s" not in ceiling
+    assert "passthrough ceiling 0.50x" in lines["bf16: from_pretrained mount / local"].measured
