@@ -489,11 +489,11 @@ def test_block_reads_hint_the_next_bytes_of_the_file_and_peeks_do_not(tmp_path, 
             mp.setattr(filereads.page_cache, "cached", lambda fd, off, n: True)
             whole = _reader_read(d, ((0, rows), (0, 512)), 1)
         assert whole.tobytes() == a.tobytes()
-        assert calls == [(stored_end, lz4chunks.HINT_AHEAD, os.POSIX_FADV_WILLNEED)]
+        assert calls == [(stored_end, filereads.HINT_AHEAD, os.POSIX_FADV_WILLNEED)]
         lz4chunks._raw_files.clear()  # a fresh handle: its hint window starts empty
         cold = _reader_read(d, ((0, rows), (0, 512)), 1, "disk")
         assert cold.tobytes() == a.tobytes()
-        assert calls == [(stored_end, lz4chunks.HINT_AHEAD, os.POSIX_FADV_WILLNEED)]
+        assert calls == [(stored_end, filereads.HINT_AHEAD, os.POSIX_FADV_WILLNEED)]
 
 
 @pytest.mark.parametrize("kind,batched", [("random", False), ("smooth", True)])

@@ -61,7 +61,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ..tensor import aligned_block_elems  # noqa: F401 - cache-block alignment to chunk rows lives with the blocks
-from .filereads import HINT_AHEAD, ShortRead, SourceFile  # noqa: F401 (HINT_AHEAD: the hint window, re-exported)
+from .filereads import ShortRead, SourceFile
 from .lz4filter import LZ4_FILTER_ID, lz4_library
 
 ENV_THREADS = "CKPTFS_DECODE_THREADS"

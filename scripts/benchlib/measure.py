@@ -154,6 +154,11 @@ def stat_and_index_check(ctx: Ctx, ck: Ckpt, m: Mount) -> dict:
     return out
 
 
+def _cp_to_null(src: Path, names: list) -> float:
+    """Seconds ``cp`` takes to copy each of the files ``names`` in ``src`` to /dev/null, one after the other."""
+    return sum(sysutil.timed(["cp", src / n, "/dev/null"])[0] for n in names)
+
+
 def cp_weights(ctx: Ctx, ck: Ckpt, layout: dict, kind: str, zip_crc: str) -> dict:
     """``cp`` every weight shard of ``kind`` ("safetensors"/"bins") out of a fresh mount to /dev/null."""
     names = layout[kind]
@@ -164,11 +169,7 @@ def cp_weights(ctx: Ctx, ck: Ckpt, layout: dict, kind: str, zip_crc: str) -> dic
             src = m.mountpoint / layout["hf_rel"]
             drop_caches()
             c0 = m.cpu()
-            t = 0.0
-            for n in names:
-                dt, _ = sysutil.timed(["cp", src / n, "/dev/null"])
-                t += dt
-            runs.append(t)
+            runs.append(_cp_to_null(src, names))
             cpu.append(m.cpu() - c0)
     return _summary(runs, nbytes, files=names, zip_crc=zip_crc, server_cpu_s=[round(c, 2) for c in cpu],
                     server_cpu_s_per_gb=round(median(cpu) / (nbytes / 1e9), 2))
@@ -267,11 +268,7 @@ def cp_passthrough(ctx: Ctx, layout: dict, local: Path) -> dict:
     for _ in range(ctx.repeat):
         with passthrough_mount(ctx, local) as mnt:
             drop_caches()
-            t = 0.0
-            for n in names:
-                dt, _ = sysutil.timed(["cp", mnt / n, "/dev/null"])
-                t += dt
-            runs.append(t)
+            runs.append(_cp_to_null(mnt, names))
     return _summary(runs, nbytes, files=names)
 
 
@@ -358,20 +355,12 @@ def first_read_warm(ctx: Ctx, ck: Ckpt, layout: dict, local: Path) -> dict:
             src = m.mountpoint / layout["hf_rel"]
             _read_through(ck.path)
             os.sync()
-            t = 0.0
-            for n in names:
-                dt, _ = sysutil.timed(["cp", src / n, "/dev/null"])
-                t += dt
-            runs.append(t)
+            runs.append(_cp_to_null(src, names))
         with passthrough_mount(ctx, local) as mnt:
             for n in names:
                 _read_through(local / n)
             os.sync()
-            t = 0.0
-            for n in names:
-                dt, _ = sysutil.timed(["cp", mnt / n, "/dev/null"])
-                t += dt
-            ceiling.append(t)
+            ceiling.append(_cp_to_null(mnt, names))
     return {"mount": _summary(runs, nbytes), "passthrough": _summary(ceiling, nbytes)}
 
 
