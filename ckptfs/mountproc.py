@@ -1,10 +1,12 @@
 """Mount lifecycle: mount-point checks (stale mounts included), foreground serving, the background server process
 with its readiness wait and log file, and unmounting.
 
-Backgrounding never forks a process that may hold threads: ``mount(..., foreground=False)`` checks the options and
-the mount point, then at once starts a fresh ``python -m ckptfs mount … --foreground --status-fd N`` with its output
-going to a log file (the CLI imports nothing that building the tree needs, so the server starts as early as it can),
-and returns only once the mount answers (``os.path.ismount`` and a ``stat`` of README.txt). The checkpoint is opened
+Backgrounding: ``mount(..., foreground=False)`` checks the options and the mount point, then at once starts the
+server, ``ckptfs mount … --foreground --status-fd N`` with its output going to a log file, and returns only once the
+mount answers (``os.path.ismount`` and a ``stat`` of README.txt). The server is a fork of the calling process when
+that has a single thread (the ``ckptfs mount`` command: no second interpreter to start, no import made twice; the
+CLI imports nothing that building the tree needs, so the server starts as early as it can), else a fresh
+``python -m ckptfs`` process: a fork copies no other thread, and a lock another thread held would stay held. The checkpoint is opened
 once, by the server: if it fails before serving (a bad checkpoint, missing params, an unusable run directory…), it
 writes its one-line error to the status pipe (fd ``N``) and exits, and ``mount`` raises that same error (the line a
 foreground mount prints, plus where the log is). A server that exits without a word fails with its log's last
@@ -19,10 +21,12 @@ import logging
 import os
 import select
 import shutil
+import signal
 import stat as stat_mod
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,7 +185,7 @@ def _last_line(path: Path) -> str:
     return lines[-1] if lines else ""
 
 
-def stop_server(proc: subprocess.Popen, mountpoint) -> None:
+def stop_server(proc, mountpoint) -> None:
     """Stop a server process (terminate, then kill) and leave nothing mounted at ``mountpoint``."""
     proc.terminate()
     try:
@@ -246,7 +250,7 @@ def _read_status(status_r: int) -> bytes:
     return b"".join(chunks)
 
 
-def wait_until_mounted(proc: subprocess.Popen, mountpoint, *, timeout: float = READY_TIMEOUT,
+def wait_until_mounted(proc, mountpoint, *, timeout: float = READY_TIMEOUT,
                        log_path: Path | None = None, status_r: int | None = None) -> None:
     """Poll until ``mountpoint`` is a mount whose README.txt can be stat'ed; fail early if ``proc`` exits.
 
@@ -293,17 +297,111 @@ class Started:
     log_path: Path
 
 
-def start_background(ckpt, mountpoint, options: MountOptions, *, allow_other: bool = False,
-                     debug: bool = False, timeout: float = READY_TIMEOUT) -> Started:
-    """Run the server as a new ``python -m ckptfs mount … --foreground`` process and wait until it answers.
+def single_threaded() -> bool:
+    """Whether this process runs a single thread, Python's or native (``/proc/self/task``): only then may it fork."""
+    if threading.active_count() != 1:
+        return False
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False
 
-    The server gets the write end of a status pipe (``--status-fd``): the error that stops it before serving is
-    raised here as the server printed it; on any failure (or Ctrl-C) nothing is left running or mounted."""
+
+class ForkedServer:
+    """A server forked from this process (``start_background``), with the part of ``subprocess.Popen`` that starting
+    and stopping it uses: ``pid``, ``poll``, ``wait``, ``terminate``, ``kill``."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by someone else: gone, its status unknown
+                self.returncode = 1
+            else:
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"ckptfs server {self.pid}", timeout)
+            time.sleep(POLL_SECONDS)
+        return self.returncode
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def _fork_server(argv: list, log_fd: int, status_w: int) -> ForkedServer:
+    """Run ``ckptfs <argv>`` (the foreground mount) in a forked child set up as ``Popen`` sets up the spawned server
+    (a new session, cwd /, stdin from /dev/null, stdout and stderr to the log, no descriptor but the status pipe's),
+    minus the new interpreter and the imports this process already made. The child never returns here: it exits
+    with the command's exit code once the mount ends."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()  # nothing buffered here is written twice
+        except (OSError, ValueError, AttributeError):
+            pass
+    pid = os.fork()
+    if pid:
+        return ForkedServer(pid)
+    code = 1
+    try:
+        os.setsid()
+        os.chdir("/")
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        os.closerange(3, status_w)  # what the caller had open (its pipes, the status pipe's read end, the log)
+        os.closerange(status_w + 1, os.sysconf("SC_OPEN_MAX"))
+        from .cli import main
+
+        sys.argv = [sys.argv[0], *argv]  # what this process now runs
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001 - said in the log; the waiting mount reports the exit
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def start_background(ckpt, mountpoint, options: MountOptions, *, allow_other: bool = False,
+                     debug: bool = False, timeout: float = READY_TIMEOUT, fork: bool | None = None) -> Started:
+    """Start the server (``ckptfs mount … --foreground``) in the background and wait until it answers.
+
+    ``fork``: the server is a fork of this process (default: when this process has a single thread, as the
+    ``ckptfs mount`` command does) — it starts without a second interpreter and the imports made here; otherwise a
+    new ``python -m ckptfs`` process. The server gets the write end of a status pipe (``--status-fd``): the error
+    that stops it before serving is raised here as the server printed it; on any failure (or Ctrl-C) nothing is left
+    running or mounted."""
     log_path = log_dir() / f"mount-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
-    env = dict(os.environ)
-    pkg_parent = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(x for x in (pkg_parent, env.get("PYTHONPATH")) if x)
-    argv = [sys.executable, "-m", "ckptfs", *server_argv(ckpt, mountpoint, options, allow_other=allow_other, debug=debug)]
+    args = server_argv(ckpt, mountpoint, options, allow_other=allow_other, debug=debug)
+    if fork is None:
+        fork = hasattr(os, "fork") and single_threaded()
     try:
         logf = open(log_path, "ab")
     except OSError as e:
@@ -312,9 +410,15 @@ def start_background(ckpt, mountpoint, options: MountOptions, *, allow_other: bo
     status_r, status_w = os.pipe()
     try:
         with logf:
-            proc = subprocess.Popen([*argv, "--status-fd", str(status_w)], stdin=subprocess.DEVNULL, stdout=logf,
-                                    stderr=subprocess.STDOUT, cwd="/", env=env, start_new_session=True,
-                                    close_fds=True, pass_fds=(status_w,))
+            if fork:
+                proc = _fork_server([*args, "--status-fd", str(status_w)], logf.fileno(), status_w)
+            else:
+                env = dict(os.environ)
+                pkg_parent = str(Path(__file__).resolve().parent.parent)
+                env["PYTHONPATH"] = os.pathsep.join(x for x in (pkg_parent, env.get("PYTHONPATH")) if x)
+                proc = subprocess.Popen([sys.executable, "-m", "ckptfs", *args, "--status-fd", str(status_w)],
+                                        stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, cwd="/",
+                                        env=env, start_new_session=True, close_fds=True, pass_fds=(status_w,))
     except BaseException:
         os.close(status_r)
         raise

@@ -135,3 +135,75 @@ def test_convert_config_dtypes_are_the_mapping_cores():
     from ckptfs.mapping.params_config import DTYPES
 
     assert cli_dtypes == DTYPES
+
+
+def _server_cmdline(pid: int) -> list:
+    return [a.decode() for a in open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0") if a]
+
+
+def _wait_gone(pid: int, seconds: float = 15) -> bool:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":  # exited, waiting for init to reap it
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@needs_fuse
+def test_ckptfs_mount_forks_its_server_instead_of_starting_another_interpreter(tmp_path):
+    """``ckptfs mount`` runs one thread when it starts the server, so the server is a fork of it: its command line
+    is the user's command (a spawned server's would be ``python -m ckptfs mount … --foreground``). It keeps none of
+    the command's output pipes (``ckptfs`` here reads them to their end: it would wait as long as the server runs),
+    serves, and stops on ``ckptfs umount``."""
+    import re
+
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = ckptfs("mount", "fake.mdl", mnt, env=fake_env(CKPTFS_CACHE_DIR=str(tmp_path / "cache")), timeout=60)
+    assert r.returncode == 0, r.stderr
+    pid = int(re.search(r"pid (\d+)", r.stdout.decode()).group(1))
+    try:
+        argv = _server_cmdline(pid)
+        assert "mount" in argv and str(mnt) in argv and "--foreground" not in argv, argv
+        assert os.readlink(f"/proc/{pid}/fd/0") == os.devnull and os.readlink(f"/proc/{pid}/cwd") == "/"
+        assert os.getsid(pid) == pid  # its own session: a Ctrl-C meant for the shell does not reach it
+        assert (mnt / "README.txt").read_bytes()
+        assert ckptfs("umount", mnt).returncode == 0
+        assert _wait_gone(pid) and not is_mounted(mnt)
+    finally:
+        force_unmount(mnt)
+
+
+@needs_fuse
+def test_a_process_running_threads_starts_a_new_interpreter_for_the_server(tmp_path):
+    """Forking a process that runs other threads could leave a lock held forever in the child: there the server is
+    a fresh ``python -m ckptfs mount … --foreground`` process, and it serves the same."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    code = f"""if True:
+        import threading, time
+        from ckptfs.mountproc import mount, single_threaded
+        assert single_threaded()
+        threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+        assert not single_threaded()
+        print(mount("fake.mdl", {str(mnt)!r}).pid)
+    """
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                       env=fake_env(CKPTFS_CACHE_DIR=str(tmp_path / "cache")))
+    try:
+        assert r.returncode == 0, r.stderr
+        pid = int(r.stdout.split()[-1])
+        argv = _server_cmdline(pid)
+        assert argv[1:4] == ["-m", "ckptfs", "mount"] and "--foreground" in argv, argv
+        assert (mnt / "README.txt").read_bytes()
+        assert ckptfs("umount", mnt).returncode == 0
+        assert _wait_gone(pid)
+    finally:
+        force_unmount(mnt)

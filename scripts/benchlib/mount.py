@@ -1,7 +1,8 @@
 """Run ``python -m ckptfs mount`` / ``umount`` as a user would, and watch the background server process.
 
-The server is found from ``/proc``: it is the ``python -m ckptfs mount … MNT --foreground`` process that
-``ckptfs.mountproc.start_background`` starts, so its command line names the (unique) mount point. Its peak RSS
+The server is the pid ``ckptfs mount`` prints; failing that, it is found from ``/proc``: the process whose command line
+is a ``ckptfs mount`` of the (unique) mount point once the command has returned (``ckptfs.mountproc.start_background``
+forks the command itself, or starts ``python -m ckptfs mount … MNT --foreground``). Its peak RSS
 (``VmHWM``) is read just before unmounting, and ``/proc/<pid>/io`` on demand.
 """
 from __future__ import annotations
@@ -24,7 +25,8 @@ def ckptfs_argv(*args) -> list:
 
 
 def find_server(mountpoint: str) -> int | None:
-    """PID of the ckptfs server process serving ``mountpoint`` (its argv holds the path and ``--foreground``)."""
+    """PID of the ckptfs server process serving ``mountpoint`` (its argv is a ``ckptfs mount`` of that path), once
+    the mount command has returned."""
     mp = os.path.abspath(mountpoint)
     me = os.getpid()
     for d in os.listdir("/proc"):
@@ -35,7 +37,7 @@ def find_server(mountpoint: str) -> int | None:
         except OSError:
             continue
         args = [a.decode(errors="replace") for a in argv if a]
-        if "ckptfs" in args and "mount" in args and "--foreground" in args and mp in args:
+        if any(a == "ckptfs" or a.endswith("/ckptfs") for a in args) and "mount" in args and mp in args:
             return int(d)
     return None
 
