@@ -135,12 +135,12 @@ def test_report_reproduces_a_real_run():
     verdict or source changes without the README's run being redone)."""
     from benchlib import report
 
-    run = json.loads((REPO / "tests" / "bench_report_6a21f4c.json").read_text())
+    run = json.loads((REPO / "tests" / "bench_report_f8beda7.json").read_text())
     lines = report.target_lines(run["results"], run["errors"], run["args"]["dtypes"], run["args"]["cache_bytes"])
     assert report.as_json(lines) == run["targets"]
     text = report.table(lines)
-    assert "passthrough ceiling 1.61x" in text and "1330 MB/s, cold, nothing converted" in text
-    assert "start 2.17 / 0.04" in text
+    assert "passthrough ceiling 1.75x" in text and "609 MB/s, cold, nothing converted" in text
+    assert "start 2.42 / 0.04" in text
     assert sum(x.result == "PASS" for x in lines) == 8
 
 
@@ -149,7 +149,7 @@ def test_report_ceilings_follow_the_measurements():
     reported ceiling."""
     from benchlib import report
 
-    run = json.loads((REPO / "tests" / "bench_report_6a21f4c.json").read_text())
+    run = json.loads((REPO / "tests" / "bench_report_f8beda7.json").read_text())
     res = run["results"]
     before = res["bf16"]["cp_passthrough"]["mb_s"]
     res["bf16"]["cp_passthrough"]["mb_s"] = 2 * before
