@@ -177,9 +177,9 @@ MAX_OPEN_DATASETS = 256
 class H5Store:
     """One HDF5 file's handle for the tensors that read from it.
 
-    The checkpoint's own store is created with the already-open file; an external store opens its
-    file on first use and reports a missing/unreadable/refused target as ``TensorReadError`` naming the
-    checkpoint. ``identity`` is the version of the file the tensors were planned from (None: not known yet,
+    The checkpoint's own store is created with the already-open file (for a catalog from its index, it opens the
+    file on the first read, as an external store does) and reports a missing/unreadable/refused target as
+    ``TensorReadError`` naming the checkpoint. ``identity`` is the version of the file the tensors were planned from (None: not known yet,
     taken when the file is first opened); ``verify`` raises ``SourceChangedError`` once the file at ``path`` is
     another version. ``close`` is registered in ``Checkpoint._closers``.
 
@@ -212,8 +212,10 @@ class H5Store:
                 if self._closed:
                     raise TensorReadError(self.checkpoint_path, f"{what}: checkpoint is closed")
                 ref = f" (referenced as {self.referenced_as!r})" if self.referenced_as else ""
+                own = self.path == self.checkpoint_path  # opened on first read (a catalog from its index)
                 if not self.path.exists():
-                    raise TensorReadError(self.checkpoint_path, f"{what}: external file {self.path} not found{ref}")
+                    where = "the checkpoint file is gone" if own else f"external file {self.path} not found{ref}"
+                    raise TensorReadError(self.checkpoint_path, f"{what}: {where}")
                 try:
                     if self.confinement is not None:
                         self.confinement.recheck(self.path)
@@ -221,6 +223,8 @@ class H5Store:
                 except RefusedReference as e:
                     raise TensorReadError(self.checkpoint_path, f"{what}: external reference refused: {e.problem}") from None
                 except CheckpointError as e:
+                    if own:
+                        raise TensorReadError(self.checkpoint_path, f"{what}: cannot open the checkpoint ({e.problem})") from None
                     raise TensorReadError(self.checkpoint_path, f"{what}: external file {e}") from None
                 opened = identity_of_open(self.path, f)
                 if self.identity is None:

@@ -6,12 +6,14 @@ the release that wrote the file. No tensor data is read here.
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import CheckpointError, SourceChangedError
+from . import catalog_index
 from .catalog import Checkpoint, Container, ValueLeaf
 from .confine import Confinement
 from .h5store import (ExternalFiles, H5Store, identity_of_open, one_line, open_h5, read_large_attr,
@@ -19,6 +21,7 @@ from .h5store import (ExternalFiles, H5Store, identity_of_open, one_line, open_h
 from .reader_legacy import LegacyReader
 from .reader_v05 import V05Reader
 from .resolve import resolve_checkpoint
+from .watch import FileIdentity
 
 #: release assumed for a legacy format version without ``__cstorch_version__`` (cstorch 2.10's own map)
 VERSION_RELEASES = {0.1: "1.7", 0.2: "1.8", 0.3: "1.9", 0.4: "2.0"}
@@ -82,6 +85,9 @@ def open_checkpoint(path, *, allow_partial: bool = False, allow_external=()) -> 
     Files the checkpoint refers to are read only from its own folder and the ``allow_external`` folders
     (``confine``); the file's version is remembered so that reads fail once it changes (``watch``)."""
     file_path = resolve_checkpoint(path)
+    indexed = _open_indexed(file_path, allow_external)
+    if indexed is not None:
+        return indexed
     f = open_h5(file_path)
     try:
         identity = identity_of_open(file_path, f)
@@ -125,4 +131,29 @@ def open_checkpoint(path, *, allow_partial: bool = False, allow_external=()) -> 
     ckpt = Checkpoint(path=file_path, format_version=version, release=release, success=success, root=result.root,
                       leaves=result.leaves, links=result.links, warnings=result.warnings)
     ckpt._closers.extend([externals.close, store.close])
+    if not allow_external and catalog_index.enabled():
+        from ..options import cache_dir
+
+        catalog_index.save(cache_dir(), os.path.realpath(file_path), identity, ckpt, store)
+    return ckpt
+
+
+def _open_indexed(file_path: Path, allow_external) -> Checkpoint | None:
+    """The checkpoint from its catalog index (``catalog_index``), its HDF5 file opened by the first tensor read;
+    None when there is no index for this version of the file (or indexes are off, or ``allow_external`` is given:
+    a checkpoint that refers to other files is not indexed)."""
+    if allow_external or not catalog_index.enabled():
+        return None
+    from ..options import cache_dir
+
+    real = os.path.realpath(file_path)
+    try:
+        identity = FileIdentity.of_path(real)
+    except OSError:
+        return None  # opening the file says why
+    store = H5Store(file_path, file_path, identity=identity)
+    ckpt = catalog_index.load(cache_dir(), real, identity, file_path, store)
+    if ckpt is None:
+        return None
+    ckpt._closers.append(store.close)
     return ckpt

@@ -1,0 +1,244 @@
+"""The catalog index (``ckptfs.source.catalog_index``): a checkpoint opened again reads its catalog from the index
+— the same catalog, the same bytes in every view — and only for the exact file version and code it was made from."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ckptfs.errors import CheckpointError
+from ckptfs.source import catalog_index, open_checkpoint
+from ckptfs.source import open as open_mod
+from ckptfs.source.catalog import Container, Leaf, OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
+from ckptfs.source.tensors import FullTensor, H5DatasetTensor
+
+FIX = Path(__file__).parent / "fixtures"
+ALL_MDL = sorted(FIX.glob("**/*.mdl"))
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    d = tmp_path / "cache"
+    monkeypatch.setenv("CKPTFS_CACHE_DIR", str(d))
+    monkeypatch.delenv(catalog_index.ENV, raising=False)
+    return d
+
+
+@pytest.fixture
+def hdf5_opens(monkeypatch) -> list:
+    """Every HDF5 open of a checkpoint by ``open_checkpoint`` itself (the catalog read)."""
+    seen: list = []
+    real = open_mod.open_h5
+
+    def spy(path, *a, **k):
+        seen.append(Path(path))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(open_mod, "open_h5", spy)
+    return seen
+
+
+def _leaf_facts(leaf: Leaf) -> tuple:
+    if isinstance(leaf, TensorLeaf):
+        t = leaf.tensor
+        if isinstance(t, H5DatasetTensor):
+            return ("h5", leaf.key, leaf.numpy, t.name, t.key, t.shape, t.dtype.name, t._chunks)
+        if isinstance(t, FullTensor):
+            return ("full", leaf.key, leaf.numpy, t.shape, t.dtype.name, repr(t.fill))
+        return ("tensor", leaf.key, type(t).__name__)
+    if isinstance(leaf, ValueLeaf):
+        return ("value", leaf.key, type(leaf.value).__name__, repr(leaf.value))
+    if isinstance(leaf, OpaqueLeaf):
+        return ("opaque", leaf.key, leaf.data, leaf.reason)
+    if isinstance(leaf, UnreadableLeaf):
+        return ("unreadable", leaf.key, leaf.reason, leaf.shape, leaf.dtype)
+    return (type(leaf).__name__, leaf.key)
+
+
+def _tree_facts(node, ids: dict):
+    if isinstance(node, Leaf):
+        return ("leaf", ids.setdefault(id(node), len(ids)), _leaf_facts(node))
+    assert isinstance(node, Container)
+    return (node.kind, None if node.keys is None else [(type(k).__name__, k) for k in node.keys],
+            sorted((k, repr(v), type(v).__name__) for k, v in node.extra.items()),
+            [_tree_facts(c, ids) for c in node.children])
+
+
+def catalog_facts(ckpt) -> tuple:
+    """Everything a catalog says, leaf sharing (links) included, as plain comparable values."""
+    ids: dict = {}
+    keys = [(k, ids.setdefault(id(v), len(ids)), _leaf_facts(v)) for k, v in ckpt.leaves.items()]
+    return (ckpt.format_version, ckpt.release, ckpt.success, list(ckpt.warnings), dict(ckpt.links), keys,
+            _tree_facts(ckpt.root, ids))
+
+
+@pytest.mark.parametrize("mdl", ALL_MDL, ids=[str(p.relative_to(FIX)) for p in ALL_MDL])
+def test_every_fixture_reopens_from_its_index_with_the_same_catalog(mdl, cache, hdf5_opens):
+    index = catalog_index.index_path(cache, os.path.realpath(mdl))
+    try:
+        with open_checkpoint(mdl) as first:
+            facts = catalog_facts(first)
+    except CheckpointError as e:  # a fixture that must fail keeps failing the same way, read from the file
+        assert not index.exists()
+        hdf5_opens.clear()
+        with pytest.raises(CheckpointError) as again:
+            open_checkpoint(mdl)
+        assert str(again.value) == str(e) and hdf5_opens == [mdl]
+        return
+    hdf5_opens.clear()
+    with open_checkpoint(mdl) as again:
+        assert catalog_facts(again) == facts
+    assert hdf5_opens == ([] if index.exists() else [mdl])
+
+
+def test_plain_catalogs_are_indexed_and_others_are_not(cache):
+    """Every complete format 0.5 fixture is indexed except the two whose tensors live in other files; legacy
+    formats are not (the test above compares both kinds)."""
+    indexed, read = [], []
+    for mdl in ALL_MDL:
+        try:
+            with open_checkpoint(mdl) as ck:
+                v05 = ck.format_version >= 0.5 and ck.success
+        except CheckpointError:
+            v05 = False
+        (indexed if catalog_index.index_path(cache, os.path.realpath(mdl)).exists() else read).append((mdl, v05))
+    assert len(indexed) > 60 and all(v05 for _, v05 in indexed)
+    assert {str(m.relative_to(FIX)) for m, v05 in read if v05} == {"cstorch_edge_cases/external/ext.mdl",
+                                                                   "cstorch_edge_cases/external/from_st.mdl"}
+    assert any(not v05 for _, v05 in read)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "lora_llama", "t5", "cstorch_edge_cases", "tied_and_scalars"])
+def test_a_tree_from_the_index_serves_the_same_bytes(family, cache, monkeypatch):
+    from ckptfs.options import MountOptions
+    from ckptfs.vfs import build_tree
+
+    mdl = next((FIX / family).glob("**/*.mdl"))
+    monkeypatch.setenv(catalog_index.ENV, "0")
+    plain = build_tree(mdl, MountOptions())
+    monkeypatch.delenv(catalog_index.ENV)
+    build_tree(mdl, MountOptions()).close()  # writes the index
+    assert catalog_index.index_path(cache, os.path.realpath(mdl)).exists()
+    indexed = build_tree(mdl, MountOptions())
+    try:
+        paths = plain.file_paths()
+        assert indexed.file_paths() == paths and len(paths) > 3
+        for p in paths:
+            a, b = plain.lookup(p), indexed.lookup(p)
+            assert a.size == b.size, p
+            assert indexed.read(b, 0, b.size) == plain.read(a, 0, a.size), p
+    finally:
+        plain.close()
+        indexed.close()
+
+
+def _copy(tmp_path: Path, family: str = "llama") -> Path:
+    src = next((FIX / family).glob("**/*.mdl"))
+    dst = tmp_path / "ck" / "checkpoint.mdl"
+    dst.parent.mkdir()
+    shutil.copy2(src, dst)
+    for extra in src.parent.glob("*.yaml"):
+        shutil.copy2(extra, dst.parent / extra.name)
+    return dst
+
+
+def test_a_changed_file_is_read_again_and_indexed_again(tmp_path, cache, hdf5_opens):
+    mdl = _copy(tmp_path)
+    open_checkpoint(mdl).close()
+    index = catalog_index.index_path(cache, os.path.realpath(mdl))
+    before = json.loads(index.read_text())["identity"]
+    st = os.stat(mdl)
+    os.utime(mdl, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # same bytes, another version of the file
+    hdf5_opens.clear()
+    open_checkpoint(mdl).close()
+    assert hdf5_opens == [mdl]
+    assert json.loads(index.read_text())["identity"] != before
+    hdf5_opens.clear()
+    open_checkpoint(mdl).close()
+    assert hdf5_opens == []
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "other code", "other path", "bad dtype", "bad leaf number",
+                                    "negative shape"])
+def test_an_index_that_is_not_exactly_right_is_not_used(damage, tmp_path, cache, hdf5_opens):
+    mdl = _copy(tmp_path)
+    with open_checkpoint(mdl) as ck:
+        facts = catalog_facts(ck)
+    index = catalog_index.index_path(cache, os.path.realpath(mdl))
+    text = index.read_text()
+    doc = json.loads(text)
+    h5 = next(r for r in doc["catalog"]["leaves"] if r["t"] == "h5")
+    if damage == "garbage":
+        index.write_bytes(b"\x00not json")
+    elif damage == "truncated":
+        index.write_text(text[: len(text) // 2])
+    else:
+        if damage == "other code":
+            doc["code"] = "0" * 32
+        elif damage == "other path":
+            doc["path"] = str(tmp_path / "elsewhere.mdl")
+        elif damage == "bad dtype":
+            h5["dtype"] = "float128x"
+        elif damage == "bad leaf number":
+            doc["catalog"]["keys"][0][1] = len(doc["catalog"]["leaves"])
+        elif damage == "negative shape":
+            h5["shape"] = [-1, 4]
+        index.write_text(json.dumps(doc))
+    hdf5_opens.clear()
+    with open_checkpoint(mdl) as ck:
+        assert catalog_facts(ck) == facts
+    assert hdf5_opens == [mdl]  # read from the file, and indexed again
+    assert json.loads(index.read_text()) == json.loads(text)
+
+
+def test_a_file_changed_after_the_index_was_read_fails_its_reads(tmp_path, cache):
+    """The index is checked against the file when opened; the file is opened by the first tensor read, which checks
+    the version again (as every read of a mounted checkpoint does): never bytes of another version."""
+    from ckptfs.errors import TensorReadError
+
+    mdl = _copy(tmp_path)
+    open_checkpoint(mdl).close()
+    with open_checkpoint(mdl) as ck:
+        t = next(leaf.tensor for leaf in ck.tensors().values() if isinstance(leaf.tensor, H5DatasetTensor))
+        data = mdl.read_bytes()
+        os.unlink(mdl)
+        mdl.write_bytes(data)  # the same bytes in another file
+        with pytest.raises(TensorReadError, match="changed|replaced"):
+            t.read_bytes(0, t.nbytes)
+
+
+def test_no_index_with_allow_external_or_when_turned_off(tmp_path, cache, monkeypatch, hdf5_opens):
+    mdl = _copy(tmp_path)
+    open_checkpoint(mdl, allow_external=[tmp_path]).close()
+    index = catalog_index.index_path(cache, os.path.realpath(mdl))
+    assert not index.exists()
+    monkeypatch.setenv(catalog_index.ENV, "0")
+    open_checkpoint(mdl).close()
+    assert not index.exists()
+    monkeypatch.delenv(catalog_index.ENV)
+    open_checkpoint(mdl).close()
+    assert index.exists()
+    hdf5_opens.clear()
+    open_checkpoint(mdl, allow_external=[tmp_path]).close()  # refers elsewhere maybe: read, confined, every time
+    assert hdf5_opens == [mdl]
+
+
+def test_an_unwritable_cache_directory_only_costs_the_index(tmp_path, monkeypatch, hdf5_opens):
+    mdl = _copy(tmp_path)
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("CKPTFS_CACHE_DIR", str(blocker))
+    for _ in range(2):
+        with open_checkpoint(mdl) as ck:
+            assert ck.tensors()
+    assert hdf5_opens == [mdl, mdl]
+
+
+def test_indexes_are_private_to_the_user(tmp_path, cache):
+    mdl = _copy(tmp_path)
+    open_checkpoint(mdl).close()
+    index = catalog_index.index_path(cache, os.path.realpath(mdl))
+    assert index.stat().st_mode & 0o077 == 0 and index.parent.stat().st_mode & 0o077 == 0
