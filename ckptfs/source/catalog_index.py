@@ -9,10 +9,12 @@ still the version the index was made from, as every read does).
 An index is used only for exactly the file it was made from — its real path and identity (device, inode, size,
 mtime, ctime) — and for this index format and this version of the code that reads catalogs (a digest of
 ``ckptfs/source``); anything else in it, or anything that does not parse as an index, makes ``load`` return None
-(the file is read as usual and the index written again). Only plain catalogs are indexed: format 0.5 files whose
-leaves are datasets of the file itself, constants, values, opaque bytes or unreadable leaves (a file that refers
-to other files is read each time, so that those files are looked up and confined each time). Indexes are written
-atomically, private to the user, and at most ``MAX_INDEX_BYTES`` each; the index is JSON, never a pickle.
+(the file is read as usual and the index written again). Only plain catalogs are indexed: complete format 0.5
+files whose leaves are all datasets of the file itself, constants, values or opaque bytes. A file that refers to
+other files is read each time, so that those files are looked up and confined each time; so is a file with an
+unreadable leaf (which may be a reference to a file that is missing or refused now and there later). Indexes are written
+atomically, private to the user, at most ``MAX_INDEX_BYTES`` each and ``MAX_INDEXES`` / ``MAX_TOTAL_BYTES`` in all
+(the least recently written go first); an index is JSON, never a pickle.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 from .. import dtypes
-from .catalog import Checkpoint, Container, Leaf, OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
+from .catalog import Checkpoint, Container, Leaf, OpaqueLeaf, TensorLeaf, ValueLeaf
 from .tensors import FullTensor, H5DatasetTensor
 from .validate import shape_problem
 from .watch import FileIdentity
@@ -34,6 +36,9 @@ from .watch import FileIdentity
 INDEX_FORMAT = 1
 #: largest index written (a 100,000-key catalog is ~25 MB)
 MAX_INDEX_BYTES = 256 << 20
+#: indexes kept at most, in count and in bytes: writing one removes the least recently written beyond either
+MAX_INDEXES = 256
+MAX_TOTAL_BYTES = 1 << 30
 #: ``$CKPTFS_CATALOG_INDEX=0`` turns the index off (read every catalog from the file)
 ENV = "CKPTFS_CATALOG_INDEX"
 
@@ -94,9 +99,7 @@ def _leaf_record(leaf: Leaf, store) -> dict:
     if type(leaf) is OpaqueLeaf:
         return {"t": "opaque", "key": leaf.key, "data": base64.b64encode(leaf.data).decode("ascii"),
                 "reason": leaf.reason}
-    if type(leaf) is UnreadableLeaf:
-        return {"t": "unreadable", "key": leaf.key, "reason": leaf.reason,
-                "shape": None if leaf.shape is None else list(leaf.shape), "dtype": leaf.dtype}
+    # an unreadable leaf may be one that refers to another file, missing or refused now and there later
     raise _NotIndexable(type(leaf).__name__)
 
 
@@ -170,7 +173,28 @@ def save(cache: Path, real: str, identity: FileIdentity, ckpt: Checkpoint, store
             raise
     except OSError:
         return False
+    _prune(target.parent, keep=target)
     return True
+
+
+def _prune(folder: Path, keep: Path) -> None:
+    """Remove the least recently written indexes beyond ``MAX_INDEXES`` or ``MAX_TOTAL_BYTES`` (never ``keep``)."""
+    try:
+        found = []
+        for p in folder.glob("*.json"):
+            try:
+                st = p.stat()
+            except OSError:
+                continue
+            found.append((st.st_mtime_ns, st.st_size, p))
+        found.sort(reverse=True)  # newest first
+        count = total = 0
+        for _, size, p in found:
+            count, total = count + 1, total + size
+            if p != keep and (count > MAX_INDEXES or total > MAX_TOTAL_BYTES):
+                p.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 # ---- reading ----------------------------------------------------------------------------------------------------
@@ -229,11 +253,6 @@ def _leaf(rec, store) -> Leaf:
         except ValueError:
             raise _Bad("opaque data") from None
         return OpaqueLeaf(key, data, _str(rec.get("reason"), "reason"))
-    if kind == "unreadable":
-        shape, dt = rec.get("shape"), rec.get("dtype")
-        return UnreadableLeaf(key, _str(rec.get("reason"), "reason"),
-                              None if shape is None else _int_list(shape, "shape"),
-                              None if dt is None else _str(dt, "dtype"))
     raise _Bad(f"leaf kind {kind!r}")
 
 
