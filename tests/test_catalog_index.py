@@ -164,49 +164,63 @@ def test_a_changed_file_is_read_again_and_indexed_again(tmp_path, cache, hdf5_op
     mdl = _copy(tmp_path)
     open_checkpoint(mdl).close()
     index = catalog_index.index_path(cache, os.path.realpath(mdl))
-    before = json.loads(index.read_text())["identity"]
+    before = _lines(index)[0]["identity"]
     st = os.stat(mdl)
     os.utime(mdl, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # same bytes, another version of the file
     hdf5_opens.clear()
     open_checkpoint(mdl).close()
     assert hdf5_opens == [mdl]
-    assert json.loads(index.read_text())["identity"] != before
+    assert _lines(index)[0]["identity"] != before
     hdf5_opens.clear()
     open_checkpoint(mdl).close()
     assert hdf5_opens == []
 
 
-@pytest.mark.parametrize("damage", ["garbage", "truncated", "other code", "other path", "bad dtype", "bad leaf number",
-                                    "negative shape"])
+def _lines(index: Path) -> list:
+    return [json.loads(x) for x in index.read_bytes().splitlines()]
+
+
+def _write_lines(index: Path, values: list) -> None:
+    index.write_bytes(b"".join(json.dumps(v).encode() + b"\n" for v in values))
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "cut before the root", "other code", "other path",
+                                    "bad dtype", "bad leaf number", "negative shape", "line after the root"])
 def test_an_index_that_is_not_exactly_right_is_not_used(damage, tmp_path, cache, hdf5_opens):
     mdl = _copy(tmp_path)
     with open_checkpoint(mdl) as ck:
         facts = catalog_facts(ck)
     index = catalog_index.index_path(cache, os.path.realpath(mdl))
-    text = index.read_text()
-    doc = json.loads(text)
-    h5 = next(r for r in doc["catalog"]["leaves"] if r["t"] == "h5")
+    raw = index.read_bytes()
+    lines = _lines(index)
+    head = lines[0]
+    h5 = next(rec[1] for rec in lines[1:] if rec[0] == "leaf" and rec[1]["t"] == "h5")
+    key = next(rec for rec in lines[1:] if rec[0] == "key")
     if damage == "garbage":
         index.write_bytes(b"\x00not json")
     elif damage == "truncated":
-        index.write_text(text[: len(text) // 2])
+        index.write_bytes(raw[: len(raw) // 2])
     else:
-        if damage == "other code":
-            doc["code"] = "0" * 32
+        if damage == "cut before the root":
+            lines = lines[:-1]
+        elif damage == "other code":
+            head["code"] = "0" * 32
         elif damage == "other path":
-            doc["path"] = str(tmp_path / "elsewhere.mdl")
+            head["path"] = str(tmp_path / "elsewhere.mdl")
         elif damage == "bad dtype":
             h5["dtype"] = "float128x"
         elif damage == "bad leaf number":
-            doc["catalog"]["keys"][0][1] = len(doc["catalog"]["leaves"])
+            key[2] = 10**6
         elif damage == "negative shape":
             h5["shape"] = [-1, 4]
-        index.write_text(json.dumps(doc))
+        elif damage == "line after the root":
+            lines.append(["key", "extra", 0])
+        _write_lines(index, lines)
     hdf5_opens.clear()
     with open_checkpoint(mdl) as ck:
         assert catalog_facts(ck) == facts
     assert hdf5_opens == [mdl]  # read from the file, and indexed again
-    assert json.loads(index.read_text()) == json.loads(text)
+    assert index.read_bytes() == raw
 
 
 def test_a_file_changed_after_the_index_was_read_fails_its_reads(tmp_path, cache):

@@ -12,14 +12,18 @@ mtime, ctime) — and for this index format and this version of the code that re
 (the file is read as usual and the index written again). Only plain catalogs are indexed: complete format 0.5
 files whose leaves are all datasets of the file itself, constants, values or opaque bytes. A file that refers to
 other files is read each time, so that those files are looked up and confined each time; so is a file with an
-unreadable leaf (which may be a reference to a file that is missing or refused now and there later). Indexes are written
-atomically, private to the user, at most ``MAX_INDEX_BYTES`` each and ``MAX_INDEXES`` / ``MAX_TOTAL_BYTES`` in all
-(the least recently written go first); an index is JSON, never a pickle.
+unreadable leaf (which may be a reference to a file that is missing or refused now and there later).
+
+An index is JSON lines, never a pickle: a header (format, code digest, path, file identity, the catalog's own
+facts), then one line per leaf and per key, then the nesting — written and read one line at a time, so that a
+100,000-key catalog is not held twice in memory. Indexes are written atomically, private to the user, at most
+``MAX_INDEX_BYTES`` each and ``MAX_INDEXES`` / ``MAX_TOTAL_BYTES`` in all (the least recently written go first).
 """
 from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -85,7 +89,7 @@ def _identity_dict(ident: FileIdentity) -> dict:
 
 
 def _value_ok(v) -> bool:
-    return v is None or type(v) in (bool, int, str) or (type(v) is float)
+    return v is None or type(v) in (bool, int, float, str)
 
 
 def _leaf_record(leaf: Leaf, store) -> dict:
@@ -134,51 +138,55 @@ def _extra_record(extra: dict) -> dict:
     return out
 
 
-def encode(ckpt: Checkpoint, store) -> dict:
-    """The catalog as an index's JSON-able body; ``_NotIndexable`` for a catalog an index does not keep."""
+def records(ckpt: Checkpoint, store):
+    """The index's lines after its header, as JSON-able values, one at a time (a 100,000-key catalog is never held
+    twice in memory): a ``["leaf", record]`` per distinct leaf, a ``["key", key, leaf number]`` per key, then
+    ``["root", tree]``; ``_NotIndexable`` for a catalog an index does not keep."""
     if ckpt.format_version < 0.5 or ckpt.success is not True:
         raise _NotIndexable("not a complete format 0.5 file")
-    leaves, ids, keys = [], {}, []
+    ids: dict = {}
     for key, leaf in ckpt.leaves.items():
         i = ids.get(id(leaf))
         if i is None:
-            i = ids[id(leaf)] = len(leaves)
-            leaves.append(_leaf_record(leaf, store))
-        keys.append([key, i])
-    return {"format_version": ckpt.format_version, "release": ckpt.release, "warnings": list(ckpt.warnings),
-            "links": ckpt.links, "leaves": leaves, "keys": keys, "root": _node_record(ckpt.root, ids)}
+            i = ids[id(leaf)] = len(ids)
+            yield ["leaf", _leaf_record(leaf, store)]
+        yield ["key", key, i]
+    yield ["root", _node_record(ckpt.root, ids)]
+
+
+def _header(real: str, identity: FileIdentity, ckpt: Checkpoint) -> dict:
+    return {"index_format": INDEX_FORMAT, "code": code_digest(), "path": real, "identity": _identity_dict(identity),
+            "format_version": ckpt.format_version, "release": ckpt.release, "warnings": list(ckpt.warnings),
+            "links": ckpt.links}
 
 
 def save(cache: Path, real: str, identity: FileIdentity, ckpt: Checkpoint, store) -> bool:
-    """Write the index of ``ckpt`` (read from the file at real path ``real``, version ``identity``); False when the
-    catalog is not indexable, too large, or the cache directory cannot be written (an index is an optimisation)."""
+    """Write the index of ``ckpt`` (read from the file at real path ``real``, version ``identity``): one JSON value
+    per line, the header first. False when the catalog is not indexable, the index would exceed ``MAX_INDEX_BYTES``,
+    or the cache directory cannot be written (an index is an optimisation)."""
     if not code_digest():
-        return False
-    try:
-        body = encode(ckpt, store)
-        text = json.dumps({"index_format": INDEX_FORMAT, "code": code_digest(), "path": real,
-                           "identity": _identity_dict(identity), "catalog": body},
-                          separators=(",", ":"), allow_nan=True)
-    except (_NotIndexable, TypeError, ValueError, OSError, RecursionError):
-        return False
-    data = text.encode("utf-8", "surrogatepass")
-    if len(data) > MAX_INDEX_BYTES:
         return False
     target = index_path(cache, real)
     try:
         target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".index-", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, target)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
     except OSError:
+        return False
+    try:
+        with os.fdopen(fd, "wb") as f:
+            written = 0
+            for value in itertools.chain([_header(real, identity, ckpt)], records(ckpt, store)):
+                line = json.dumps(value, separators=(",", ":"), allow_nan=True).encode("utf-8", "surrogatepass")
+                written += len(line) + 1
+                if written > MAX_INDEX_BYTES:
+                    raise _NotIndexable("too large")
+                f.write(line + b"\n")
+        os.replace(tmp, target)
+    except (_NotIndexable, TypeError, ValueError, OSError, RecursionError):
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
         return False
     _prune(target.parent, keep=target)
     return True
@@ -286,11 +294,12 @@ def _node(rec, leaves: list, depth: int = 0):
     return Container(rec["c"], keys, [_node(c, leaves, depth + 1) for c in rec["ch"]], extra)
 
 
-def decode(body: dict, path: Path, store) -> Checkpoint:
-    """The ``Checkpoint`` an index's body describes (``_Bad`` if it is not one); tensors read through ``store``."""
-    if type(body) is not dict:
-        raise _Bad("catalog")
-    fv, release, warnings, links = body.get("format_version"), body.get("release"), body.get("warnings"), body.get("links")
+def _check_header(doc, real: str, identity: FileIdentity) -> dict:
+    """The header line, if the index is this index format and code, for this path and file version (else ``_Bad``)."""
+    if (type(doc) is not dict or doc.get("index_format") != INDEX_FORMAT or doc.get("code") != code_digest()
+            or doc.get("path") != real or doc.get("identity") != _identity_dict(identity)):
+        raise _Bad("another file, version or code")
+    fv, release, warnings, links = doc.get("format_version"), doc.get("release"), doc.get("warnings"), doc.get("links")
     if type(fv) not in (int, float) or not math.isfinite(fv) or fv < 0.5:
         raise _Bad("format version")
     if release is not None:
@@ -299,19 +308,38 @@ def decode(body: dict, path: Path, store) -> Checkpoint:
         raise _Bad("warnings")
     if type(links) is not dict or any(type(v) is not str for v in links.values()):
         raise _Bad("links")
-    recs, keys = body.get("leaves"), body.get("keys")
-    if type(recs) is not list or type(keys) is not list:
-        raise _Bad("leaves")
-    made = [_leaf(r, store) for r in recs]
+    return doc
+
+
+def decode(lines, real: str, identity: FileIdentity, path: Path, store) -> Checkpoint:
+    """The ``Checkpoint`` an index's lines describe (``_Bad`` if they do not, or describe another file or version);
+    tensors read through ``store``."""
+    it = iter(lines)
+    head = _check_header(json.loads(next(it, b"null")), real, identity)
+    made: list = []
     leaves: dict = {}
-    for item in keys:
-        if type(item) is not list or len(item) != 2 or type(item[0]) is not str or type(item[1]) is not int \
-                or not 0 <= item[1] < len(made) or item[0] in leaves:
-            raise _Bad("keys")
-        leaves[item[0]] = made[item[1]]
-    root = _node(body.get("root"), made)
-    return Checkpoint(path=path, format_version=float(fv), release=release, success=True, root=root, leaves=leaves,
-                      links=dict(links), warnings=list(warnings))
+    root = None
+    for line in it:
+        if root is not None:
+            raise _Bad("lines after the root")
+        rec = json.loads(line)
+        if type(rec) is not list or not rec:
+            raise _Bad("line")
+        if rec[0] == "leaf" and len(rec) == 2:
+            made.append(_leaf(rec[1], store))
+        elif rec[0] == "key" and len(rec) == 3:
+            key, i = rec[1], rec[2]
+            if type(key) is not str or type(i) is not int or not 0 <= i < len(made) or key in leaves:
+                raise _Bad("key")
+            leaves[key] = made[i]
+        elif rec[0] == "root" and len(rec) == 2:
+            root = _node(rec[1], made)
+        else:
+            raise _Bad("line")
+    if root is None:
+        raise _Bad("no root: the index is cut short")
+    return Checkpoint(path=path, format_version=float(head["format_version"]), release=head["release"], success=True,
+                      root=root, leaves=leaves, links=dict(head["links"]), warnings=list(head["warnings"]))
 
 
 def load(cache: Path, real: str, identity: FileIdentity, path: Path, store) -> Checkpoint | None:
@@ -321,15 +349,9 @@ def load(cache: Path, real: str, identity: FileIdentity, path: Path, store) -> C
         return None
     p = index_path(cache, real)
     try:
-        if p.stat().st_size > MAX_INDEX_BYTES:
-            return None
-        doc = json.loads(p.read_bytes())
-    except (OSError, ValueError, RecursionError):
-        return None
-    try:
-        if (type(doc) is not dict or doc.get("index_format") != INDEX_FORMAT or doc.get("code") != code_digest()
-                or doc.get("path") != real or doc.get("identity") != _identity_dict(identity)):
-            return None
-        return decode(doc.get("catalog"), path, store)
-    except (_Bad, KeyError, TypeError, ValueError, RecursionError):
+        with open(p, "rb") as f:
+            if os.fstat(f.fileno()).st_size > MAX_INDEX_BYTES:
+                return None
+            return decode(f, real, identity, path, store)
+    except (OSError, _Bad, KeyError, TypeError, ValueError, RecursionError):
         return None
