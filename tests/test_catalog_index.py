@@ -285,3 +285,15 @@ def test_the_indexes_kept_are_bounded_newest_first(tmp_path, cache, monkeypatch)
         made.append(catalog_index.index_path(cache, os.path.realpath(d / "checkpoint.mdl")))
         os.utime(made[-1], ns=(i * 10**9, i * 10**9))  # written in this order
     assert [p.exists() for p in made] == [False, False, True, True]
+
+
+def test_a_writer_killed_mid_way_leaves_nothing_for_long(tmp_path, cache):
+    mdl = _copy(tmp_path)
+    folder = cache / "catalogs"
+    folder.mkdir(parents=True)
+    old, new = folder / ".index-old.tmp", folder / ".index-new.tmp"
+    for p in (old, new):
+        p.write_text("half an index")
+    os.utime(old, (0, 0))
+    open_checkpoint(mdl).close()
+    assert not old.exists() and new.exists()  # another writer may still be writing the new one

@@ -28,6 +28,7 @@ import json
 import math
 import os
 import tempfile
+import time
 from pathlib import Path
 
 from .. import dtypes
@@ -193,8 +194,16 @@ def save(cache: Path, real: str, identity: FileIdentity, ckpt: Checkpoint, store
 
 
 def _prune(folder: Path, keep: Path) -> None:
-    """Remove the least recently written indexes beyond ``MAX_INDEXES`` or ``MAX_TOTAL_BYTES`` (never ``keep``)."""
+    """Remove the least recently written indexes beyond ``MAX_INDEXES`` or ``MAX_TOTAL_BYTES`` (never ``keep``), and
+    temporary files a writer killed mid-way left behind (older than a day)."""
     try:
+        stale = time.time() - 86400
+        for p in folder.glob(".index-*.tmp"):
+            try:
+                if p.stat().st_mtime < stale:
+                    p.unlink()
+            except OSError:
+                continue
         found = []
         for p in folder.glob("*.json"):
             try:
