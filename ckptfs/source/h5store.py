@@ -179,9 +179,9 @@ class H5Store:
 
     The checkpoint's own store is created with the already-open file (for a catalog from its index, it opens the
     file on the first read, as an external store does) and reports a missing/unreadable/refused target as
-    ``TensorReadError`` naming the checkpoint. ``identity`` is the version of the file the tensors were planned from (None: not known yet,
-    taken when the file is first opened); ``verify`` raises ``SourceChangedError`` once the file at ``path`` is
-    another version. ``close`` is registered in ``Checkpoint._closers``.
+    ``TensorReadError`` naming the checkpoint. ``identity`` is the version of the file the tensors were planned
+    from (None: not known yet, taken when the file is first opened); ``verify`` raises ``SourceChangedError`` once
+    the file at ``path`` is another version. ``close`` is registered in ``Checkpoint._closers``.
 
     The tensors that keep a dataset of the file open (``H5DatasetTensor``) report each read (``used``): past
     ``MAX_OPEN_DATASETS``, the least recently read one closes its dataset (``close_dataset``) and opens it again

@@ -2,7 +2,8 @@
 
 Opens the HDF5 file once (kept open for the tensors' lazy reads, closed by ``Checkpoint.close``),
 tells the format version apart, refuses partial files unless asked to salvage them, and works out
-the release that wrote the file. No tensor data is read here.
+the release that wrote the file. No tensor data is read here. A file opened before in the same version reads its
+catalog from the index that open wrote (``catalog_index``), and the HDF5 file opens on the first tensor read.
 """
 from __future__ import annotations
 
