@@ -40,7 +40,8 @@ CACHE_DIR_ENV = "CKPTFS_CACHE_DIR"
 
 
 def cache_dir() -> Path:
-    """Where ckptfs keeps state between runs (persisted zip CRCs under ``crc/``, server logs under ``logs/``):
+    """Where ckptfs keeps state between runs (persisted zip CRCs under ``crc/``, server logs under ``logs/``, catalog
+    indexes under ``catalogs/``):
     ``$CKPTFS_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/ckptfs`` (default ``~/.cache/ckptfs``)."""
     env = os.environ.get(CACHE_DIR_ENV)
     if env:
