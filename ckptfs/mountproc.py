@@ -6,12 +6,12 @@ server, ``ckptfs mount … --foreground --status-fd N`` with its output going to
 mount answers (``os.path.ismount`` and a ``stat`` of README.txt). The server is a fork of the calling process when
 that has a single thread (the ``ckptfs mount`` command: no second interpreter to start, no import made twice; the
 CLI imports nothing that building the tree needs, so the server starts as early as it can), else a fresh
-``python -m ckptfs`` process: a fork copies no other thread, and a lock another thread held would stay held. The checkpoint is opened
-once, by the server: if it fails before serving (a bad checkpoint, missing params, an unusable run directory…), it
-writes its one-line error to the status pipe (fd ``N``) and exits, and ``mount`` raises that same error (the line a
-foreground mount prints, plus where the log is). A server that exits without a word fails with its log's last
-line. (The server itself forks once, while it is still single-threaded, to build the cs view's HDF5 skeleton on
-the other CPU: ``ckptfs.layouts.hdf5.Hdf5Layout.fork_build``.)
+``python -m ckptfs`` process: a fork copies no other thread, and a lock another thread held would stay held. The
+checkpoint is opened once, by the server: if it fails before serving (a bad checkpoint, missing params, an unusable
+run directory…), it writes its one-line error to the status pipe (fd ``N``) and exits, and ``mount`` raises that
+same error (the line a foreground mount prints, plus where the log is). A server that exits without a word fails
+with its log's last line. (The server itself forks once, while it is still single-threaded, to build the cs view's
+HDF5 skeleton on the other CPU: ``ckptfs.layouts.hdf5.Hdf5Layout.fork_build``.)
 """
 from __future__ import annotations
 

@@ -157,6 +157,20 @@ def is_mounted(mnt) -> bool:
         return any(line.split()[1] == target for line in f if len(line.split()) > 1)
 
 
+def process_gone(pid: int, timeout: float = 20) -> bool:
+    """Wait until process ``pid`` (not necessarily our child) has exited (a zombie waiting to be reaped counts)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def force_unmount(mnt) -> None:
     for args in (["-u"], ["-u", "-z"]):
         if not is_mounted(mnt):

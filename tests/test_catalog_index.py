@@ -14,6 +14,7 @@ from ckptfs.source import catalog_index, open_checkpoint
 from ckptfs.source import open as open_mod
 from ckptfs.source.catalog import Container, Leaf, OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
 from ckptfs.source.tensors import FullTensor, H5DatasetTensor
+from fusehelp import fake_env, mounted_server, needs_fuse
 
 FIX = Path(__file__).parent / "fixtures"
 ALL_MDL = sorted(FIX.glob("**/*.mdl"))
@@ -115,7 +116,8 @@ def test_plain_catalogs_are_indexed_and_others_are_not(cache):
                 if _plain(ck, mdl):
                     plain.add(mdl)
                 else:
-                    why_not.append((ck.format_version >= 0.5, any(isinstance(v, UnreadableLeaf) for v in ck.leaves.values())))
+                    unreadable = any(isinstance(v, UnreadableLeaf) for v in ck.leaves.values())
+                    why_not.append((ck.format_version >= 0.5, unreadable))
         except CheckpointError:
             continue
         if catalog_index.index_path(cache, os.path.realpath(mdl)).exists():
@@ -297,3 +299,37 @@ def test_a_writer_killed_mid_way_leaves_nothing_for_long(tmp_path, cache):
     os.utime(old, (0, 0))
     open_checkpoint(mdl).close()
     assert not old.exists() and new.exists()  # another writer may still be writing the new one
+
+
+def _open_fds_on(pid: int, path: Path) -> int:
+    real = os.path.realpath(path)
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            n += os.readlink(f"/proc/{pid}/fd/{fd}") == real
+        except OSError:
+            continue
+    return n
+
+
+@needs_fuse
+def test_mounting_again_serves_the_same_files_from_the_index(tmp_path):
+    """As a user would: ``ckptfs mount`` a checkpoint, unmount, mount it again. The second server builds its tree
+    from the index without opening the checkpoint (it opens it for the first tensor read) and serves every file
+    byte for byte as the first did."""
+    mdl = _copy(tmp_path)
+    env = {k: v for k, v in fake_env(CKPTFS_CACHE_DIR=str(tmp_path / "cache")).items() if k != "CKPTFS_TEST_TREE"}
+
+    def everything(mnt: Path) -> dict:
+        return {str(p.relative_to(mnt)): p.read_bytes() for p in sorted(mnt.rglob("*")) if p.is_file()}
+
+    with mounted_server(mdl, env=env) as srv:
+        first = everything(srv.mnt)
+    assert catalog_index.index_path(tmp_path / "cache", os.path.realpath(mdl)).exists()
+    with mounted_server(mdl, env=env) as srv:
+        assert (srv.mnt / "README.txt").read_bytes() == first["README.txt"]
+        assert (srv.mnt / "config.json").read_bytes() == first["config.json"]
+        assert _open_fds_on(srv.proc.pid, mdl) == 0  # the tree came from the index
+        again = everything(srv.mnt)
+        assert _open_fds_on(srv.proc.pid, mdl) >= 1  # tensor reads opened the file
+    assert again == first and any(k.endswith(".safetensors") for k in first) and len(first) > 10

@@ -7,13 +7,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from fusehelp import (ckptfs, fake_env, force_unmount, is_mounted, mounted_server, needs_fuse, reap, start_server,
-                      wait_mounted)
+from fusehelp import (ckptfs, fake_env, force_unmount, is_mounted, mounted_server, needs_fuse, process_gone, reap,
+                      start_server, wait_mounted)
 
 pytestmark = [needs_fuse, pytest.mark.timeout(300)]
 
@@ -31,20 +30,6 @@ def mnt(tmp_path):
     d.mkdir()
     yield d
     force_unmount(d)
-
-
-def _gone(pid: int, timeout: float = 20) -> bool:
-    """Wait until process ``pid`` (not necessarily our child) has exited."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                    return True
-        except FileNotFoundError:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_umount_command_unmounts_and_the_server_exits_cleanly(ckpt):
@@ -123,7 +108,7 @@ def test_background_mount_returns_when_ready_and_logs_to_the_cache_dir(ckpt, mnt
         assert log_path.parent == cache / "logs" and log_path.exists()
         assert is_mounted(mnt) and (mnt / "config.json").read_bytes()
         assert ckptfs("umount", mnt).returncode == 0
-        assert _gone(pid)
+        assert process_gone(pid)
         assert not is_mounted(mnt)
         assert "mounting" in log_path.read_text()
     finally:

@@ -12,7 +12,7 @@ import pytest
 
 from ckptfs.errors import CheckpointError, ConfigError, CkptfsError
 from ckptfs.mountproc import MountError, encode_status_error, relayed_error
-from fusehelp import ckptfs, fake_env, force_unmount, is_mounted, needs_fuse
+from fusehelp import ckptfs, fake_env, force_unmount, is_mounted, needs_fuse, process_gone
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -141,21 +141,6 @@ def _server_cmdline(pid: int) -> list:
     return [a.decode() for a in open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0") if a]
 
 
-def _wait_gone(pid: int, seconds: float = 15) -> bool:
-    import time
-
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            return True
-        if state == "Z":  # exited, waiting for init to reap it
-            return True
-        time.sleep(0.05)
-    return False
-
-
 @needs_fuse
 def test_ckptfs_mount_forks_its_server_instead_of_starting_another_interpreter(tmp_path):
     """``ckptfs mount`` runs one thread when it starts the server, so the server is a fork of it: its command line
@@ -176,7 +161,7 @@ def test_ckptfs_mount_forks_its_server_instead_of_starting_another_interpreter(t
         assert os.getsid(pid) == pid  # its own session: a Ctrl-C meant for the shell does not reach it
         assert (mnt / "README.txt").read_bytes()
         assert ckptfs("umount", mnt).returncode == 0
-        assert _wait_gone(pid) and not is_mounted(mnt)
+        assert process_gone(pid) and not is_mounted(mnt)
     finally:
         force_unmount(mnt)
 
@@ -204,6 +189,6 @@ def test_a_process_running_threads_starts_a_new_interpreter_for_the_server(tmp_p
         assert argv[1:4] == ["-m", "ckptfs", "mount"] and "--foreground" in argv, argv
         assert (mnt / "README.txt").read_bytes()
         assert ckptfs("umount", mnt).returncode == 0
-        assert _wait_gone(pid)
+        assert process_gone(pid)
     finally:
         force_unmount(mnt)

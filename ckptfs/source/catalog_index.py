@@ -142,9 +142,7 @@ def _extra_record(extra: dict) -> dict:
 def records(ckpt: Checkpoint, store):
     """The index's lines after its header, as JSON-able values, one at a time (a 100,000-key catalog is never held
     twice in memory): a ``["leaf", record]`` per distinct leaf, a ``["key", key, leaf number]`` per key, then
-    ``["root", tree]``; ``_NotIndexable`` for a catalog an index does not keep."""
-    if ckpt.format_version < 0.5 or ckpt.success is not True:
-        raise _NotIndexable("not a complete format 0.5 file")
+    ``["root", tree]``; ``_NotIndexable`` for a leaf or container an index does not keep (``plain_file`` first)."""
     ids: dict = {}
     for key, leaf in ckpt.leaves.items():
         i = ids.get(id(leaf))
@@ -153,6 +151,11 @@ def records(ckpt: Checkpoint, store):
             yield ["leaf", _leaf_record(leaf, store)]
         yield ["key", key, i]
     yield ["root", _node_record(ckpt.root, ids)]
+
+
+def plain_file(ckpt: Checkpoint) -> bool:
+    """Whether the file can be indexed at all (a complete format 0.5 file), before any leaf is looked at."""
+    return ckpt.format_version >= 0.5 and ckpt.success is True
 
 
 def _header(real: str, identity: FileIdentity, ckpt: Checkpoint) -> dict:
@@ -165,8 +168,8 @@ def save(cache: Path, real: str, identity: FileIdentity, ckpt: Checkpoint, store
     """Write the index of ``ckpt`` (read from the file at real path ``real``, version ``identity``): one JSON value
     per line, the header first. False when the catalog is not indexable, the index would exceed ``MAX_INDEX_BYTES``,
     or the cache directory cannot be written (an index is an optimisation)."""
-    if not code_digest():
-        return False
+    if not code_digest() or not plain_file(ckpt):
+        return False  # nothing written: a legacy or partial file costs no I/O here
     target = index_path(cache, real)
     try:
         target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)

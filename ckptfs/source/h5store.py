@@ -223,9 +223,8 @@ class H5Store:
                 except RefusedReference as e:
                     raise TensorReadError(self.checkpoint_path, f"{what}: external reference refused: {e.problem}") from None
                 except CheckpointError as e:
-                    if own:
-                        raise TensorReadError(self.checkpoint_path, f"{what}: cannot open the checkpoint ({e.problem})") from None
-                    raise TensorReadError(self.checkpoint_path, f"{what}: external file {e}") from None
+                    where = f"cannot open the checkpoint ({e.problem})" if own else f"external file {e}"
+                    raise TensorReadError(self.checkpoint_path, f"{what}: {where}") from None
                 opened = identity_of_open(self.path, f)
                 if self.identity is None:
                     self.identity = opened

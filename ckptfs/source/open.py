@@ -132,28 +132,35 @@ def open_checkpoint(path, *, allow_partial: bool = False, allow_external=()) -> 
     ckpt = Checkpoint(path=file_path, format_version=version, release=release, success=success, root=result.root,
                       leaves=result.leaves, links=result.links, warnings=result.warnings)
     ckpt._closers.extend([externals.close, store.close])
-    if not allow_external and catalog_index.enabled():
-        from ..options import cache_dir
-
-        catalog_index.save(cache_dir(), os.path.realpath(file_path), identity, ckpt, store)
+    folder = _index_folder(allow_external)
+    if folder is not None:
+        catalog_index.save(folder, os.path.realpath(file_path), identity, ckpt, store)
     return ckpt
 
 
-def _open_indexed(file_path: Path, allow_external) -> Checkpoint | None:
-    """The checkpoint from its catalog index (``catalog_index``), its HDF5 file opened by the first tensor read;
-    None when there is no index for this version of the file (or indexes are off, or ``allow_external`` is given:
-    a checkpoint that refers to other files is not indexed)."""
+def _index_folder(allow_external) -> Path | None:
+    """The cache directory the catalog index lives in, or None when it is not used: indexes turned off, or
+    ``allow_external`` given (a checkpoint that refers to other files is read, and confined, every time)."""
     if allow_external or not catalog_index.enabled():
         return None
     from ..options import cache_dir
 
+    return cache_dir()
+
+
+def _open_indexed(file_path: Path, allow_external) -> Checkpoint | None:
+    """The checkpoint from its catalog index (``catalog_index``), its HDF5 file opened by the first tensor read;
+    None when there is no index for this version of the file, or the index is not used (``_index_folder``)."""
+    folder = _index_folder(allow_external)
+    if folder is None:
+        return None
     real = os.path.realpath(file_path)
     try:
         identity = FileIdentity.of_path(real)
     except OSError:
         return None  # opening the file says why
     store = H5Store(file_path, file_path, identity=identity)
-    ckpt = catalog_index.load(cache_dir(), real, identity, file_path, store)
+    ckpt = catalog_index.load(folder, real, identity, file_path, store)
     if ckpt is None:
         return None
     ckpt._closers.append(store.close)
