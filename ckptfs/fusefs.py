@@ -21,6 +21,7 @@ import sys
 import threading
 from ctypes.util import find_library
 
+from . import env
 from .errors import CkptfsError, SourceChangedError
 from .vfs import BLKSIZE, Entry, VirtualPathError, VirtualTree
 
@@ -75,8 +76,7 @@ def check_fuse() -> None:
 
     if find_spec("mfusepy") is None:
         raise FuseUnavailableError(None, "mfusepy is not installed: pip install 'mfusepy~=3.1'")
-    if not (os.environ.get("FUSE_LIBRARY_PATH") or os.environ.get("FUSE_LIBRARY_NAME") or libfuse3_path()
-            or find_library("fuse")):
+    if not (env.fuse_library_chosen() or libfuse3_path() or find_library("fuse")):
         raise FuseUnavailableError(None, _NO_LIBFUSE.format("libfuse not found"))
 
 
@@ -85,10 +85,10 @@ def load_mfusepy():
     chose a library with ``FUSE_LIBRARY_PATH`` or ``FUSE_LIBRARY_NAME``)."""
     if "mfusepy" in sys.modules:
         return sys.modules["mfusepy"]
-    if not os.environ.get("FUSE_LIBRARY_PATH") and not os.environ.get("FUSE_LIBRARY_NAME"):
+    if not env.fuse_library_chosen():
         path = libfuse3_path()
         if path:
-            os.environ["FUSE_LIBRARY_PATH"] = path
+            env.choose_fuse_library(path)
     try:
         import mfusepy
     except OSError as e:
@@ -363,7 +363,7 @@ def serve(tree: VirtualTree, mountpoint, *, fsname: str = "ckptfs", allow_other:
     fuse = load_mfusepy()
     pin_malloc()
     if threads is None:
-        threads = os.environ.get("CKPTFS_FUSE_THREADS", "").strip() == "1"
+        threads = env.fuse_threads()
     cache = getattr(tree, "cache", None)
     if cache is not None:  # the kernel's page cache keeps what was read: blocks read whole are not kept twice
         cache.streaming = True

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import CkptfsError
-from .options import CACHE_DIR_ENV, MountOptions, cache_dir, check_options, to_argv
+from .options import MountOptions, check_options, to_argv
+from .statedirs import CACHE_DIR_ENV, log_dir as wanted_log_dir
 from .vfs import README_NAME, build_tree
 
 log = logging.getLogger("ckptfs.mount")
@@ -151,7 +152,7 @@ def log_dir() -> Path:
     """Where a background server writes its log: ``logs/`` under ckptfs's cache directory when that can be created
     and written; else a private folder under the system's temporary directory (a read-only HOME or cache directory
     must not stop a mount); else a ``MountError`` saying what to set."""
-    wanted = cache_dir() / "logs"
+    wanted = wanted_log_dir()
     for d in (wanted, Path(tempfile.gettempdir()) / f"ckptfs-{os.getuid()}" / "logs"):
         try:
             d.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -1,4 +1,4 @@
-"""Mount options, declared once — and the one place the environment (``CKPTFS_CACHE_DIR``) is read.
+"""Mount options, declared once.
 
 Every option that shapes a mount is one field of ``MountOptions``, declared with ``option(...)``: its default, its
 command-line flag, the kind of value (how a text is parsed and written back), its help, and whether it changes
@@ -32,22 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .cache import DEFAULT_CACHE_BYTES
-from .layouts.units import format_size, parse_size
-
-
-#: the environment variable naming ckptfs's cache directory
-CACHE_DIR_ENV = "CKPTFS_CACHE_DIR"
-
-
-def cache_dir() -> Path:
-    """Where ckptfs keeps state between runs (persisted zip CRCs under ``crc/``, server logs under ``logs/``, catalog
-    indexes under ``catalogs/``):
-    ``$CKPTFS_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/ckptfs`` (default ``~/.cache/ckptfs``)."""
-    env = os.environ.get(CACHE_DIR_ENV)
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "ckptfs"
+from .units import format_size, parse_size
 
 
 # ---- kinds of values ------------------------------------------------------------------------------------------

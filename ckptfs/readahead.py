@@ -12,31 +12,32 @@ failure is left for the reader that needs the block to report.
 """
 from __future__ import annotations
 
-import os
 import threading
 from collections import deque
 from typing import Callable, Hashable
 
-from .source.filereads import direct_reads_by_this_thread
+from .env import read_ahead_threads
+from .storage.base import waited_reads
 
 #: blocks queued at most; further requests are dropped (the reader computes them itself)
 MAX_QUEUED = 8
 
 
-#: background threads computing blocks (``$CKPTFS_READ_AHEAD_THREADS`` overrides it): two, because a cold block is
-#: read straight from the disk (``ckptfs.source.filereads``: no kernel read-ahead on the checkpoint file), so one
-#: thread waits for the disk while the other places a block (1 GB bf16, cold ``cp`` through the mount: 444-530 MB/s
-#: against 333-455 with one). The second computes a block only while blocks go to the disk: with the checkpoint in
-#: the page cache, two threads cost more kernel time than one and gained nothing.
-WORKERS = int(os.environ.get("CKPTFS_READ_AHEAD_THREADS", "2") or 2)
+#: background threads computing blocks (``$CKPTFS_READ_AHEAD_THREADS``, default two): one waits for the storage
+#: while the other places a block; the second runs only while blocks wait (docs/measurements.md, "Read-ahead threads")
+WORKERS = read_ahead_threads()
 
 
 class ReadAhead:
-    """Background threads (``workers``) computing queued cache blocks, oldest request first."""
+    """Background threads (``workers``) computing queued cache blocks, oldest request first. ``waited_reads()``
+    counts the calling thread's reads that waited for the storage (the storage layer's hook): all workers run while
+    the last block's reads waited, one while they came from memory."""
 
-    def __init__(self, max_queued: int = MAX_QUEUED, workers: int = WORKERS):
+    def __init__(self, max_queued: int = MAX_QUEUED, workers: int = WORKERS,
+                 waited_reads: Callable[[], int] = waited_reads):
         self.max_queued = max_queued
         self.workers = max(1, workers)
+        self._waited_reads = waited_reads
         self._queue: deque = deque()
         self._queued: set = set()
         lock = threading.Lock()
@@ -71,12 +72,12 @@ class ReadAhead:
                     self._cond.wait()
                 ident, cache, key, compute = self._queue.popleft()
                 self._busy += 1
-            reads = direct_reads_by_this_thread()
+            reads = self._waited_reads()
             try:
                 cache.prefetch(key, compute)
             finally:
                 with self._cond:
-                    self._limit = self.workers if direct_reads_by_this_thread() > reads else 1
+                    self._limit = self.workers if self._waited_reads() > reads else 1
                     self._queued.discard(ident)
                     self._busy -= 1
                     if self._queue:  # this worker takes the next block itself; another one only if two may run
@@ -98,5 +99,5 @@ class ReadAhead:
             return self._idle.wait_for(lambda: not self._queue and not self._busy, timeout)
 
 
-#: the process's read-ahead thread (started on first use)
-READ_AHEAD = ReadAhead()
+#: the process's read-ahead threads (started on first use), counting waits with the storage layer's counter
+READ_AHEAD = ReadAhead(waited_reads=waited_reads)

@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO))
 
 from benchlib import gen, measure, report, sysutil  # noqa: E402
-from ckptfs.layouts.units import parse_size  # noqa: E402
+from ckptfs.units import parse_size  # noqa: E402
 
 DEFAULT_SIZE = "1.5GiB"
 QUICK_SIZE = "24MB"

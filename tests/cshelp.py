@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ckptfs.source.catalog import Container, OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
-from ckptfs.tensor import VirtualTensor
+from ckptfs.virtual_tensor import VirtualTensor
 from conftest import FIXTURES  # noqa: F401 - re-exported to the tests
 
 

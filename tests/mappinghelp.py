@@ -8,7 +8,7 @@ import numpy as np
 
 from ckptfs.source import open_checkpoint
 from ckptfs.source.catalog import Checkpoint, Container, TensorLeaf
-from ckptfs.tensor import ArrayTensor, Box, VirtualTensor, box_shape
+from ckptfs.virtual_tensor import ArrayTensor, Box, VirtualTensor, box_shape
 from conftest import FIXTURES  # noqa: F401 - re-exported to the mapping tests
 
 

@@ -103,7 +103,7 @@ def test_ckptfs_info_accepts_generated_checkpoint(tmp_path):
 @pytest.mark.parametrize("target", ["8MB", "100MB", "768MB", "1.5GiB"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_dims_for_size_is_close(target, dtype):
-    from ckptfs.layouts.units import parse_size
+    from ckptfs.units import parse_size
 
     n = parse_size(target)
     d = gen.dims_for_size(n, dtype)

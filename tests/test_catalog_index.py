@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from ckptfs import env
 from ckptfs.errors import CheckpointError
 from ckptfs.source import catalog_index, open_checkpoint
 from ckptfs.source import open as open_mod
 from ckptfs.source.catalog import Container, Leaf, OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
-from ckptfs.source.tensors import FullTensor, H5DatasetTensor
+from ckptfs.source.stored_tensors import FullTensor, H5DatasetTensor
 from fusehelp import fake_env, mounted_server, needs_fuse
 
 FIX = Path(__file__).parent / "fixtures"
@@ -24,7 +25,7 @@ ALL_MDL = sorted(FIX.glob("**/*.mdl"))
 def cache(tmp_path, monkeypatch) -> Path:
     d = tmp_path / "cache"
     monkeypatch.setenv("CKPTFS_CACHE_DIR", str(d))
-    monkeypatch.delenv(catalog_index.ENV, raising=False)
+    monkeypatch.delenv(env.CATALOG_INDEX, raising=False)
     return d
 
 
@@ -134,9 +135,9 @@ def test_a_tree_from_the_index_serves_the_same_bytes(family, cache, monkeypatch)
     from ckptfs.vfs import build_tree
 
     mdl = next((FIX / family).glob("**/*.mdl"))
-    monkeypatch.setenv(catalog_index.ENV, "0")
+    monkeypatch.setenv(env.CATALOG_INDEX, "0")
     plain = build_tree(mdl, MountOptions())
-    monkeypatch.delenv(catalog_index.ENV)
+    monkeypatch.delenv(env.CATALOG_INDEX)
     build_tree(mdl, MountOptions()).close()  # writes the index
     assert catalog_index.index_path(cache, os.path.realpath(mdl)).exists()
     indexed = build_tree(mdl, MountOptions())
@@ -246,10 +247,10 @@ def test_no_index_with_allow_external_or_when_turned_off(tmp_path, cache, monkey
     open_checkpoint(mdl, allow_external=[tmp_path]).close()
     index = catalog_index.index_path(cache, os.path.realpath(mdl))
     assert not index.exists()
-    monkeypatch.setenv(catalog_index.ENV, "0")
+    monkeypatch.setenv(env.CATALOG_INDEX, "0")
     open_checkpoint(mdl).close()
     assert not index.exists()
-    monkeypatch.delenv(catalog_index.ENV)
+    monkeypatch.delenv(env.CATALOG_INDEX)
     open_checkpoint(mdl).close()
     assert index.exists()
     hdf5_opens.clear()

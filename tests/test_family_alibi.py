@@ -21,7 +21,7 @@ import yaml
 from ckptfs.mapping.convert import to_hf
 from ckptfs.mapping.detect import cs_model_tensors, infer_from_keys
 from ckptfs.mapping.registry import default_registry
-from ckptfs.tensor import ArrayTensor
+from ckptfs.virtual_tensor import ArrayTensor
 from mappinghelp import FIXTURES, checkpoint_from_model, open_fixture
 
 MINE = {"falcon", "bloom", "mpt"}

@@ -16,7 +16,7 @@ from ckptfs.errors import ConfigError
 from ckptfs.mapping.convert import to_hf
 from ckptfs.mapping.detect import detect_family
 from mappinghelp import FIXTURES, checkpoint_from_model, open_fixture
-from ckptfs.tensor import ArrayTensor
+from ckptfs.virtual_tensor import ArrayTensor
 
 
 def digest(hf) -> dict:

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from ckptfs.errors import ConfigError
 from ckptfs.mapping.convert import to_hf
 from ckptfs.mapping.detect import detect_family
-from ckptfs.tensor import ArrayTensor
+from ckptfs.virtual_tensor import ArrayTensor
 from mappinghelp import FIXTURES, checkpoint_from_model, model_tensors, open_fixture, open_path
 
 NUM_LABELS = 3

@@ -1,5 +1,5 @@
 """Through a real mount: a checkpoint that is not in the page cache is read straight from the disk (issue 14's direct
-reads, ``ckptfs.source.filereads``): ``cp`` gives the tree's bytes and leaves the checkpoint out of the page cache,
+reads, ``ckptfs.storage.local``): ``cp`` gives the tree's bytes and leaves the checkpoint out of the page cache,
 which a buffered read (``CKPTFS_DIRECT_IO=0``, the control) fills; peeks at every tensor of a cold mount (read as
 only the rows asked for, ``lz4chunks._read_rows``) give the file's bytes."""
 from __future__ import annotations
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptfs.source import filereads
+from ckptfs.env import DIRECT_IO
+from ckptfs.storage import local
 from fusehelp import fake_env, mounted, needs_fuse
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,7 +28,7 @@ def _cached_fraction(path: Path, window: int = 64 << 10) -> float:
     """The share of the file's 64 KiB windows that are wholly in the page cache (``cachestat``)."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        hits = [filereads.page_cache.cached(f.fileno(), lo, min(window, size - lo)) for lo in range(0, size, window)]
+        hits = [local.page_cache.cached(f.fileno(), lo, min(window, size - lo)) for lo in range(0, size, window)]
     return sum(bool(h) for h in hits) / len(hits)
 
 
@@ -40,7 +41,7 @@ def _evict(path: Path) -> None:
 
 @needs_fuse
 def test_a_cold_checkpoint_is_read_straight_from_the_disk_through_the_mount(tmp_path):
-    assert filereads.page_cache.works, "this kernel has no cachestat (Linux 6.5+)"
+    assert local.page_cache.works, "this kernel has no cachestat (Linux 6.5+)"
     ck = tmp_path / "checkpoint_0.mdl"
     gen.write_checkpoint(ck, DIMS, "bf16", seed=5)
     gen.write_params(tmp_path / "params.yaml", DIMS)
@@ -48,7 +49,7 @@ def test_a_cold_checkpoint_is_read_straight_from_the_disk_through_the_mount(tmp_
     got = {}
     for direct in ("1", "0"):
         _evict(ck)
-        with mounted(ck, env={**env, filereads.ENV_DIRECT: direct}) as mnt:
+        with mounted(ck, env={**env, DIRECT_IO: direct}) as mnt:
             shutil.copyfile(mnt / "model.safetensors", tmp_path / f"copy-{direct}.safetensors")
         got[direct] = _cached_fraction(ck)
     assert (tmp_path / "copy-1.safetensors").read_bytes() == (tmp_path / "copy-0.safetensors").read_bytes()

@@ -23,7 +23,7 @@ from ckptfs.layouts import hdf5
 from ckptfs.layouts.hdf5 import (BytesEntry, FullEntry, Hdf5Layout, LinkEntry, NoneEntry, ScalarEntry, ScratchBuffer,
                                  SparseBuffer, StringEntry, TensorEntry, entry_metadata)
 from ckptfs.source.catalog import Container
-from ckptfs.tensor import ArrayTensor
+from ckptfs.virtual_tensor import ArrayTensor
 
 
 # -- spec encoding against torch's own pytree --------------------------------------------------------

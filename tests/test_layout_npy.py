@@ -14,7 +14,7 @@ from numpy.lib import format as npformat
 from ckptfs.cache import BlockCache
 from ckptfs.dtypes import BY_NAME, by_name
 from ckptfs.layouts.npy import NpyLayout, npy_header, npy_suffix
-from ckptfs.tensor import ArrayTensor
+from ckptfs.virtual_tensor import ArrayTensor
 from test_layout_safetensors import PatternTensor, random_raw, torch_from_raw
 
 NATIVE = [d for d in BY_NAME.values() if d.npy_native]

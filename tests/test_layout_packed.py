@@ -18,7 +18,7 @@ from ckptfs.layouts.npy import NpyLayout
 from ckptfs.layouts.pieces import PackedBytes
 from ckptfs.layouts.safetensors import SafetensorsLayout
 from ckptfs.layouts.torchzip import TorchZipLayout
-from ckptfs.tensor import ArrayTensor
+from ckptfs.virtual_tensor import ArrayTensor
 
 
 def state(n: int = 300) -> OrderedDict:

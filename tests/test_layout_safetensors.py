@@ -18,7 +18,7 @@ from ckptfs.cache import BlockCache
 from ckptfs.dtypes import BY_NAME, DType, by_name
 from ckptfs.errors import CkptfsError
 from ckptfs.layouts.safetensors import DTYPE_ORDER, SafetensorsLayout
-from ckptfs.tensor import ArrayTensor, VirtualTensor, box_shape
+from ckptfs.virtual_tensor import ArrayTensor, VirtualTensor, box_shape
 from conftest import FIXTURES
 
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from ckptfs.dtypes import BY_NAME, DType
 from ckptfs.errors import CkptfsError
-from ckptfs.tensor import ArrayTensor, VirtualTensor
+from ckptfs.virtual_tensor import ArrayTensor, VirtualTensor
 from ckptfs.layouts.torchzip import TorchZipLayout
 from conftest import FIXTURES
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ckptfs.dtypes import BY_NAME, UINT8
-from ckptfs.tensor import VirtualTensor, box_shape
+from ckptfs.virtual_tensor import VirtualTensor, box_shape
 from ckptfs.layouts.torchzip import TorchZipLayout
 
 U32 = 0xFFFFFFFF

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from ckptfs.cache import BlockCache
 from ckptfs.dtypes import BY_NAME, UINT8
-from ckptfs.tensor import BLOCK_BYTES, VirtualTensor, box_shape
+from ckptfs.virtual_tensor import BLOCK_BYTES, VirtualTensor, box_shape
 from ckptfs.layouts.crc import CrcStore, crc32, default_crc_dir
 from ckptfs.layouts.torchzip import TorchZipLayout
 

@@ -153,7 +153,7 @@ def test_region_read_of_a_folded_embedding_reads_only_its_rows_and_a_columns():
 
 
 def test_fold_checks_shapes_and_dtypes():
-    from ckptfs.tensor import ArrayTensor
+    from ckptfs.virtual_tensor import ArrayTensor
 
     w = ArrayTensor(np.zeros((4, 6), np.float32))
     with pytest.raises(MappingError, match="do not fit"):
@@ -165,7 +165,7 @@ def test_fold_checks_shapes_and_dtypes():
 def test_bfloat16_fold_rounds_after_every_operation():
     from ckptfs.dtypes import BFLOAT16
     from ckptfs.mapping import floats
-    from ckptfs.tensor import ArrayTensor
+    from ckptfs.virtual_tensor import ArrayTensor
 
     rng = np.random.default_rng(4)
     w32, a32, b32 = (rng.standard_normal(s).astype(np.float32) for s in ((6, 5), (2, 5), (6, 2)))
@@ -285,7 +285,7 @@ def test_config_has_no_lora_keys_and_the_notes_say_what_was_folded():
 def _with_embedding_lora(tmp_path, head_too: bool):
     """lora_llama plus LoRA on the word embedding (and on lm_head): a third group for EmbeddingLayer."""
     cs = dict(cs_model_tensors(open_fixture("lora_llama")))
-    from ckptfs.tensor import ArrayTensor
+    from ckptfs.virtual_tensor import ArrayTensor
 
     rng = np.random.default_rng(5)
     emb = "model.embedding_layer.word_embeddings"

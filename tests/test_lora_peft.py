@@ -19,7 +19,7 @@ from ckptfs.mapping.lora import find_lora
 from ckptfs.mapping.lora_peft import NotExpressible, peft_adapter
 from ckptfs.mapping.params import find_params
 from ckptfs.mapping.registry import default_registry
-from ckptfs.tensor import ArrayTensor
+from ckptfs.virtual_tensor import ArrayTensor
 from mappinghelp import FIXTURES, RecordingTensor, checkpoint_from_model, open_fixture
 
 CASES = {"lora_gpt2": "gpt2", "lora_llama": "llama"}

@@ -13,7 +13,7 @@ from ckptfs.dtypes import BFLOAT16, FLOAT16, FLOAT32, FLOAT64, INT64, by_name
 from ckptfs.errors import MappingError
 from ckptfs.mapping import ops
 from ckptfs.mapping.floats import bf16_bits_to_f32, cast, f32_to_bf16_bits
-from ckptfs.tensor import full_box
+from ckptfs.virtual_tensor import full_box
 from mappinghelp import RecordingTensor
 
 

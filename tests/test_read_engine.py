@@ -18,7 +18,7 @@ from ckptfs.layouts.pieces import Computed, Literal, PiecedFile, TensorBytes, Ze
 from ckptfs.layouts.safetensors import SafetensorsLayout
 from ckptfs.layouts.torchzip import TorchZipLayout
 from ckptfs.mapping import ops
-from ckptfs.tensor import ArrayTensor, VirtualTensor, box_shape
+from ckptfs.virtual_tensor import ArrayTensor, VirtualTensor, box_shape
 from ckptfs.views.hf import weight_files
 
 from conftest import FIXTURES

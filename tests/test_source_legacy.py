@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 from ckptfs.errors import TensorReadError
 from ckptfs.source import TensorLeaf, ValueLeaf, open_checkpoint
 from ckptfs.source.materialize import to_torch
-from ckptfs.source.tensors import box_runs, float_to_bf16_bits
+from ckptfs.source.stored_tensors import box_runs, float_to_bf16_bits
 from conftest import FIXTURES
 
 FIX = FIXTURES / "legacy_emulated"

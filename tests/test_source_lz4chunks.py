@@ -18,10 +18,11 @@ from hypothesis import strategies as st
 from ckptfs.cache import BlockCache
 from ckptfs.dtypes import BFLOAT16, BOOL, from_numpy
 from ckptfs.errors import TensorReadError
-from ckptfs.source import filereads, lz4chunks
+from ckptfs.source import lz4chunks
+from ckptfs.storage import local
 from ckptfs.source.h5store import H5Store
-from ckptfs.source.tensors import H5DatasetTensor, _to_storage
-from ckptfs.tensor import BLOCK_BYTES
+from ckptfs.source.stored_tensors import H5DatasetTensor, _to_storage
+from ckptfs.virtual_tensor import BLOCK_BYTES
 
 DTYPES = ["<f4", "<f8", "<i2", "<u2", "<f2", "|u1", "|b1", "<i8", ">f4", ">i2"]
 
@@ -62,14 +63,14 @@ def _reader_read(d, box, threads, fetch="direct"):
     if fetch == "chunks":
         r._raw = False
     if fetch == "disk":
-        assert filereads.page_cache.works, "this kernel has no cachestat"
+        assert local.page_cache.works, "this kernel has no cachestat"
         reads = []
         lz4chunks._raw_files.clear()  # a handle opened here, with the file taken as on a local disk
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(filereads, "file_system_type", lambda dev: "ext4")
-            mp.setattr(filereads, "DIRECT_MIN_BYTES", 1)
-            mp.setattr(filereads.page_cache, "cached", lambda fd, off, n: False)
-            mp.setattr(filereads.SourceFile, "read_into", _recording(filereads.SourceFile.read_into, reads))
+            mp.setattr(local, "file_system_type", lambda dev: "ext4")
+            mp.setattr(local, "DIRECT_MIN_BYTES", 1)
+            mp.setattr(local.page_cache, "cached", lambda fd, off, n: False)
+            mp.setattr(local.LocalFile, "read_into", _recording(local.LocalFile.read_into, reads))
             out = r.read(box)
         if out is not None and out.size and _stored_under(r, box):
             assert r._raw and reads and all(direct for _, direct in reads), "the disk reads were not direct"
@@ -486,14 +487,14 @@ def test_block_reads_hint_the_next_bytes_of_the_file_and_peeks_do_not(tmp_path, 
         assert peek.tobytes() == a[:1, :16].tobytes()
         assert calls == []
         with monkeypatch.context() as mp:
-            mp.setattr(filereads.page_cache, "cached", lambda fd, off, n: True)
+            mp.setattr(local.page_cache, "cached", lambda fd, off, n: True)
             whole = _reader_read(d, ((0, rows), (0, 512)), 1)
         assert whole.tobytes() == a.tobytes()
-        assert calls == [(stored_end, filereads.HINT_AHEAD, os.POSIX_FADV_WILLNEED)]
+        assert calls == [(stored_end, local.HINT_AHEAD, os.POSIX_FADV_WILLNEED)]
         lz4chunks._raw_files.clear()  # a fresh handle: its hint window starts empty
         cold = _reader_read(d, ((0, rows), (0, 512)), 1, "disk")
         assert cold.tobytes() == a.tobytes()
-        assert calls == [(stored_end, filereads.HINT_AHEAD, os.POSIX_FADV_WILLNEED)]
+        assert calls == [(stored_end, local.HINT_AHEAD, os.POSIX_FADV_WILLNEED)]
 
 
 @pytest.mark.parametrize("kind,batched", [("random", False), ("smooth", True)])
@@ -561,8 +562,8 @@ def test_a_peek_at_raw_chunks_reads_only_its_rows_of_each_all_announced_at_once(
     with h5py.File(path, "w") as f:
         f.create_dataset("a", data=a, chunks=(500, 64), **hdf5plugin.LZ4())
     reads, hints = [], []
-    monkeypatch.setattr(filereads.SourceFile, "read_into", _recording_args(filereads.SourceFile.read_into, reads))
-    monkeypatch.setattr(filereads, "hint_will_need", lambda fd, off, n: hints.append((off, n)))
+    monkeypatch.setattr(local.LocalFile, "read_into", _recording_args(local.LocalFile.read_into, reads))
+    monkeypatch.setattr(local, "hint_will_need", lambda fd, off, n: hints.append((off, n)))
     box = (rows, (0, 2048))
     with h5py.File(path, "r") as f:
         got = _reader_read(f["a"], box, 1)

@@ -15,7 +15,7 @@ from ckptfs.cache import BlockCache
 from ckptfs.commands.info import summarize
 from ckptfs.errors import TensorReadError
 from ckptfs.source import TensorLeaf, UnreadableLeaf, open_checkpoint
-from ckptfs.tensor import BLOCK_BYTES
+from ckptfs.virtual_tensor import BLOCK_BYTES
 from conftest import FIXTURES as FIX
 
 

@@ -215,7 +215,7 @@ def test_a_tensor_that_yields_no_bytes_fails_instead_of_spinning():
     from ckptfs.dtypes import FLOAT32
     from ckptfs.layouts.npy import NpyLayout
     from ckptfs.layouts.torchzip import TorchZipLayout
-    from ckptfs.tensor import VirtualTensor
+    from ckptfs.virtual_tensor import VirtualTensor
 
     class NoBytes(VirtualTensor):  # announces 4 KiB but produces nothing (what a bad shape once did)
         def read(self, box):

@@ -6,7 +6,7 @@ import pytest
 
 from ckptfs.errors import ConfigError
 from ckptfs.source.catalog import Checkpoint, Container, TensorLeaf, ValueLeaf
-from ckptfs.tensor import ArrayTensor
+from ckptfs.virtual_tensor import ArrayTensor
 from ckptfs.upgrade import tree as T, upgrade_checkpoint
 from ckptfs.upgrade.dataloader import convert_data_iter_dir
 from ckptfs.views.base import MountOptions

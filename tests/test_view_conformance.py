@@ -131,7 +131,7 @@ def _ref_by_tensor(node, ref, out: dict) -> dict:
 @pytest.mark.parametrize("ckpt", NPY_CASES, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_npy_files_equal_cstorch_load(ckpt):
     from ckptfs.source import open_checkpoint
-    from ckptfs.source.tensors import FullTensor
+    from ckptfs.source.stored_tensors import FullTensor
 
     tree = ckptfs.open(ckpt, views="tensors")
     source = open_checkpoint(ckpt)

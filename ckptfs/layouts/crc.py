@@ -20,6 +20,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from ..statedirs import crc_dir
+
 try:
     from zlib_ng.zlib_ng import crc32
 except ImportError:  # pragma: no cover - zlib-ng is a dependency; the standard library's is the same function
@@ -31,10 +33,8 @@ _FORMAT = 1
 
 
 def default_crc_dir() -> Path:
-    """``crc/`` under ckptfs's cache directory (``ckptfs.options.cache_dir``)."""
-    from ..options import cache_dir
-
-    return cache_dir() / "crc"
+    """``crc/`` under ckptfs's cache directory (``ckptfs.statedirs``)."""
+    return crc_dir()
 
 
 class CrcStore:

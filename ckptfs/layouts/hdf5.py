@@ -43,7 +43,7 @@ from ..cache import BlockCache
 from ..dtypes import DType
 from ..errors import CheckpointError, TensorReadError
 from ..source.h5store import release_hdf5_free_lists
-from ..tensor import VirtualTensor
+from ..virtual_tensor import VirtualTensor
 from . import hdf5_spec
 from .pieces import PiecedFile, TensorBytes
 

@@ -20,7 +20,7 @@ import struct
 
 from ..cache import BlockCache
 from ..dtypes import DType
-from ..tensor import VirtualTensor
+from ..virtual_tensor import VirtualTensor
 from .pieces import Literal, PiecedFile, TensorBytes
 
 MAGIC = b"\x93NUMPY"

@@ -46,7 +46,7 @@ from typing import Callable, Sequence
 
 from ..cache import BlockCache
 from ..errors import TensorReadError
-from ..tensor import VirtualTensor, trace_element, unravel
+from ..virtual_tensor import VirtualTensor, trace_element, unravel
 
 
 # -- pieces -----------------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import Sequence
 
 from ..cache import BlockCache
 from ..errors import CkptfsError
-from ..tensor import VirtualTensor
+from ..virtual_tensor import VirtualTensor
 from .pieces import Literal, PiecedFile, TensorRun, packed
 
 #: safetensors 0.8 dtype codes, ascending: the writer sorts tensors by this rank, descending

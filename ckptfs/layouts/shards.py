@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 from typing import Sequence
 
-from ..tensor import VirtualTensor
-from .units import parse_size
+from ..virtual_tensor import VirtualTensor
+from ..units import parse_size
 
 Named = tuple[str, VirtualTensor]
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from ..cache import BlockCache
 from ..errors import CkptfsError, TensorReadError
-from ..tensor import VirtualTensor
+from ..virtual_tensor import VirtualTensor
 from .crc import CrcStore, crc32
 from .pickle2 import Global, PersistentId, PickleTypeError, Reduce, dumps2
 from .pieces import Computed, Literal, PiecedFile, TensorBytes, packed

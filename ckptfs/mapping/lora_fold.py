@@ -22,7 +22,7 @@ import numpy as np
 
 from ..dtypes import FLOAT32, FLOAT64
 from ..errors import MappingError
-from ..tensor import Box, VirtualTensor
+from ..virtual_tensor import Box, VirtualTensor
 from . import floats
 
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..dtypes import FLOAT32, INT64, UINT8, DType, by_name, from_numpy
 from ..errors import MappingError
-from ..tensor import Box, VirtualTensor, box_shape
+from ..virtual_tensor import Box, VirtualTensor, box_shape
 from . import floats
 
 

@@ -412,7 +412,7 @@ def default_registry() -> LazyRegistry:
     global _default
     with _lock:
         if _default is None:
-            from ..options import cache_dir
+            from ..statedirs import cache_dir
 
             _default = LazyRegistry(index_cache=cache_dir() / INDEX_CACHE_NAME)
         return _default

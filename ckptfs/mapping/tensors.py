@@ -14,7 +14,7 @@ from typing import Callable
 
 from ..dtypes import by_name
 from ..errors import CkptfsError, ConfigError, MappingError
-from ..tensor import VirtualTensor
+from ..virtual_tensor import VirtualTensor
 from . import ops
 from .expr import ExprError, MissingName, Scope, evaluate
 from .pattern import PatternError, fill

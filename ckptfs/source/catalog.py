@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
-from ..tensor import VirtualTensor
+from ..virtual_tensor import VirtualTensor
 
 
 @dataclass(eq=False, slots=True)

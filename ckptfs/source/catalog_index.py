@@ -32,10 +32,11 @@ import time
 from pathlib import Path
 
 from .. import dtypes
+from ..env import catalog_index_enabled
+from ..storage.local import FileIdentity
 from .catalog import Checkpoint, Container, Leaf, OpaqueLeaf, TensorLeaf, ValueLeaf
-from .tensors import FullTensor, H5DatasetTensor
+from .stored_tensors import FullTensor, H5DatasetTensor
 from .validate import shape_problem
-from .watch import FileIdentity
 
 #: the layout of an index file (bump when it changes)
 INDEX_FORMAT = 1
@@ -44,8 +45,6 @@ MAX_INDEX_BYTES = 256 << 20
 #: indexes kept at most, in count and in bytes: writing one removes the least recently written beyond either
 MAX_INDEXES = 256
 MAX_TOTAL_BYTES = 1 << 30
-#: ``$CKPTFS_CATALOG_INDEX=0`` turns the index off (read every catalog from the file)
-ENV = "CKPTFS_CATALOG_INDEX"
 
 _CONTAINER_KINDS = frozenset({"dict", "OrderedDict", "defaultdict", "list", "tuple", "set", "namedtuple", "deque"})
 _code_digest: str | None = None
@@ -56,7 +55,7 @@ class _NotIndexable(Exception):
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "1").strip() != "0"
+    return catalog_index_enabled()
 
 
 def code_digest() -> str:
@@ -67,7 +66,7 @@ def code_digest() -> str:
         h = hashlib.sha256(str(INDEX_FORMAT).encode())
         here = Path(__file__).resolve().parent
         try:
-            sources = sorted([*here.glob("*.py"), here.parent / "dtypes.py", here.parent / "tensor.py"])
+            sources = sorted([*here.glob("*.py"), here.parent / "dtypes.py", here.parent / "virtual_tensor.py"])
             for p in sources:
                 h.update(p.name.encode() + b"\0" + p.read_bytes())
             _code_digest = h.hexdigest()[:32] if len(sources) > 3 else ""

@@ -18,9 +18,10 @@ import numpy as np
 from h5py import h5a, h5t
 
 from ..errors import CheckpointError, TensorReadError
+from ..storage.local import FileIdentity
 from .confine import Confinement, RefusedReference, non_regular_kind
 from .lz4filter import register_lz4
-from .watch import FileIdentity, check_unchanged
+from .watch import check_unchanged
 
 register_lz4()  # the LZ4 filter (id 32004) that every Cerebras dataset uses, before any file is opened
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"

@@ -60,8 +60,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ..tensor import aligned_block_elems  # noqa: F401 - cache-block alignment to chunk rows lives with the blocks
-from .filereads import ShortRead, SourceFile
+from ..virtual_tensor import aligned_block_elems  # noqa: F401 - cache-block alignment to chunk rows lives with the blocks
+from ..storage.base import ShortRead
+from ..storage.local import LocalFile as SourceFile
 from .lz4filter import LZ4_FILTER_ID, lz4_library
 
 ENV_THREADS = "CKPTFS_DECODE_THREADS"

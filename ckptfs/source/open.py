@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CheckpointError, SourceChangedError
+from ..statedirs import cache_dir
+from ..storage.local import FileIdentity
 from . import catalog_index
 from .catalog import Checkpoint, Container, ValueLeaf
 from .confine import Confinement
@@ -22,7 +24,6 @@ from .h5store import (ExternalFiles, H5Store, identity_of_open, one_line, open_h
 from .reader_legacy import LegacyReader
 from .reader_v05 import V05Reader
 from .resolve import resolve_checkpoint
-from .watch import FileIdentity
 
 #: release assumed for a legacy format version without ``__cstorch_version__`` (cstorch 2.10's own map)
 VERSION_RELEASES = {0.1: "1.7", 0.2: "1.8", 0.3: "1.9", 0.4: "2.0"}
@@ -143,8 +144,6 @@ def _index_folder(allow_external) -> Path | None:
     ``allow_external`` given (a checkpoint that refers to other files is read, and confined, every time)."""
     if allow_external or not catalog_index.enabled():
         return None
-    from ..options import cache_dir
-
     return cache_dir()
 
 

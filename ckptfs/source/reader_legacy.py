@@ -24,7 +24,7 @@ from .legacy_spec import decode_dtype_pickle, decode_legacy_spec
 from .pytree import SpecError, build_tree, leaf_keys
 from .reader_v05 import ReadResult, check_collisions, resolve_links
 from .serializers import Link
-from .tensors import FileRegionTensor, FullTensor, H5DatasetTensor
+from .stored_tensors import FileRegionTensor, FullTensor, H5DatasetTensor
 from .validate import shape_problem
 
 

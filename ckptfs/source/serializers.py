@@ -22,7 +22,7 @@ from .catalog import OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
 from .confine import RefusedReference
 from .h5safe import H5Refused, dataset_header, open_dataset
 from .h5store import ExternalFiles, H5Store, one_line
-from .tensors import FullTensor, H5DatasetTensor, SafetensorsTensor
+from .stored_tensors import FullTensor, H5DatasetTensor, SafetensorsTensor
 from .validate import dataset_problem, shape_problem
 
 #: RtFxProto element types (``rtfx_dtypes``) -> dtype name

@@ -9,41 +9,10 @@ copy that restores the old mtime (``cp -p``) is seen.
 """
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SourceChangedError
-
-
-@dataclass(frozen=True)
-class FileIdentity:
-    """What a version of a file is: device, inode, size and the modification and change times (ns)."""
-
-    dev: int
-    ino: int
-    size: int
-    mtime_ns: int
-    ctime_ns: int
-
-    @classmethod
-    def of_stat(cls, st: os.stat_result) -> "FileIdentity":
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-    @classmethod
-    def of_path(cls, path) -> "FileIdentity":
-        """The identity of the file at ``path`` now (``OSError`` if it cannot be stat'ed)."""
-        return cls.of_stat(os.stat(path))
-
-    def difference(self, other: "FileIdentity") -> str | None:
-        """How ``other`` differs from this version, in words (None when it is the same version)."""
-        if (self.dev, self.ino) != (other.dev, other.ino):
-            return "replaced by another file (inode changed)"
-        if self.size != other.size:
-            return f"size changed from {self.size} to {other.size} bytes"
-        if self.mtime_ns != other.mtime_ns or self.ctime_ns != other.ctime_ns:
-            return "modified in place (mtime/ctime changed)"
-        return None
+from ..storage.local import FileIdentity
 
 
 def changed_problem(path, identity: FileIdentity | None) -> str | None:

@@ -91,7 +91,7 @@ def scalar_of(node):
 
 def same_kind_scalar(old, value, key: str):
     """A new leaf holding ``value`` in the form of ``old`` (a Python int, or a 0-d tensor of its dtype)."""
-    from ..tensor import ArrayTensor
+    from ..virtual_tensor import ArrayTensor
 
     if isinstance(old, TensorLeaf):
         arr = np.array(value).astype(old.tensor.dtype.storage).reshape(old.tensor.shape)

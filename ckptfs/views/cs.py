@@ -23,7 +23,7 @@ from ..upgrade import upgrade_checkpoint
 from .base import BytesFile, DeferredFile, ViewResult
 
 try:  # the source's constant-fill tensor (DeferredFullTensor); absent in older trees
-    from ..source.tensors import FullTensor
+    from ..source.stored_tensors import FullTensor
 except ImportError:  # pragma: no cover
     FullTensor = ()
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from ..errors import CkptfsError
-from ..tensor import VirtualTensor
+from ..virtual_tensor import VirtualTensor
 from .base import BytesFile, ViewResult
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..errors import CkptfsError, ConfigError
 from ..mapping.safe_yaml import load_params_yaml
-from ..source.watch import FileIdentity
+from ..storage.local import FileIdentity
 
 #: file names of a Hugging Face tokenizer (and chat template) that are picked up without --overlay
 TOKENIZER_FILES = (

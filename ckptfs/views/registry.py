@@ -41,7 +41,7 @@ VIEWS: tuple = (
     View("hf", "", _builder("hf"), "Hugging Face model directory (config.json, safetensors and .bin weights)"),
     View("cs", "cs/", _builder("cs"), "the checkpoint upgraded to Cerebras 2.10 (.mdl and params .yaml)"),
     View("torch", "torch/", _builder("torch"), "the whole state as torch.save files"),
-    View("tensors", "tensors/", _builder("tensors"), "every source tensor as a .npy file"),
+    View("tensors", "tensors/", _builder("npy_tree"), "every source tensor as a .npy file"),
 )
 
 

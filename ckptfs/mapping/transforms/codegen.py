@@ -6,7 +6,7 @@ CS q, k, v: block ``b`` = rows ``b`` quarter of q, then of v, then of k.
 """
 from __future__ import annotations
 
-from ...tensor import VirtualTensor
+from ...virtual_tensor import VirtualTensor
 from .gpt_neox import interleave_blocks
 
 # HF CodeGenAttention hard-codes this block count

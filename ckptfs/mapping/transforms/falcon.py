@@ -10,7 +10,7 @@ source rows it covers.
 from __future__ import annotations
 
 from ...errors import MappingError
-from ...tensor import VirtualTensor
+from ...virtual_tensor import VirtualTensor
 from .. import ops
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ...errors import MappingError
-from ...tensor import VirtualTensor
+from ...virtual_tensor import VirtualTensor
 from .. import ops
 
 

@@ -8,7 +8,7 @@ per-module ones.
 from __future__ import annotations
 
 from ...errors import MappingError
-from ...tensor import VirtualTensor
+from ...virtual_tensor import VirtualTensor
 from .. import ops
 
 

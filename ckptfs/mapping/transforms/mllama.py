@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import MappingError
-from ...tensor import Box, VirtualTensor
+from ...virtual_tensor import Box, VirtualTensor
 
 
 class PatchLinearAsConv(VirtualTensor):

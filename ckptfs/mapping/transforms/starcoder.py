@@ -7,7 +7,7 @@ concatenated. (The multi-query layout is a plain concatenation q | k | v and nee
 from __future__ import annotations
 
 from ...errors import MappingError
-from ...tensor import VirtualTensor
+from ...virtual_tensor import VirtualTensor
 from .. import ops
 
 

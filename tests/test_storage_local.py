@@ -1,4 +1,4 @@
-"""ckptfs.source.filereads: ranges of a checkpoint file from the page cache when cached there, else with O_DIRECT."""
+"""ckptfs.storage.local: ranges of a checkpoint file from the page cache when cached there, else with O_DIRECT."""
 from __future__ import annotations
 
 import errno
@@ -8,17 +8,19 @@ import random
 
 import pytest
 
-from ckptfs.source import filereads
-from ckptfs.source.filereads import ALIGN, ShortRead, SourceFile
+from ckptfs import env
+from ckptfs.storage import local
+from ckptfs.storage.base import ShortRead
+from ckptfs.storage.local import ALIGN, LocalFile
 
 
 @pytest.fixture(autouse=True)
 def _local_disk(monkeypatch, request):
     """The test files count as on a local disk wherever the temporary directory is (one test says otherwise)."""
     if "file_system_type" not in request.node.name:
-        monkeypatch.setattr(filereads, "file_system_type", lambda dev: "ext4")
+        monkeypatch.setattr(local, "file_system_type", lambda dev: "ext4")
     if "small_reads" not in request.node.name:
-        monkeypatch.setattr(filereads, "DIRECT_MIN_BYTES", 1)  # the tests' spans are small
+        monkeypatch.setattr(local, "DIRECT_MIN_BYTES", 1)  # the tests' spans are small
 
 
 def _kernel_has_cachestat() -> bool:
@@ -33,7 +35,7 @@ def _file(tmp_path, n: int, seed: int = 0):
     return path, data
 
 
-def _read_spans(f: SourceFile, spans) -> tuple[list, list]:
+def _read_spans(f: LocalFile, spans) -> tuple[list, list]:
     """Each span's bytes, read the way the chunk reader does, and whether each read was direct."""
     how, real = [], f.read_into
 
@@ -48,7 +50,7 @@ def _read_spans(f: SourceFile, spans) -> tuple[list, list]:
     finally:
         del f.read_into
     for at, (lo, end) in zip(starts, spans):
-        if end - lo >= filereads.DIRECT_MIN_BYTES:  # a large span's slot starts on a block boundary
+        if end - lo >= local.DIRECT_MIN_BYTES:  # a large span's slot starts on a block boundary
             assert (at - lo % ALIGN) % ALIGN == 0
     assert buffered == (not all(how))
     return [bytes(buf[at:at + end - lo]) for at, (lo, end) in zip(starts, spans)], how
@@ -58,16 +60,16 @@ def test_cachestat_tells_cached_pages_from_evicted_ones(tmp_path):
     """After a read the pages are cached; after the kernel was told to drop them, they are not."""
     path, data = _file(tmp_path, 5 * ALIGN + 123)
     if not _kernel_has_cachestat():
-        assert filereads.page_cache.cached(0, 0, 1) is None
+        assert local.page_cache.cached(0, 0, 1) is None
         return
     with open(path, "rb") as fh:
         fd = fh.fileno()
         os.fsync(fd)
         assert fh.read() == data
-        assert filereads.page_cache.cached(fd, 0, len(data)) is True
-        assert filereads.page_cache.cached(fd, ALIGN + 7, 100) is True
+        assert local.page_cache.cached(fd, 0, len(data)) is True
+        assert local.page_cache.cached(fd, ALIGN + 7, 100) is True
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        assert filereads.page_cache.cached(fd, 0, len(data)) is False
+        assert local.page_cache.cached(fd, 0, len(data)) is False
 
 
 @pytest.mark.parametrize("cold", [False, True])
@@ -75,8 +77,8 @@ def test_reads_give_the_files_bytes_cached_or_straight_from_the_disk(tmp_path, m
     """Unaligned spans, neighbours in one block, a span ending at the file's end: the file's bytes, whichever way
     they are read; cold ranges are read directly, cached ones from the page cache."""
     path, data = _file(tmp_path, 9 * ALIGN + 777, seed=3)
-    monkeypatch.setattr(filereads.page_cache, "cached", lambda fd, off, n: not cold)
-    f = SourceFile(str(path))
+    monkeypatch.setattr(local.page_cache, "cached", lambda fd, off, n: not cold)
+    f = LocalFile(str(path))
     assert f.direct_fd is not None, "O_DIRECT refused on the test file system"
     rng = random.Random(5)
     spans = [(0, 1), (10, ALIGN + 5), (ALIGN - 1, ALIGN + 1), (len(data) - 300, len(data)), (3 * ALIGN, 5 * ALIGN)]
@@ -90,10 +92,10 @@ def test_reads_give_the_files_bytes_cached_or_straight_from_the_disk(tmp_path, m
 
 def test_small_reads_always_use_the_page_cache(tmp_path, monkeypatch):
     """A peek's chunks are read through the page cache even when cold, so they are cached for the next reader."""
-    path, data = _file(tmp_path, 4 * filereads.DIRECT_MIN_BYTES)
-    monkeypatch.setattr(filereads.page_cache, "cached", lambda fd, off, n: False)
-    f = SourceFile(str(path))
-    small, big = filereads.DIRECT_MIN_BYTES - 1, filereads.DIRECT_MIN_BYTES
+    path, data = _file(tmp_path, 4 * local.DIRECT_MIN_BYTES)
+    monkeypatch.setattr(local.page_cache, "cached", lambda fd, off, n: False)
+    f = LocalFile(str(path))
+    small, big = local.DIRECT_MIN_BYTES - 1, local.DIRECT_MIN_BYTES
     assert _read_spans(f, [(0, small), (big, 2 * big)]) == ([data[:small], data[big:2 * big]], [False, True])
 
 
@@ -101,13 +103,13 @@ def test_many_small_reads_need_no_more_buffer_than_their_bytes(tmp_path):
     """Small spans are packed (only large ones get block-aligned slots): a chunk index of many tiny chunks far
     apart cannot make the scratch buffer thousands of times larger than the bytes it holds."""
     path, data = _file(tmp_path, 3 << 20)
-    f = SourceFile(str(path))
+    f = LocalFile(str(path))
     spans = [(lo, lo + 17) for lo in range(5, 3 << 20, 70_001)]
     sizes = []
     buf, starts, _ = f.read_spans(spans, lambda n: sizes.append(n) or mmap.mmap(-1, max(n, 1)))
     assert sizes == [17 * len(spans)]
     assert [bytes(buf[a:a + 17]) for a in starts] == [data[lo:end] for lo, end in spans]
-    big = [(1, 1 + filereads.DIRECT_MIN_BYTES), (5, 9), (ALIGN + 3, ALIGN + 3 + filereads.DIRECT_MIN_BYTES)]
+    big = [(1, 1 + local.DIRECT_MIN_BYTES), (5, 9), (ALIGN + 3, ALIGN + 3 + local.DIRECT_MIN_BYTES)]
     sizes.clear()
     buf, starts, _ = f.read_spans(big, lambda n: sizes.append(n) or mmap.mmap(-1, max(n, 1)))
     assert sizes[0] <= sum(e - lo for lo, e in big) + 2 * 2 * ALIGN
@@ -116,7 +118,7 @@ def test_many_small_reads_need_no_more_buffer_than_their_bytes(tmp_path):
 
 def test_a_span_past_the_end_of_the_file_is_a_short_read(tmp_path):
     path, data = _file(tmp_path, 2 * ALIGN + 5)
-    f = SourceFile(str(path))
+    f = LocalFile(str(path))
     with pytest.raises(ShortRead) as e:
         f.read_spans([(0, 10), (ALIGN, 3 * ALIGN)], lambda n: mmap.mmap(-1, max(n, 1)))
     assert (e.value.k, e.value.got) == (1, ALIGN + 5)
@@ -125,8 +127,8 @@ def test_a_span_past_the_end_of_the_file_is_a_short_read(tmp_path):
 def test_a_direct_descriptor_given_up_stays_open_until_the_file_is_dropped(tmp_path, monkeypatch):
     """Another thread may be reading it: closing it at once could hand its number to another open file."""
     path, data = _file(tmp_path, 3 * ALIGN)
-    monkeypatch.setattr(filereads.page_cache, "cached", lambda fd, off, n: False)
-    f = SourceFile(str(path))
+    monkeypatch.setattr(local.page_cache, "cached", lambda fd, off, n: False)
+    f = LocalFile(str(path))
     dfd = f.direct_fd
     f._no_direct()
     assert f.direct_fd is None and os.fstat(dfd)  # still open
@@ -137,8 +139,8 @@ def test_a_direct_descriptor_given_up_stays_open_until_the_file_is_dropped(tmp_p
 
 def test_a_read_past_the_end_of_the_file_comes_back_short(tmp_path, monkeypatch):
     path, data = _file(tmp_path, ALIGN + 10)
-    monkeypatch.setattr(filereads.page_cache, "cached", lambda fd, off, n: False)
-    f = SourceFile(str(path))
+    monkeypatch.setattr(local.page_cache, "cached", lambda fd, off, n: False)
+    f = LocalFile(str(path))
     buf = mmap.mmap(-1, 4 * ALIGN)
     k, direct = f.read_into(memoryview(buf), 0, 3 * ALIGN)
     assert direct and k == len(data) < 3 * ALIGN and bytes(buf[:k]) == data
@@ -146,8 +148,8 @@ def test_a_read_past_the_end_of_the_file_comes_back_short(tmp_path, monkeypatch)
 
 def test_a_direct_read_the_device_refuses_falls_back_to_the_page_cache_for_good(tmp_path, monkeypatch):
     path, data = _file(tmp_path, 3 * ALIGN)
-    monkeypatch.setattr(filereads.page_cache, "cached", lambda fd, off, n: False)
-    f = SourceFile(str(path))
+    monkeypatch.setattr(local.page_cache, "cached", lambda fd, off, n: False)
+    f = LocalFile(str(path))
     dfd, real = f.direct_fd, os.preadv
 
     def preadv(fd, bufs, off, *a):
@@ -155,7 +157,7 @@ def test_a_direct_read_the_device_refuses_falls_back_to_the_page_cache_for_good(
             raise OSError(errno.EINVAL, "Invalid argument")
         return real(fd, bufs, off, *a)
 
-    monkeypatch.setattr(filereads.os, "preadv", preadv)
+    monkeypatch.setattr(local.os, "preadv", preadv)
     got, how = _read_spans(f, [(5, 2 * ALIGN + 9), (0, 10)])
     assert got == [data[5:2 * ALIGN + 9], data[:10]] and how == [False, False]
     assert f.direct_fd is None
@@ -163,22 +165,22 @@ def test_a_direct_read_the_device_refuses_falls_back_to_the_page_cache_for_good(
 
 def test_other_read_errors_are_raised(tmp_path, monkeypatch):
     path, _ = _file(tmp_path, ALIGN)
-    monkeypatch.setattr(filereads.page_cache, "cached", lambda fd, off, n: False)
-    f = SourceFile(str(path))
+    monkeypatch.setattr(local.page_cache, "cached", lambda fd, off, n: False)
+    f = LocalFile(str(path))
 
     def preadv(fd, bufs, off, *a):
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(filereads.os, "preadv", preadv)
+    monkeypatch.setattr(local.os, "preadv", preadv)
     with pytest.raises(OSError, match="Input/output"):
         f.read_into(memoryview(mmap.mmap(-1, ALIGN)), 0, 10)
 
 
 def test_direct_reads_can_be_turned_off(tmp_path, monkeypatch):
     path, data = _file(tmp_path, 2 * ALIGN)
-    monkeypatch.setattr(filereads.page_cache, "cached", lambda fd, off, n: False)
-    monkeypatch.setenv(filereads.ENV_DIRECT, "0")
-    f = SourceFile(str(path))
+    monkeypatch.setattr(local.page_cache, "cached", lambda fd, off, n: False)
+    monkeypatch.setenv(env.DIRECT_IO, "0")
+    f = LocalFile(str(path))
     assert f.direct_fd is None
     assert _read_spans(f, [(1, 100)]) == ([data[1:100]], [False])
 
@@ -189,9 +191,9 @@ def test_a_path_replaced_between_the_two_opens_gets_no_direct_descriptor(tmp_pat
     other = tmp_path / "other.bin"
     other.write_bytes(b"x" * (2 * ALIGN))
     real = os.open
-    monkeypatch.setattr(filereads.os, "open", lambda p, flags, *a: real(other if flags & os.O_DIRECT else p, flags, *a))
-    monkeypatch.setattr(filereads.page_cache, "cached", lambda fd, off, n: False)
-    f = SourceFile(str(path))
+    monkeypatch.setattr(local.os, "open", lambda p, flags, *a: real(other if flags & os.O_DIRECT else p, flags, *a))
+    monkeypatch.setattr(local.page_cache, "cached", lambda fd, off, n: False)
+    f = LocalFile(str(path))
     assert f.direct_fd is None
     assert _read_spans(f, [(0, 2 * ALIGN)]) == ([data], [False])
 
@@ -201,19 +203,19 @@ def test_file_system_type_comes_from_mountinfo(tmp_path):
     info.write_text("22 27 0:21 / /proc rw,relatime - proc proc rw\n"
                     "27 1 254:0 / / rw,relatime - ext4 /dev/vda rw,discard\n"
                     "40 27 0:45 / /mnt/nfs rw,relatime shared:9 - nfs4 srv:/x rw,vers=4.2\n")
-    assert filereads.file_system_type(os.makedev(254, 0), str(info)) == "ext4"
-    assert filereads.file_system_type(os.makedev(0, 45), str(info)) == "nfs4"
-    assert filereads.file_system_type(os.makedev(8, 1), str(info)) is None
-    assert filereads.file_system_type(os.makedev(8, 1), str(tmp_path / "missing")) is None
-    assert filereads.file_system_type(os.stat(tmp_path).st_dev) is not None  # this machine's own mountinfo
+    assert local.file_system_type(os.makedev(254, 0), str(info)) == "ext4"
+    assert local.file_system_type(os.makedev(0, 45), str(info)) == "nfs4"
+    assert local.file_system_type(os.makedev(8, 1), str(info)) is None
+    assert local.file_system_type(os.makedev(8, 1), str(tmp_path / "missing")) is None
+    assert local.file_system_type(os.stat(tmp_path).st_dev) is not None  # this machine's own mountinfo
 
 
 def test_files_on_other_file_systems_are_read_through_the_page_cache(tmp_path, monkeypatch):
     """NFS, FUSE, tmpfs…: no direct descriptor (their own read-ahead is what makes them fast)."""
     path, data = _file(tmp_path, 2 * ALIGN)
-    monkeypatch.setattr(filereads, "file_system_type", lambda dev: "nfs4")
-    monkeypatch.setattr(filereads.page_cache, "cached", lambda fd, off, n: False)
-    f = SourceFile(str(path))
+    monkeypatch.setattr(local, "file_system_type", lambda dev: "nfs4")
+    monkeypatch.setattr(local.page_cache, "cached", lambda fd, off, n: False)
+    f = LocalFile(str(path))
     assert f.direct_fd is None
     assert _read_spans(f, [(3, 2 * ALIGN)]) == ([data[3:]], [False])
 
@@ -221,13 +223,13 @@ def test_files_on_other_file_systems_are_read_through_the_page_cache(tmp_path, m
 def test_without_cachestat_every_read_uses_the_page_cache(tmp_path, monkeypatch):
     """An older kernel (cachestat answers ENOSYS): no direct descriptor, reads as before."""
     path, data = _file(tmp_path, 2 * ALIGN)
-    probe = filereads._PageCacheProbe()
+    probe = local._PageCacheProbe()
     if not probe.works:
         pytest.fail("no syscall entry point for cachestat on this platform")
     monkeypatch.setattr(probe, "_number", 10**6)  # no such system call: ENOSYS
     assert probe.cached(0, 0, 1) is None and not probe.works
-    monkeypatch.setattr(filereads, "page_cache", probe)
-    f = SourceFile(str(path))
+    monkeypatch.setattr(local, "page_cache", probe)
+    f = LocalFile(str(path))
     assert f.direct_fd is None
     assert _read_spans(f, [(0, 2 * ALIGN)]) == ([data], [False])
 
@@ -239,10 +241,10 @@ def test_consecutive_block_hints_announce_only_the_new_part_of_the_window(tmp_pa
     path = tmp_path / "f.bin"
     path.write_bytes(b"\0" * 4096)
     calls = []
-    monkeypatch.setattr(filereads.os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n)),
+    monkeypatch.setattr(local.os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n)),
                         raising=False)
-    w = filereads.HINT_AHEAD
-    f = SourceFile(str(path))
+    w = local.HINT_AHEAD
+    f = LocalFile(str(path))
     f.will_need(1000)
     assert calls == [(1000, w)]
     for step in range(1, 4):  # blocks of 1 MiB: less than half a window new

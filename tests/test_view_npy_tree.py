@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import ckptfs
-from ckptfs.views.tensors import NAME_MAX, escape_component, plan_paths
+from ckptfs.views.npy_tree import NAME_MAX, escape_component, plan_paths
 from untrusted_help import craft_names
 
 

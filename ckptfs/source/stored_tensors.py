@@ -22,13 +22,13 @@ import numpy as np
 
 from ..dtypes import BFLOAT16, DType
 from ..errors import SourceChangedError, TensorReadError
-from ..tensor import Box, VirtualTensor, box_shape, shared_shape
+from ..storage.local import FileIdentity
+from ..virtual_tensor import Box, VirtualTensor, box_shape, shared_shape
 from . import lz4chunks
 from .confine import Confinement, RefusedReference, open_regular
 from .h5safe import H5Refused, open_dataset
 from .h5store import H5Store, one_line
 from .validate import dataset_problem
-from .watch import FileIdentity
 
 
 _open_lock = threading.Lock()

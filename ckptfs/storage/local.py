@@ -1,10 +1,11 @@
-"""Byte ranges of a checkpoint file, read from the page cache when they are cached there, else straight from the disk.
+"""The local-disk storage backend: a file read by byte ranges (``LocalFile``, a ``Blob``: from the page cache when
+its pages are cached there, else straight from the disk) and a directory (``LocalFolder``, a ``Folder``).
 
 A cold read through the page cache costs more CPU than the disk transfer itself: the kernel allocates and fills a
 page per 4 KiB and copies it out again; on the 2-vCPU VMs ckptfs is measured on, a cold buffered read of 1 GB took
 0.6-2 CPU-s of system time against 0.1 s with ``O_DIRECT`` (the disk DMAs into our buffer), and the page cache ends
 up holding the compressed source beside the decoded blocks and the kernel's copy of the mount's output. So
-``SourceFile.read_into`` asks the kernel whether a range is cached (``cachestat``, Linux 6.5+; one system call,
+``LocalFile.read_into`` asks the kernel whether a range is cached (``cachestat``, Linux 6.5+; one system call,
 which, unlike a non-blocking read, starts no read-ahead) and reads it
 
 * with a plain ``preadv`` when every page of it is cached (a warm checkpoint costs what it did), or when ``O_DIRECT``
@@ -31,9 +32,13 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import threading
+import stat as stat_mod
+from dataclasses import dataclass
+from pathlib import Path
 
-ENV_DIRECT = "CKPTFS_DIRECT_IO"
+from ..env import direct_io_enabled
+from .base import Blob, Folder, FolderEntry, ShortRead, count_waited_read
+
 #: direct reads are widened and aligned to this (the largest logical block size of common disks; also the page size)
 ALIGN = 4096
 #: the kernel's page size, the unit ``cachestat`` counts in
@@ -99,17 +104,6 @@ class _PageCacheProbe:
 
 
 page_cache = _PageCacheProbe()
-_this_thread = threading.local()
-
-
-def direct_reads_by_this_thread() -> int:
-    """How many direct reads the calling thread has made (the read-ahead threads compare it around a block)."""
-    return getattr(_this_thread, "direct_reads", 0)
-
-
-def direct_io_enabled() -> bool:
-    """Whether cold ranges may be read with ``O_DIRECT`` (``$CKPTFS_DIRECT_IO``, default on)."""
-    return os.environ.get(ENV_DIRECT, "1").strip() != "0"
 
 
 def file_system_type(st_dev: int, mountinfo: str = "/proc/self/mountinfo") -> str | None:
@@ -127,25 +121,50 @@ def file_system_type(st_dev: int, mountinfo: str = "/proc/self/mountinfo") -> st
     return None
 
 
-class ShortRead(Exception):
-    """The file ends inside span ``k`` of a ``read_spans``: only ``got`` of its bytes are there."""
+@dataclass(frozen=True)
+class FileIdentity:
+    """What a version of a file is: device, inode, size and the modification and change times (ns)."""
 
-    def __init__(self, k: int, got: int):
-        super().__init__(f"span {k}: {got} bytes")
-        self.k, self.got = k, got
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of_stat(cls, st: os.stat_result) -> "FileIdentity":
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    @classmethod
+    def of_path(cls, path) -> "FileIdentity":
+        """The identity of the file at ``path`` now (``OSError`` if it cannot be stat'ed)."""
+        return cls.of_stat(os.stat(path))
+
+    def difference(self, other: "FileIdentity") -> str | None:
+        """How ``other`` differs from this version, in words (None when it is the same version)."""
+        if (self.dev, self.ino) != (other.dev, other.ino):
+            return "replaced by another file (inode changed)"
+        if self.size != other.size:
+            return f"size changed from {self.size} to {other.size} bytes"
+        if self.mtime_ns != other.mtime_ns or self.ctime_ns != other.ctime_ns:
+            return "modified in place (mtime/ctime changed)"
+        return None
 
 
-class SourceFile:
-    """Read-only descriptors on one checkpoint file (a buffered one and, when allowed, an ``O_DIRECT`` one)."""
+class LocalFile(Blob):
+    """Read-only descriptors on one local file (a buffered one and, when allowed, an ``O_DIRECT`` one)."""
 
     def __init__(self, path: str):
+        self.name = os.fsdecode(path)
         self.file = open(path, "rb", buffering=0)  # noqa: SIM115 (lives as long as its readers)
         self.fd = self.file.fileno()
         self.direct_fd: int | None = None  # the O_DIRECT descriptor while direct reads are used
         self._owned_fd: int | None = None  # the O_DIRECT descriptor, closed with this object
         self._hinted = (0, 0)  # the file range last announced with ``will_need``
+        st = os.fstat(self.fd)
+        self._version = FileIdentity.of_stat(st)
         if (direct_io_enabled() and hasattr(os, "O_DIRECT") and page_cache.cached(self.fd, 0, 1) is not None
-                and file_system_type(os.fstat(self.fd).st_dev) in DIRECT_FILE_SYSTEMS):
+                and file_system_type(st.st_dev) in DIRECT_FILE_SYSTEMS):
             try:
                 self._owned_fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
             except OSError:  # a file system without O_DIRECT (e.g. an old tmpfs)
@@ -154,6 +173,17 @@ class SourceFile:
                 a, b = os.fstat(self.fd), os.fstat(self._owned_fd)
                 if (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino):  # else the path was replaced in between
                     self.direct_fd = self._owned_fd
+
+    @property
+    def size(self) -> int:
+        return self._version.size
+
+    @property
+    def version(self) -> FileIdentity:
+        return self._version
+
+    def current_version(self) -> FileIdentity:
+        return FileIdentity.of_path(self.name)
 
     def read_spans(self, spans, scratch, hint: bool = True) -> tuple:
         """Read the file ranges ``spans`` (``(offset, end)`` each) into one buffer of ``scratch(size)`` (page-aligned):
@@ -191,7 +221,7 @@ class SourceFile:
         if dfd is not None and need >= DIRECT_MIN_BYTES and page_cache.cached(self.fd, offset, need) is False:
             try:
                 got = os.preadv(dfd, [view], offset)
-                _this_thread.direct_reads = direct_reads_by_this_thread() + 1
+                count_waited_read()
                 return got, True
             except OSError as e:
                 if e.errno != errno.EINVAL:
@@ -231,12 +261,15 @@ class SourceFile:
         self._hinted = (lo, end)
         hint_will_need(self.fd, start, end - start)
 
-    def __del__(self):
+    def close(self) -> None:
         f = getattr(self, "file", None)
         if f is not None:
             f.close()
-        if getattr(self, "_owned_fd", None) is not None:
-            os.close(self._owned_fd)
+        owned, self._owned_fd, self.direct_fd = getattr(self, "_owned_fd", None), None, None
+        if owned is not None:
+            os.close(owned)
+
+    __del__ = close
 
 
 def hint_will_need(fd: int, offset: int, length: int) -> None:
@@ -247,3 +280,42 @@ def hint_will_need(fd: int, offset: int, length: int) -> None:
             advise(fd, offset, length, os.POSIX_FADV_WILLNEED)
         except OSError:
             pass
+
+
+def _entry(name: str, st: os.stat_result) -> FolderEntry:
+    return FolderEntry(name, stat_mod.S_ISREG(st.st_mode), st.st_size, st.st_mtime_ns, FileIdentity.of_stat(st))
+
+
+class LocalFolder(Folder):
+    """A local directory: entries listed with ``scandir`` and stat'ed through links, opened as ``LocalFile``s."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self.name = str(self.path)
+
+    def entries(self) -> list:
+        out = []
+        with os.scandir(self.path) as it:
+            for de in it:
+                try:
+                    st = de.stat()  # follows links: a checkpoint may be a link to its file
+                except OSError:
+                    continue  # deleted since listed, or a dangling link
+                out.append(_entry(de.name, st))
+        return out
+
+    def stat(self, name: str) -> FolderEntry | None:
+        try:
+            return _entry(name, os.stat(self.path / name))
+        except OSError:
+            return None
+
+    def open(self, name: str) -> LocalFile:
+        return LocalFile(str(self.path / name))
+
+    def read_text(self, name: str, limit: int = 1 << 16) -> str:
+        with open(self.path / name, "rb") as f:
+            return f.read(limit).decode("utf-8", "replace")
+
+    def folder(self, name: str) -> "LocalFolder":
+        return LocalFolder(self.path / name)

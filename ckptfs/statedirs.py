@@ -1,0 +1,29 @@
+"""Where ckptfs keeps state between runs: one cache directory and its sub-folders, named here for every layer.
+
+``$CKPTFS_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/ckptfs`` (default ``~/.cache/ckptfs``), holding ``crc/``
+(persisted zip CRCs, ``ckptfs.layouts.crc``), ``catalogs/`` (catalog indexes, ``ckptfs.source.catalog_index``),
+``logs/`` (background servers' logs, ``ckptfs.mountproc``) and the model registry's index
+(``ckptfs.mapping.registry``). Nothing here creates a folder: each user does, and copes when it cannot.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import env
+
+#: how to point ckptfs at another cache directory (said in errors about an unusable one)
+CACHE_DIR_ENV = env.CACHE_DIR
+
+
+def cache_dir() -> Path:
+    """ckptfs's cache directory (see the module docstring)."""
+    chosen = env.cache_dir_setting()
+    return Path(chosen) if chosen else Path(env.xdg_cache_home()) / "ckptfs"
+
+
+def crc_dir() -> Path:
+    return cache_dir() / "crc"
+
+
+def log_dir() -> Path:
+    return cache_dir() / "logs"

@@ -1,0 +1,141 @@
+"""The storage interface: where a checkpoint's bytes live, as the layers above read them.
+
+Two kinds of thing, each one declared here and implemented once per backend (``local.py``: files on a local disk):
+
+* ``Blob`` — one object read by byte ranges: a checkpoint file, an external tensor file. It has an exact ``size``,
+  a ``version`` taken when it was opened (compared with ``current_version()`` to see that it changed underneath), a
+  ``name`` to show in messages (never a secret: no credentials, no signed query), and reads: ``read_into`` one
+  range into a caller's buffer, ``read_spans`` several ranges into one scratch buffer, ``read_scattered`` the same
+  for small ranges far apart, ``will_need`` to announce what comes next. Nothing here assumes a file descriptor:
+  a backend keeps its own tricks (``O_DIRECT``, ``cachestat``, ranged GETs in parallel) behind these methods.
+* ``Folder`` — a directory or an object prefix (a ``model_dir``): its entries listed with their size, mtime and
+  version, each one stat'ed, opened as a ``Blob`` or read as a small text (a ``latest`` pointer).
+
+A backend that waits for a device or the network on a read (a read straight from the disk, a GET) says so with
+``count_waited_read()``: the read-ahead (``ckptfs.readahead``) runs a second worker while blocks wait
+(``waited_reads``, the hook it is given).
+
+Adding a backend is one module in this package implementing both classes (docs/architecture.md, "Layers").
+"""
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, Hashable, Iterable
+
+
+class ShortRead(Exception):
+    """The blob ends inside span ``k`` of a ``read_spans``: only ``got`` of its bytes are there."""
+
+    def __init__(self, k: int, got: int):
+        super().__init__(f"span {k}: {got} bytes")
+        self.k, self.got = k, got
+
+
+_this_thread = threading.local()
+
+
+def count_waited_read() -> None:
+    """Count one read of the calling thread that waited for the device or network (not served from memory)."""
+    _this_thread.waited = waited_reads() + 1
+
+
+def waited_reads() -> int:
+    """How many reads the calling thread made that waited for the device or network (``count_waited_read``)."""
+    return getattr(_this_thread, "waited", 0)
+
+
+class Blob(ABC):
+    """One stored object read by byte ranges (see the module docstring). Thread-safe: readers share one."""
+
+    #: what messages call it: a path, ``s3://bucket/key`` — never a credential
+    name: str
+
+    @property
+    @abstractmethod
+    def size(self) -> int:
+        """Its size in bytes when it was opened."""
+
+    @property
+    @abstractmethod
+    def version(self) -> Hashable:
+        """What identifies the version that was opened (equal to ``current_version()`` while it is unchanged)."""
+
+    @abstractmethod
+    def current_version(self) -> Hashable:
+        """The version stored now (``OSError`` when it is gone or cannot be asked)."""
+
+    @abstractmethod
+    def read_into(self, view: memoryview, offset: int, need: int) -> tuple[int, bool]:
+        """Read ``need`` bytes from ``offset`` into ``view``: ``(bytes read, whether the read waited for the
+        device)``; fewer than ``need`` only at the end of the blob. ``view`` may be longer than ``need`` (a backend
+        may fill it whole, up to the end of the blob)."""
+
+    def read_spans(self, spans: Iterable, scratch: Callable[[int], object], hint: bool = True) -> tuple:
+        """Read the ranges ``spans`` (``(offset, end)`` each) into one buffer of ``scratch(size)``: ``(buffer,
+        position of each span's first byte in it, whether any span came from a cache)``. Raises ``ShortRead`` when
+        the blob ends inside a span. ``hint``: the backend may announce the bytes after the spans (``will_need``).
+        This default packs the spans and reads them one by one; a backend lays them out as its reads need."""
+        spans = list(spans)
+        total = sum(end - lo for lo, end in spans)
+        buf = scratch(total)
+        mv, starts, at, cached = memoryview(buf), [], 0, False
+        for k, (lo, end) in enumerate(spans):
+            got, waited = self.read_into(mv[at:at + end - lo], lo, end - lo)
+            if got < end - lo:
+                raise ShortRead(k, got)
+            cached |= not waited
+            starts.append(at)
+            at += end - lo
+        return buf, starts, cached
+
+    def read_scattered(self, spans: Iterable, scratch: Callable[[int], object]) -> tuple:
+        """``read_spans`` for small ranges far apart (a peek's rows in each chunk of a row of chunks): a backend may
+        issue them together rather than one after the other."""
+        return self.read_spans(spans, scratch, hint=False)
+
+    def will_need(self, offset: int) -> None:
+        """Announce that the bytes from ``offset`` on will be read soon (a backend may start fetching them)."""
+
+    def close(self) -> None:
+        """Release what the blob holds (descriptors, connections); reads after ``close`` fail."""
+
+
+@dataclass(frozen=True)
+class FolderEntry:
+    """One entry of a ``Folder``, as one listing saw it."""
+
+    name: str
+    is_file: bool  # a regular file (a link is followed); False for a directory or anything else
+    size: int = 0
+    mtime_ns: int = 0
+    version: Hashable = None  # changes whenever the entry's content does (as ``Blob.version``)
+
+
+class Folder(ABC):
+    """A directory or an object prefix whose entries can be listed, stat'ed, opened and read (see the module
+    docstring)."""
+
+    #: what messages call it (never a credential)
+    name: str
+
+    @abstractmethod
+    def entries(self) -> list:
+        """``FolderEntry`` of every entry directly in the folder (``OSError`` when it cannot be listed)."""
+
+    @abstractmethod
+    def stat(self, name: str) -> FolderEntry | None:
+        """The entry called ``name`` now (links followed), or None when there is none."""
+
+    @abstractmethod
+    def open(self, name: str) -> Blob:
+        """The entry called ``name`` as a ``Blob`` (``OSError`` when it cannot be opened)."""
+
+    @abstractmethod
+    def read_text(self, name: str, limit: int = 1 << 16) -> str:
+        """The entry ``name`` as UTF-8 text (undecodable bytes replaced), at most ``limit`` bytes of it."""
+
+    @abstractmethod
+    def folder(self, name: str) -> "Folder":
+        """The sub-folder ``name`` (which need not exist: listing it then fails)."""
