@@ -89,7 +89,10 @@ def test_mutated_pickles_decode_like_pickle_or_are_refused(value, protocol, data
     except PickleRefused as e:
         assert "\n" not in str(e)
         return
-    ref = _OnlyBytesGlobals(io.BytesIO(raw)).load()
+    try:
+        ref = _OnlyBytesGlobals(io.BytesIO(raw)).load()
+    except MemoryError:  # pickle itself allocates a mutated frame length up front: no reference to compare with
+        return
     assert same(out, ref)
 
 
