@@ -15,11 +15,10 @@ from collections.abc import Mapping
 
 from ..errors import ConfigError, MappingError
 from .config import config_functions, convert_config, evaluate_config_expr
-from .convert import HFModel, set_weights_dtype
 from .detect import cs_model_tensors
+from .hfmodel import HFModel, Scoped, map_model
 from .registry import Registry
 from .spec import ComponentSpec, FamilySpec, ModelVariant, merge_config
-from .tensors import RuleEngine
 
 
 def dotted(path: tuple) -> str:
@@ -169,30 +168,15 @@ def build_component(comp: ComponentSpec, top: FamilySpec, variant: ModelVariant,
                                             f"{comp.where}.files.{fname}")
     names = local_names(cs, comp, top.path)
     local = {name: cs[key] for name, key in names.items()}
-    mapping = RuleEngine(spec, sub, cfg.scope, funcs, params.path).run(local)
     where = " or ".join(f"model.{p}*" for p in (comp.cs_prefix, *(s for s, _ in comp.cs_rename)))
-    if not mapping.tensors:
-        raise MappingError(top.path, f"{comp.where}: no CS tensor under {where} matched the {spec.family} "
-                                     f"rules; is this really a {variant.name} checkpoint?")
-
-    config = dict(cfg.hf)
-    set_weights_dtype(config, mapping.tensors)
-    if sub.remote_code:
-        cfg.warnings.append(f"HF class {sub.hf_class} is not part of transformers: load it with "
-                            f"trust_remote_code=True; its modeling code comes from {sub.remote_code}")
-    warnings = list(cfg.warnings)
-    warnings += [f"CS tensor model.{names[key]} not converted: {reason}" for key, reason in mapping.dropped]
-    for key in mapping.unmatched:
-        t = local[key]
-        warnings.append(f"CS tensor model.{names[key]} {list(t.shape)} {t.dtype.name} matches no rule of "
-                        f"{spec.path.name} for the {comp.folder or 'root'} folder; not converted")
-    used = params_used(comp, cfg)
     section_text = f"params model.{dotted(comp.params)}" if comp.params else "the params model: section"
-    model = HFModel(family=top.family, model_name=base_variant.name, hf_class=sub.hf_class,
-                    tensors=mapping.tensors, config=config, generation_config=cfg.generation,
-                    warnings=warnings, params_path=params.path, files=files,
-                    description=f"{sub.hf_class} ({spec.family} rules) from CS {where} and {section_text}")
-    return Built(comp, spec, model, used, set(names.values()))
+    model = map_model(spec, sub, cfg, local, params.path, family=top.family, model_name=base_variant.name,
+                      scoped=Scoped(names, where, comp.folder),
+                      empty=(top.path, f"{comp.where}: no CS tensor under {where} matched the {spec.family} "
+                                       f"rules; is this really a {variant.name} checkpoint?"))
+    model.files = files
+    model.description = f"{sub.hf_class} ({spec.family} rules) from CS {where} and {section_text}"
+    return Built(comp, spec, model, params_used(comp, cfg), set(names.values()))
 
 
 def unused_warnings(params, built: list, top: FamilySpec, variant: ModelVariant, extra_used: set) -> list:

@@ -17,7 +17,7 @@ from fractions import Fraction
 from ..errors import CkptfsError
 from .config import config_functions, convert_config
 from .expr import MissingName
-from .tensors import RuleEngine
+from .rules import RuleEngine
 
 PEFT_PREFIX = "base_model.model."
 #: (suffix of a PEFT tensor name, factor, module kind)
