@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from ..errors import ConfigError
+from .components import Built, component_config, params_used, unused_warnings
 from .config import convert_config, unused_key_warnings
 from .detect import detect_family
 from .params import load_params_file
@@ -60,8 +61,6 @@ def params_to_hf_configs(params_path, *, model: str | None = None, trainer_index
         out.notes.append(f"params name {cs_name!r} overridden by --model {model}")
 
     if variant.components:
-        from .components import Built, component_config, params_used, unused_warnings
-
         built = []
         for comp in variant.components:
             try:

@@ -19,6 +19,7 @@ from . import ops
 from .expr import ExprError, MissingName, Scope, evaluate
 from .pattern import PatternError, fill
 from .spec import FamilySpec, ModelVariant, TensorRule
+from .transforms import collect
 
 
 @dataclass
@@ -81,8 +82,6 @@ TENSOR_FUNCTIONS: dict[str, Callable] = {
 
 
 def _with_family_transforms(base: dict) -> dict:
-    from .transforms import collect
-
     extra = collect()
     clash = sorted(set(extra) & set(base))
     if clash:
