@@ -13,24 +13,26 @@ from __future__ import annotations
 from pathlib import Path
 
 from .options import from_kwargs as _options
+from .tree.base import Tree
 
 
-def open(ckpt, **options):  # noqa: A001 - mirrors the file-system verb
-    """The virtual tree of a checkpoint (a .mdl file or a model_dir): ``listdir``, ``attr``, ``read``, ``iter_blocks``.
+def open(ckpt, **options) -> Tree:  # noqa: A001 - mirrors the file-system verb
+    """The virtual tree of a checkpoint (a .mdl file or a model_dir), a ``ckptfs.tree.base.Tree``: ``listdir``,
+    ``attr``, ``read``, ``iter_blocks``, ``walk``.
 
     Options are the fields of ``ckptfs.options.MountOptions`` (config, model, views, max_shard_size, zip_crc,
     cache_size, …); a text is parsed as its command-line flag's value (``max_shard_size="5GB"``, ``views="hf,cs"``).
     """
-    from .vfs import build_tree
+    from .tree.assemble import build_tree
 
     return build_tree(Path(ckpt), _options(**options))
 
 
-def open_run(model_dir, **options):
-    """The live tree of a training run, as ``ckptfs mount MODEL_DIR`` shows it (``ckptfs.runtree.RunTree``):
+def open_run(model_dir, **options) -> Tree:
+    """The live tree of a training run, as ``ckptfs mount MODEL_DIR`` shows it (``ckptfs.tree.run.RunTree``):
     ``checkpoint_<step>/…`` for every complete checkpoint, ``latest`` (``readlink``; ``latest/…`` paths are
     followed), README.txt. Options as for ``open``; close it when done."""
-    from .runtree import open_run as _open_run
+    from .tree.run import open_run as _open_run
 
     return _open_run(Path(model_dir), _options(**options))
 

@@ -1,5 +1,8 @@
 """Command-line entry point: ``ckptfs <command> …``. Each command lives in ``ckptfs/commands/<name>.py``
-with ``add_parser(subparsers)`` and ``run(args) -> int``. Errors become one line and exit code 2."""
+with ``add_parser(subparsers)`` and ``run(args) -> int``. Errors become one line and exit code 2.
+
+``main(argv, build_tree=…)`` runs the commands over trees built by another function than
+``ckptfs.tree.assemble.build_tree`` (its arguments): what a test does to mount or export synthetic files."""
 from __future__ import annotations
 
 import argparse
@@ -33,10 +36,11 @@ def _command_named(argv: list) -> str | None:
     return modules.get(rest[0]) if rest else None
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, build_tree=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(_command_named(argv))
     args = parser.parse_args(argv)
+    args.build_tree = build_tree  # None: the commands build trees with ckptfs.tree.assemble.build_tree
     debug = getattr(args, "debug", False)
     try:
         return int(args._run(args) or 0)

@@ -1,7 +1,8 @@
-"""The thin FUSE adapter: mfusepy operations serving a ``VirtualTree`` read-only, in page-cache mode.
+"""The thin FUSE adapter: mfusepy operations serving a ``Tree`` (``ckptfs/tree/base.py``) read-only, in page-cache
+mode.
 
-All the logic (paths, sizes, inodes, bytes) lives in ``ckptfs.vfs``; this module only translates FUSE calls and
-errors. Choices (see docs/fuse-bindings-and-throughput.md §0, §6): libfuse 3 loaded explicitly, no ``direct_io``
+All the logic (paths, sizes, inodes, bytes) lives in the tree; this module only translates FUSE calls and
+errors. Choices (docs/measurements.md, "FUSE server"): libfuse 3 loaded explicitly, no ``direct_io``
 (mmap must work), ``kernel_cache`` and long attr/entry timeouts (the tree is immutable), ``st_blksize`` 1 MiB,
 one loop thread (libfuse's multi-threaded loop is an option: the tree, its cache and the sources are thread-safe),
 reads filled straight into libfuse's reply buffer (``ReadIntoFUSE``), glibc malloc thresholds pinned, a 2 MiB
@@ -23,7 +24,7 @@ from ctypes.util import find_library
 
 from . import env
 from .errors import CkptfsError, SourceChangedError
-from .vfs import BLKSIZE, Entry, VirtualPathError, VirtualTree
+from .tree.base import BLKSIZE, NAME_MAX, Tree, TreeEntry, VirtualPathError
 
 log = logging.getLogger("ckptfs.fuse")
 
@@ -31,9 +32,7 @@ log = logging.getLogger("ckptfs.fuse")
 CACHE_TIMEOUT = 86400
 #: the kernel's read-ahead on a mounted file (``max_readahead`` at init, and the mount's bdi ``read_ahead_kb`` when we
 #: may write it): requests stay 1 MiB (libfuse's largest), but a page fault of a memory-mapped file reads this much
-#: around it. Against 1 MiB, 2 MiB and 4 MiB both halved the page-touching phase of a ``from_pretrained`` through the
-#: mount (its tensors are memory-mapped and touched out of file order); 4 MiB made a cold ``cp`` of a CRC-exact
-#: ``.bin`` ~35% slower (1 GB bf16), 2 MiB did not; 16 MiB slowed a cold ``cp`` of any file.
+#: around it (docs/measurements.md, "Kernel read-ahead on the mount")
 READ_AHEAD_KB = 2048
 #: bytes after a sequential read the server prepares in its read-ahead thread (``ckptfs.readahead``)
 SERVER_READ_AHEAD = 4 << 20
@@ -99,7 +98,7 @@ def load_mfusepy():
 
 
 def pin_malloc() -> bool:
-    """Stop glibc from trimming/refaulting the heap on every 1 MiB reply (§3.3). Best effort; False if not glibc."""
+    """Stop glibc from trimming/refaulting the heap on every 1 MiB reply. Best effort; False if not glibc."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
@@ -131,11 +130,11 @@ def _oserror(code: int) -> OSError:
 
 
 class CkptfsOperations:
-    """mfusepy ``Operations`` over a VirtualTree. Every public attribute is a FUSE op: private state is ``_x``."""
+    """mfusepy ``Operations`` over a ``Tree``. Every public attribute is a FUSE op: private state is ``_x``."""
 
     use_ns = True  # times are int nanoseconds (read by mfusepy, not an operation)
 
-    def __init__(self, tree: VirtualTree, mount_target: str | None = None, *, uid: int | None = None,
+    def __init__(self, tree: Tree, mount_target: str | None = None, *, uid: int | None = None,
                  gid: int | None = None):
         self._tree = tree
         self._mount_target = mount_target  # see mount_target(); never stat'ed from inside a callback
@@ -145,19 +144,19 @@ class CkptfsOperations:
         self._lock = threading.Lock()
 
     # -- helpers ------------------------------------------------------------------------------------
-    def _entry(self, path: str) -> Entry:
+    def _entry(self, path: str) -> TreeEntry:
         try:
             return self._tree.lookup(path)
         except VirtualPathError as e:
             raise _oserror(e.errno) from None
 
-    def _stat(self, e: Entry) -> dict:
+    def _stat(self, e: TreeEntry) -> dict:
         a = self._tree.attr(e)
         return {"st_mode": a.mode, "st_ino": a.ino, "st_nlink": a.nlink, "st_size": a.size,
                 "st_uid": self._uid, "st_gid": self._gid, "st_blksize": a.blksize, "st_blocks": a.blocks,
                 "st_mtime": a.mtime_ns, "st_ctime": a.mtime_ns, "st_atime": a.mtime_ns}
 
-    def _report(self, e: Entry, err: BaseException) -> None:
+    def _report(self, e: TreeEntry, err: BaseException) -> None:
         """Log the first failure of each file as one line; later ones only at debug level. A source that changed
         under the mount is said once for the whole mount (every file reading it then fails the same way)."""
         path = "/" + e.path
@@ -254,7 +253,7 @@ class CkptfsOperations:
         frsize = 4096
         return {"f_bsize": BLKSIZE, "f_frsize": frsize, "f_blocks": -(-self._tree.total_size // frsize),
                 "f_bfree": 0, "f_bavail": 0, "f_files": self._tree.node_count, "f_ffree": 0,
-                "f_favail": 0, "f_namemax": 255}
+                "f_favail": 0, "f_namemax": NAME_MAX}
 
     def init_with_config(self, conn, config):
         """Ask for ``READ_AHEAD_KB`` of read-ahead (libfuse 3 then sends 1 MiB requests); best effort, never raises."""
@@ -350,21 +349,21 @@ def fuse_class(fuse):
     return ReadIntoFUSE
 
 
-def serve(tree: VirtualTree, mountpoint, *, fsname: str = "ckptfs", allow_other: bool = False,
+def serve(tree: Tree, mountpoint, *, fsname: str = "ckptfs", allow_other: bool = False,
           cache_timeout: float = CACHE_TIMEOUT, threads: bool | None = None) -> None:
     """Mount ``tree`` at ``mountpoint`` and serve until unmounted or signalled (SIGTERM/SIGINT/SIGHUP).
 
     ``cache_timeout``: how long the kernel may cache entries, attributes and failed lookups (short for a tree that
-    changes: a run, ``ckptfs.runtree``). ``threads``: libfuse's multi-threaded loop (default: on when
-    ``$CKPTFS_FUSE_THREADS`` is 1; off otherwise, because on 2 cores it measured 20-30% slower than one loop
-    thread with the read-ahead thread of ``ckptfs.readahead``). Returns normally on a clean unmount; raises
+    changes: a run, ``tree/run.py``). ``threads``: libfuse's multi-threaded loop (default: on when
+    ``$CKPTFS_FUSE_THREADS`` is 1; off otherwise: on 2 cores one loop thread with the read-ahead threads of
+    ``ckptfs.readahead`` is faster, docs/measurements.md, "FUSE server"). Returns normally on a clean unmount; raises
     ``CkptfsError`` if the mount itself fails.
     """
     fuse = load_mfusepy()
     pin_malloc()
     if threads is None:
         threads = env.fuse_threads()
-    cache = getattr(tree, "cache", None)
+    cache = tree.cache
     if cache is not None:  # the kernel's page cache keeps what was read: blocks read whole are not kept twice
         cache.streaming = True
         cache.read_ahead = SERVER_READ_AHEAD

@@ -34,7 +34,8 @@ from pathlib import Path
 from .errors import CkptfsError
 from .options import MountOptions, check_options, to_argv
 from .statedirs import CACHE_DIR_ENV, log_dir as wanted_log_dir
-from .vfs import README_NAME, build_tree
+from .tree.assemble import TreeBuilder, build_tree
+from .views.base import README_NAME
 
 log = logging.getLogger("ckptfs.mount")
 
@@ -349,11 +350,11 @@ class ForkedServer:
                 pass
 
 
-def _fork_server(argv: list, log_fd: int, status_w: int) -> ForkedServer:
+def _fork_server(argv: list, log_fd: int, status_w: int, build: TreeBuilder) -> ForkedServer:
     """Run ``ckptfs <argv>`` (the foreground mount) in a forked child set up as ``Popen`` sets up the spawned server
     (a new session, cwd /, stdin from /dev/null, stdout and stderr to the log, no descriptor but the status pipe's),
     minus the new interpreter and the imports this process already made. The child never returns here: it exits
-    with the command's exit code once the mount ends."""
+    with the command's exit code once the mount ends (its trees built by ``build``, as in this process)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()  # nothing buffered here is written twice
@@ -375,7 +376,7 @@ def _fork_server(argv: list, log_fd: int, status_w: int) -> ForkedServer:
         from .cli import main
 
         sys.argv = [sys.argv[0], *argv]  # what this process now runs
-        code = main(argv)
+        code = main(argv, build_tree=build)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except BaseException:  # noqa: BLE001 - said in the log; the waiting mount reports the exit
@@ -391,12 +392,14 @@ def _fork_server(argv: list, log_fd: int, status_w: int) -> ForkedServer:
 
 
 def start_background(ckpt, mountpoint, options: MountOptions, *, allow_other: bool = False,
-                     debug: bool = False, timeout: float = READY_TIMEOUT, fork: bool | None = None) -> Started:
+                     debug: bool = False, timeout: float = READY_TIMEOUT, fork: bool | None = None,
+                     build: TreeBuilder = build_tree) -> Started:
     """Start the server (``ckptfs mount … --foreground``) in the background and wait until it answers.
 
     ``fork``: the server is a fork of this process (default: when this process has a single thread, as the
     ``ckptfs mount`` command does) — it starts without a second interpreter and the imports made here; otherwise a
-    new ``python -m ckptfs`` process. The server gets the write end of a status pipe (``--status-fd``): the error
+    new ``python -m ckptfs`` process (which builds its trees with ``build_tree``; a fork keeps ``build``). The server
+    gets the write end of a status pipe (``--status-fd``): the error
     that stops it before serving is raised here as the server printed it; on any failure (or Ctrl-C) nothing is left
     running or mounted."""
     log_path = log_dir() / f"mount-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
@@ -412,7 +415,7 @@ def start_background(ckpt, mountpoint, options: MountOptions, *, allow_other: bo
     try:
         with logf:
             if fork:
-                proc = _fork_server([*args, "--status-fd", str(status_w)], logf.fileno(), status_w)
+                proc = _fork_server([*args, "--status-fd", str(status_w)], logf.fileno(), status_w, build)
             else:
                 env = dict(os.environ)
                 pkg_parent = str(Path(__file__).resolve().parent.parent)
@@ -447,27 +450,28 @@ def setup_logging(debug: bool = False) -> None:
 
 
 def mount(ckpt, mountpoint, options: MountOptions | None = None, *, foreground: bool = False,
-          allow_other: bool = False, debug: bool = False, status_fd: int | None = None) -> Started | None:
+          allow_other: bool = False, debug: bool = False, status_fd: int | None = None,
+          build: TreeBuilder = build_tree) -> Started | None:
     """Mount checkpoint ``ckpt`` at ``mountpoint``.
 
     Everything that can be checked is checked before anything is mounted (mount point, checkpoint, views), so a
     failure leaves nothing mounted. In the foreground this serves until unmounted or signalled and returns None;
     otherwise it returns once a background server answers, or raises the error that stopped the server.
     ``status_fd``: the server's end of the status pipe of a background start (``start_background``); the error
-    that ends this call is written there too.
+    that ends this call is written there too. ``build``: what builds a checkpoint's tree (``build_tree``).
     """
     if status_fd is not None:
         os.set_inheritable(status_fd, False)
     try:
         return _mount(ckpt, mountpoint, options or MountOptions(), foreground=foreground, allow_other=allow_other,
-                      debug=debug, background_server=status_fd is not None)
+                      debug=debug, background_server=status_fd is not None, build=build)
     except CkptfsError as e:
         report_status_error(status_fd, e)
         raise
 
 
 def _mount(ckpt, mountpoint, options: MountOptions, *, foreground: bool, allow_other: bool, debug: bool,
-           background_server: bool) -> Started | None:
+           background_server: bool, build: TreeBuilder) -> Started | None:
     check_options(options)  # a --config that does not exist or does not parse: one line, nothing mounted
     mp = check_mountpoint(mountpoint)
     from .fusefs import check_fuse, load_mfusepy
@@ -476,15 +480,15 @@ def _mount(ckpt, mountpoint, options: MountOptions, *, foreground: bool, allow_o
         check_fuse()  # a missing libfuse or mfusepy is reported before a server is started
         # The server opens the checkpoint (once) and relays its error, if any: a bad checkpoint is still one line,
         # exit 2, nothing left mounted.
-        return start_background(ckpt, mp, options, allow_other=allow_other, debug=debug)
+        return start_background(ckpt, mp, options, allow_other=allow_other, debug=debug, build=build)
     load_mfusepy()  # a missing libfuse is reported before anything is built
     from .fusefs import CACHE_TIMEOUT, serve, trim_memory
-    from .runtree import RUN_CACHE_TIMEOUT, check_run, is_run, open_run
+    from .tree.run import RUN_CACHE_TIMEOUT, check_run, is_run, open_run
 
-    run = is_run(ckpt, options)  # a model_dir: the whole training run, live (ckptfs.runtree), unless --single
+    run = is_run(ckpt, options)  # a model_dir: the whole training run, live (tree/run.py), unless --single
     if run and background_server:
         check_run(ckpt)  # a directory that cannot be followed as a run fails the background start
-    tree = open_run(ckpt, options) if run else build_tree(ckpt, options, fork_builds=True)
+    tree = open_run(ckpt, options, build_tree=build) if run else build(ckpt, options, fork_builds=True)
     trim_memory()  # what building the tree used and freed (the catalog's HDF5 handle, temporaries) goes back
     tree.warm()  # expensive layouts (the cs view's HDF5 skeleton) build while the mount already answers
     setup_logging(debug)

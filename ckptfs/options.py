@@ -11,7 +11,7 @@ the content of generated files. Everything else derives from these declarations:
 * ``from_kwargs(**kw)`` — the Python API (``ckptfs.open(ckpt, max_shard_size="5GB", …)``): texts are parsed as on
   the command line, other values are taken as they are;
 * ``content_options(options)`` — the options that change file content and differ from their default, for
-  ``vfs.content_identity`` (which keys persisted zip CRCs).
+  ``tree/assemble.py`` ``content_identity`` (which keys persisted zip CRCs).
 
 Adding an option is a one-place change. Add a field here, for example a repeatable path::
 

@@ -1,4 +1,5 @@
-"""Parse human byte sizes ("5GB", "512MiB", "300B", "123") the way Hugging Face tools spell them.
+"""Byte sizes for people: parse them ("5GB", "512MiB", "300B", "123") the way Hugging Face tools spell them, and
+write them (``format_size`` exactly, ``human_size`` rounded).
 
 Decimal units KB/MB/GB/TB are powers of 10 (as in ``save_pretrained(max_shard_size="5GB")``), binary
 units KiB/MiB/GiB/TiB powers of 2. Unit letters are case-insensitive and always mean bytes (unlike
@@ -53,3 +54,15 @@ def parse_size(size: int | str) -> int:
     if value != value.to_integral_value():
         raise ValueError(f"invalid size {size!r}: not a whole number of bytes")
     return int(value)
+
+
+def human_size(n: int, *, binary: bool = False) -> str:
+    """``n`` bytes to one decimal in the largest unit below it (up to TB): ``1234567`` → ``"1.2 MB"`` (``binary``:
+    ``"1.2 MiB"``); below one unit ``"999 B"``."""
+    base, units = (1024, ("B", "KiB", "MiB", "GiB", "TiB")) if binary else (1000, ("B", "KB", "MB", "GB", "TB"))
+    v = n
+    for unit in units:
+        if v < base or unit == units[-1]:
+            return f"{int(v)} B" if unit == "B" else f"{v:.1f} {unit}"
+        v /= base
+    return f"{n} B"

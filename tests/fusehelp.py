@@ -1,8 +1,9 @@
-"""Test helpers for real FUSE mounts: a skip marker, a ``mounted()`` context manager that runs
-``python -m ckptfs mount … --foreground`` in a subprocess with guaranteed cleanup, and synthetic views.
+"""Test helpers for real FUSE mounts: a ``mounted()`` context manager that runs ``ckptfs mount … --foreground`` in a
+subprocess with guaranteed cleanup, and synthetic views.
 
-Synthetic views: ``fake_env()`` sets ``CKPTFS_TEST_TREE=fusehelp:fake_views`` (the test-only hook of
-``ckptfs.vfs.build_tree``), so a mount or export shows the files of ``fake_views`` instead of a real checkpoint's.
+Synthetic views: ``fake_views`` gives the files of a made-up checkpoint; ``fake_tree()`` builds its tree here
+(``build_tree(views=fake_views)``), and ``run_ckptfs(..., fake=FAKE)`` or ``mounted(..., fake=FAKE)`` run the command
+line over it in a subprocess (tests/fakecli.py).
 """
 from __future__ import annotations
 
@@ -15,37 +16,42 @@ import subprocess
 import sys
 import tempfile
 import time
-from ctypes.util import find_library
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import pytest
-
 from ckptfs.errors import CheckpointError, TensorReadError
 from ckptfs.views.base import BytesFile, ViewResult
-from conftest import FIXTURES, run_ckptfs
+from ckptfs.virtual_file import VirtualFile
+from conftest import FIXTURES, ckptfs_argv, real_env
 
-TESTS = Path(__file__).resolve().parent
-REPO = TESTS.parent
 MiB = 1 << 20
+#: the synthetic views ``run_ckptfs(..., fake=FAKE)`` and ``mounted(..., fake=FAKE)`` serve
+FAKE = "fake_views"
 FIXTURES_CKPT = FIXTURES / "llama" / "cs" / "checkpoint.mdl"  # a real Cerebras checkpoint
 
 
 # ---- synthetic files ---------------------------------------------------------------------------------
 
 
-class PatternFile:
-    """``size`` pseudo-random bytes, each a function of (offset, seed): any range can be produced independently."""
+def pattern(offset: int, n: int, seed: int) -> bytes:
+    """Bytes ``[offset, offset + n)`` of the pseudo-random stream ``seed``: each a function of (offset, seed)."""
+    import numpy as np  # not before the first read: tests/fakecli.py forks its mount server while single-threaded
+
+    i = np.arange(offset, offset + n, dtype=np.uint64)
+    return (((i * np.uint64(2654435761) + np.uint64(seed * 40503)) >> np.uint64(11)) & np.uint64(255)) \
+        .astype(np.uint8).tobytes()
+
+
+class PatternFile(VirtualFile):
+    """``size`` pseudo-random bytes (``pattern``): any range can be produced independently."""
 
     def __init__(self, size: int, seed: int):
         self.size, self.seed = size, seed
 
-    def read(self, offset: int, n: int) -> bytes:
-        n = max(0, min(n, self.size - offset))
-        i = np.arange(offset, offset + n, dtype=np.uint64)
-        return (((i * np.uint64(2654435761) + np.uint64(self.seed * 40503)) >> np.uint64(11)) & np.uint64(255)) \
-            .astype(np.uint8).tobytes()
+    def readinto(self, offset: int, out: memoryview) -> int:
+        n = max(0, min(len(out), self.size - offset))  # a test may shrink ``size`` after its tree fixed it
+        out[:n] = pattern(offset, n, self.seed)
+        return n
 
 
 class FailingFile(PatternFile):
@@ -55,10 +61,10 @@ class FailingFile(PatternFile):
         super().__init__(size, seed)
         self.fail_from = fail_from
 
-    def read(self, offset: int, n: int) -> bytes:
-        if offset + n > self.fail_from:
+    def readinto(self, offset: int, out: memoryview) -> int:
+        if offset + len(out) > self.fail_from:
             raise TensorReadError("model.layers.1.weight", "corrupt chunk (synthetic failure)")
-        return super().read(offset, n)
+        return super().readinto(offset, out)
 
 
 FAILING = "torch/broken.pt"  # the one file of fake_views whose reads fail past FAIL_FROM
@@ -66,7 +72,8 @@ FAIL_FROM = MiB + 5
 
 
 def fake_views(ckpt_path: Path, options) -> dict:
-    """The CKPTFS_TEST_TREE factory: three present views, one failing view, one file that cannot be read."""
+    """The synthetic views (``build_tree(views=fake_views)``): three present views, one failing view, one file that
+    cannot be read."""
     if Path(ckpt_path).suffix == ".bad":
         raise CheckpointError(ckpt_path, "not a Cerebras checkpoint (synthetic)")
     return {
@@ -94,56 +101,15 @@ def fake_views_server_fails(ckpt_path: Path, options) -> dict:
     return fake_views(ckpt_path, options)
 
 
-def fake_env(**extra) -> dict:
-    """Environment for a ckptfs subprocess that mounts/exports ``fake_views`` (and finds this module)."""
-    env = dict(os.environ)
-    env["CKPTFS_TEST_TREE"] = "fusehelp:fake_views"
-    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(TESTS), str(REPO), env.get("PYTHONPATH")) if x)
-    env.update(extra)
-    return env
-
-
 def fake_tree(ckpt="fake.mdl", **options):
-    """The same tree in this process (what the mount must show)."""
-    from ckptfs.views.base import MountOptions
-    from ckptfs.vfs import TEST_TREE_ENV, build_tree
+    """The tree of ``fake_views`` in this process (what a mount of it must show)."""
+    from ckptfs.options import MountOptions
+    from ckptfs.tree.assemble import build_tree
 
-    old = os.environ.get(TEST_TREE_ENV)
-    os.environ[TEST_TREE_ENV] = "fusehelp:fake_views"
-    try:
-        return build_tree(ckpt, MountOptions(**options))
-    finally:
-        if old is None:
-            del os.environ[TEST_TREE_ENV]
-        else:
-            os.environ[TEST_TREE_ENV] = old
-
-
-# ---- FUSE availability ---------------------------------------------------------------------------------
-
-
-def fuse_unusable_reason() -> str | None:
-    if not shutil.which("fusermount3") and not shutil.which("fusermount"):
-        return "fusermount3 not installed"
-    if not find_library("fuse3") and not find_library("fuse"):
-        return "libfuse not installed"
-    try:
-        os.close(os.open("/dev/fuse", os.O_RDWR))
-    except OSError as e:
-        return f"/dev/fuse unusable: {e.strerror}"
-    return None
-
-
-needs_fuse = pytest.mark.skipif(fuse_unusable_reason() is not None,
-                                reason=f"FUSE not usable here: {fuse_unusable_reason()}")
+    return build_tree(ckpt, MountOptions(**options), views=fake_views)
 
 
 # ---- running ckptfs ---------------------------------------------------------------------------------
-
-
-def ckptfs(*args, env=None, timeout=120, **kw) -> subprocess.CompletedProcess:
-    """Run ``python -m ckptfs ARGS`` (by default over the synthetic views) and capture its output."""
-    return run_ckptfs(*args, env=env or fake_env(), timeout=timeout, **kw)
 
 
 def _fusermount() -> str:
@@ -208,12 +174,13 @@ def wait_mounted(proc: subprocess.Popen, mnt: Path, log_path: Path, timeout: flo
         time.sleep(0.05)
 
 
-def start_server(ckpt, mnt: Path, *args, env=None, log_path: Path | None = None) -> Server:
-    """Start a foreground server (not waiting); the caller must reap it."""
+def start_server(ckpt, mnt: Path, *args, env=None, log_path: Path | None = None, fake: str | None = None) -> Server:
+    """Start a foreground server (not waiting; ``env`` default ``real_env()``, ``fake``: see ``ckptfs_argv``); the
+    caller must reap it."""
     log_path = log_path or Path(tempfile.mkstemp(prefix="ckptfs-test-", suffix=".log")[1])
     with open(log_path, "ab") as logf:
-        proc = subprocess.Popen([sys.executable, "-m", "ckptfs", "mount", str(ckpt), str(mnt), *map(str, args),
-                                 "--foreground"], env=env or fake_env(), stdin=subprocess.DEVNULL, stdout=logf,
+        proc = subprocess.Popen(ckptfs_argv("mount", ckpt, mnt, *args, "--foreground", fake=fake),
+                                env=env if env is not None else real_env(), stdin=subprocess.DEVNULL, stdout=logf,
                                 stderr=subprocess.STDOUT, preexec_fn=_default_signals)
     return Server(mnt, proc, log_path)
 
@@ -226,13 +193,13 @@ def _default_signals() -> None:
 
 
 @contextlib.contextmanager
-def mounted_server(ckpt, *args, env=None, timeout: float = 60):
+def mounted_server(ckpt, *args, env=None, timeout: float = 60, fake: str | None = None):
     """Mount ``ckpt`` on a fresh temporary directory in a foreground subprocess; yield a ``Server``.
 
     Cleanup always runs: fusermount3 -u, reap, then -u -z and kill as last resorts, then remove the directory.
     """
     mnt = Path(tempfile.mkdtemp(prefix="ckptfs-mnt-"))
-    srv = start_server(ckpt, mnt, *args, env=env)
+    srv = start_server(ckpt, mnt, *args, env=env, fake=fake)
     try:
         wait_mounted(srv.proc, mnt, srv.log_path, timeout)
         yield srv
@@ -257,9 +224,9 @@ def mounted_server(ckpt, *args, env=None, timeout: float = 60):
 
 
 @contextlib.contextmanager
-def mounted(ckpt, *args, env=None, timeout: float = 60):
+def mounted(ckpt, *args, env=None, timeout: float = 60, fake: str | None = None):
     """``with mounted(ckpt, "--views", "hf") as mnt:`` — the mount point as a Path."""
-    with mounted_server(ckpt, *args, env=env, timeout=timeout) as srv:
+    with mounted_server(ckpt, *args, env=env, timeout=timeout, fake=fake) as srv:
         yield srv.mnt
 
 

@@ -15,7 +15,8 @@ from ckptfs.source import catalog_index, open_checkpoint
 from ckptfs.source import open as open_mod
 from ckptfs.source.catalog import Container, Leaf, OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
 from ckptfs.source.stored_tensors import FullTensor, H5DatasetTensor
-from fusehelp import fake_env, mounted_server, needs_fuse
+from conftest import needs_fuse, real_env
+from fusehelp import mounted_server
 
 FIX = Path(__file__).parent / "fixtures"
 ALL_MDL = sorted(FIX.glob("**/*.mdl"))
@@ -132,7 +133,7 @@ def test_plain_catalogs_are_indexed_and_others_are_not(cache):
 @pytest.mark.parametrize("family", ["llama", "gpt2", "lora_llama", "t5", "cstorch_edge_cases", "tied_and_scalars"])
 def test_a_tree_from_the_index_serves_the_same_bytes(family, cache, monkeypatch):
     from ckptfs.options import MountOptions
-    from ckptfs.vfs import build_tree
+    from ckptfs.tree.assemble import build_tree
 
     mdl = next((FIX / family).glob("**/*.mdl"))
     monkeypatch.setenv(env.CATALOG_INDEX, "0")
@@ -319,7 +320,7 @@ def test_mounting_again_serves_the_same_files_from_the_index(tmp_path):
     from the index without opening the checkpoint (it opens it for the first tensor read) and serves every file
     byte for byte as the first did."""
     mdl = _copy(tmp_path)
-    env = {k: v for k, v in fake_env(CKPTFS_CACHE_DIR=str(tmp_path / "cache")).items() if k != "CKPTFS_TEST_TREE"}
+    env = real_env(CKPTFS_CACHE_DIR=str(tmp_path / "cache"))
 
     def everything(mnt: Path) -> dict:
         return {str(p.relative_to(mnt)): p.read_bytes() for p in sorted(mnt.rglob("*")) if p.is_file()}

@@ -19,10 +19,6 @@ ALL_MDL = sorted(FIX.rglob("*.mdl"))
 GOOD_MDL = [p for p in ALL_MDL if p.name != "intkeys.mdl"]
 
 
-def ckptfs(*args):
-    return run_ckptfs(*args, cwd=ROOT, text=True, timeout=120)
-
-
 def _attrs(p: Path) -> dict:
     with h5py.File(p, "r") as f:
         return {k: f.attrs[k] for k in ("__version__", "__cstorch_version__", "__SUCCESS__") if k in f.attrs}
@@ -30,7 +26,7 @@ def _attrs(p: Path) -> dict:
 
 @pytest.mark.parametrize("mdl", GOOD_MDL, ids=lambda p: str(p.relative_to(FIX)))
 def test_info_on_every_fixture(mdl):
-    r = ckptfs("info", mdl)
+    r = run_ckptfs("info", mdl, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     out = r.stdout
     a = _attrs(mdl)
@@ -41,7 +37,7 @@ def test_info_on_every_fixture(mdl):
     assert any(line.startswith("family: ") for line in out.splitlines())
     assert any(line.startswith("tensors: ") for line in out.splitlines())
 
-    j = json.loads(ckptfs("info", "--json", mdl).stdout)
+    j = json.loads(run_ckptfs("info", "--json", mdl, text=True, timeout=120).stdout)
     assert j["format_version"] == float(a.get("__version__", 0.1))
     assert j["tensors"] == sum(d["tensors"] for d in j["by_dtype"].values())
     assert j["total_bytes"] == sum(d["bytes"] for d in j["by_dtype"].values())
@@ -56,7 +52,7 @@ def test_info_totals_match_keys_json(case):
     for e in tensors:
         by_dtype[e["dtype"]] += 1
         nbytes[e["dtype"]] += int(np.prod(e["shape"])) * torch.empty(0, dtype=getattr(torch, e["dtype"])).element_size()
-    j = json.loads(ckptfs("info", "--json", FIX / case / "cs" / "checkpoint.mdl").stdout)
+    j = json.loads(run_ckptfs("info", "--json", FIX / case / "cs" / "checkpoint.mdl", text=True, timeout=120).stdout)
     assert {k: v["tensors"] for k, v in j["by_dtype"].items()} == dict(by_dtype)
     assert {k: v["bytes"] for k, v in j["by_dtype"].items()} == dict(nbytes)
     assert j["aliases"] == sum(1 for e in entries.values() if e.get("serializer") == "LinkedObject")
@@ -93,7 +89,7 @@ def _bad_inputs(tmp_path: Path) -> list[Path]:
 @pytest.mark.parametrize("command", [["info"], ["info", "--json"], ["ls"], ["ls", "-l"]])
 def test_bad_inputs_exit_2_with_one_line(tmp_path, command):
     for bad in _bad_inputs(tmp_path):
-        r = ckptfs(*command, bad)
+        r = run_ckptfs(*command, bad, text=True, timeout=120)
         assert r.returncode == 2, (bad, r.stdout, r.stderr)
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1, (bad, r.stderr)
@@ -103,18 +99,18 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path, command):
 
 def test_allow_partial_opens_the_tmp_files(tmp_path):
     for p in sorted(EDGE.glob("*.mdl.*.tmp")):
-        r = ckptfs("info", p)
+        r = run_ckptfs("info", p, text=True, timeout=120)
         assert r.returncode == 2 and "--allow-partial" in r.stderr
-        r = ckptfs("info", "--allow-partial", p)
+        r = run_ckptfs("info", "--allow-partial", p, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         assert "complete: no" in r.stdout and "warning: partial checkpoint" in r.stdout
-        assert ckptfs("ls", "--allow-partial", p).returncode == 0
+        assert run_ckptfs("ls", "--allow-partial", p, text=True, timeout=120).returncode == 0
 
 
 def test_debug_shows_the_traceback(tmp_path):
     p = tmp_path / "x.mdl"
     p.write_text("nope")
-    r = ckptfs("--debug", "info", p)
+    r = run_ckptfs("--debug", "info", p, text=True, timeout=120)
     assert r.returncode != 0 and "Traceback" in r.stderr
 
 
@@ -132,7 +128,7 @@ def _count_nodes(obj) -> int:
 def test_ls_tree_matches_reference_structure(ref):
     mdl = {"ref.pt": ref.parent / "cs" / "checkpoint.mdl"}.get(ref.name, ref.with_name(ref.name.replace(".ref.pt", ".mdl")))
     expected = torch.load(ref, weights_only=False)
-    r = ckptfs("ls", mdl)
+    r = run_ckptfs("ls", mdl, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert len(lines) == _count_nodes(expected)
@@ -141,7 +137,7 @@ def test_ls_tree_matches_reference_structure(ref):
 
 
 def test_ls_marks_aliases_and_long_shows_shapes():
-    r = ckptfs("ls", "-l", EDGE / "tied.mdl")
+    r = run_ckptfs("ls", "-l", EDGE / "tied.mdl", text=True, timeout=120)
     assert r.returncode == 0
     lines = r.stdout.splitlines()
     with h5py.File(EDGE / "tied.mdl", "r") as f:

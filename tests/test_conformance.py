@@ -38,6 +38,8 @@ from casehelp import (CASE_FILES, CASES, FIXTURES, IGNORED_CONFIG_KEYS, PARAMS, 
                       torch_bytes, transformers_class)
 from ckptfs.mapping.registry import default_registry, list_models
 
+pytestmark = pytest.mark.slow  # every converter case, every tensor, and the models built from them
+
 # -- the case tests ------------------------------------------------------------------------------------------
 
 

@@ -12,13 +12,10 @@ import torch
 
 from casehelp import CASES, FIXTURES, case_facts, case_model, converted, model_inputs, model_outputs, transformers_class
 from ckptfs.mapping.registry import default_registry
-from fusehelp import fake_env, mounted, needs_fuse
+from conftest import needs_fuse, real_env
+from fusehelp import mounted
 
 pytestmark = [needs_fuse, pytest.mark.timeout(900)]
-
-
-def real_env() -> dict:
-    return {k: v for k, v in fake_env().items() if k != "CKPTFS_TEST_TREE"}
 
 
 def family_cases() -> list:

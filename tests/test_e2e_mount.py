@@ -16,20 +16,12 @@ import hdf5plugin  # noqa: F401  (LZ4 filter for the independent h5py reads belo
 import numpy as np
 import pytest
 
-from fusehelp import concurrent_random_reads, fake_env, mounted, needs_fuse
-from conftest import FIXTURES, run_ckptfs
+from conftest import FIXTURES, needs_fuse, real_env, run_ckptfs
+from fusehelp import concurrent_random_reads, mounted
 
 pytestmark = [needs_fuse, pytest.mark.timeout(900)]
 
 CASES = ["gpt2", "llama", "mistral", "mixtral"]
-
-
-def real_env() -> dict:
-    return {k: v for k, v in fake_env().items() if k != "CKPTFS_TEST_TREE"}
-
-
-def ckptfs(*args, check=True) -> subprocess.CompletedProcess:
-    return run_ckptfs(*args, env=real_env(), timeout=300, check=check)
 
 
 def weight_files(mnt: Path) -> list:
@@ -78,7 +70,7 @@ def test_cp_of_every_weight_file_loads_and_equals_export(case, tmp_path):
     tensors = {}
     for n in names:
         exported = tmp_path / f"export-{n.replace('/', '_')}"
-        ckptfs("export", ckpt, n, exported, "--max-shard-size", "40KB")
+        run_ckptfs("export", ckpt, n, exported, "--max-shard-size", "40KB", check=True)
         assert exported.read_bytes() == (tmp_path / n).read_bytes(), n
         if n.endswith(".safetensors"):
             tensors.update(load_file(tmp_path / n))
@@ -133,7 +125,7 @@ def test_eight_threads_random_ranges_of_every_real_file_equal_export(tmp_path):
         exported = {}
         for p in paths:
             out = tmp_path / "x"
-            ckptfs("export", ckpt, p, out)
+            run_ckptfs("export", ckpt, p, out, check=True)
             exported[p] = out.read_bytes()
         errors, _ = concurrent_random_reads(mnt, exported, threads=8, seconds=3)
         assert not errors, errors[:5]

@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from fusehelp import FAILING, FIXTURES_CKPT, ckptfs, fake_env, fake_tree
+from conftest import run_ckptfs
+from fusehelp import FAILING, FAKE, FIXTURES_CKPT, fake_tree
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -23,7 +24,7 @@ def test_every_file_exports_the_tree_bytes(ckpt, tmp_path):
         if path == FAILING:
             continue
         dest = tmp_path / "out.bin"
-        r = ckptfs("export", ckpt, path, dest)
+        r = run_ckptfs("export", ckpt, path, dest, fake=FAKE, timeout=120)
         assert r.returncode == 0, r.stderr
         assert r.stderr == b""  # no progress bar when stderr is not a terminal
         assert dest.read_bytes() == tree.read(path, 0, tree.attr(path).size), path
@@ -33,40 +34,40 @@ def test_every_file_exports_the_tree_bytes(ckpt, tmp_path):
 def test_stdout_and_directory_destinations(ckpt, tmp_path):
     tree = fake_tree(ckpt)
     want = tree.read("model.safetensors", 0, 1 << 30)
-    r = ckptfs("export", ckpt, "/model.safetensors", "-")
+    r = run_ckptfs("export", ckpt, "/model.safetensors", "-", fake=FAKE, timeout=120)
     assert r.returncode == 0 and r.stdout == want
     outdir = tmp_path / "d"
     outdir.mkdir()
-    r = ckptfs("export", ckpt, "model.safetensors", outdir)
+    r = run_ckptfs("export", ckpt, "model.safetensors", outdir, fake=FAKE, timeout=120)
     assert r.returncode == 0, r.stderr
     assert (outdir / "model.safetensors").read_bytes() == want
 
 
 def test_view_options_change_what_exists(ckpt, tmp_path):
-    r = ckptfs("export", ckpt, "config.json", tmp_path / "c.json", "--views", "tensors")
+    r = run_ckptfs("export", ckpt, "config.json", tmp_path / "c.json", "--views", "tensors", fake=FAKE, timeout=120)
     assert r.returncode == 2
     assert b"no such file" in r.stderr
 
 
 def test_unknown_path_lists_close_matches(ckpt, tmp_path):
-    r = ckptfs("export", ckpt, "model.safetensor", tmp_path / "x")
+    r = run_ckptfs("export", ckpt, "model.safetensor", tmp_path / "x", fake=FAKE, timeout=120)
     assert r.returncode == 2
     lines = r.stderr.decode().strip().splitlines()
     assert len(lines) == 1 and "model.safetensors" in lines[0]
     assert not (tmp_path / "x").exists()
-    r = ckptfs("export", ckpt, "tensors/model", tmp_path / "x")
+    r = run_ckptfs("export", ckpt, "tensors/model", tmp_path / "x", fake=FAKE, timeout=120)
     assert r.returncode == 2 and b"is a directory" in r.stderr and b"bias.npy" in r.stderr
 
 
 def test_read_error_exits_2_and_leaves_no_partial_file(ckpt, tmp_path):
     dest = tmp_path / "broken.pt"
-    r = ckptfs("export", ckpt, FAILING, dest)
+    r = run_ckptfs("export", ckpt, FAILING, dest, fake=FAKE, timeout=120)
     assert r.returncode == 2
     lines = r.stderr.decode().strip().splitlines()
     assert len(lines) == 1 and "corrupt chunk" in lines[0]
     assert sorted(os.listdir(tmp_path)) == ["fake.mdl"]
     dest.write_bytes(b"old content")  # an existing DEST is left alone on failure
-    r = ckptfs("export", ckpt, FAILING, dest)
+    r = run_ckptfs("export", ckpt, FAILING, dest, fake=FAKE, timeout=120)
     assert r.returncode == 2 and dest.read_bytes() == b"old content"
     assert sorted(os.listdir(tmp_path)) == ["broken.pt", "fake.mdl"]
 
@@ -74,16 +75,14 @@ def test_read_error_exits_2_and_leaves_no_partial_file(ckpt, tmp_path):
 def test_bad_checkpoint_is_one_line_exit_2(tmp_path):
     bad = tmp_path / "garbage.mdl"
     bad.write_bytes(b"garbage" * 1000)
-    env = {k: v for k, v in fake_env().items() if k != "CKPTFS_TEST_TREE"}
-    r = ckptfs("export", bad, "README.txt", tmp_path / "r.txt", env=env)
+    r = run_ckptfs("export", bad, "README.txt", tmp_path / "r.txt", timeout=120)
     assert r.returncode == 2 and len(r.stderr.decode().strip().splitlines()) == 1
     assert not (tmp_path / "r.txt").exists()
 
 
 def test_real_checkpoint_export_matches_the_tree(tmp_path):
-    from ckptfs.vfs import build_tree
+    from ckptfs.tree.assemble import build_tree
 
-    env = {k: v for k, v in fake_env().items() if k != "CKPTFS_TEST_TREE"}
     tree = build_tree(FIXTURES_CKPT)
     try:
         files = [p for p in tree.file_paths() if not p.startswith("tensors/")][:8] + \
@@ -91,7 +90,7 @@ def test_real_checkpoint_export_matches_the_tree(tmp_path):
         assert len(files) > 2
         for path in files:
             dest = tmp_path / path.replace("/", "_")
-            r = ckptfs("export", FIXTURES_CKPT, path, dest, env=env)
+            r = run_ckptfs("export", FIXTURES_CKPT, path, dest, timeout=120)
             assert r.returncode == 0, r.stderr
             assert dest.read_bytes() == tree.read(path, 0, tree.attr(path).size), path
     finally:
@@ -99,12 +98,11 @@ def test_real_checkpoint_export_matches_the_tree(tmp_path):
 
 
 def test_a_model_dir_means_its_latest_checkpoint(tmp_path):
-    env = {k: v for k, v in fake_env().items() if k != "CKPTFS_TEST_TREE"}
     model_dir = tmp_path / "model_dir"
     model_dir.mkdir()
     for step in (10, 200):
         (model_dir / f"checkpoint_{step}.mdl").symlink_to(FIXTURES_CKPT)
-    r = ckptfs("export", model_dir, "README.txt", "-", env=env)
+    r = run_ckptfs("export", model_dir, "README.txt", "-", timeout=120)
     assert r.returncode == 0, r.stderr
     assert "checkpoint_200.mdl" in r.stdout.decode()
 
@@ -112,13 +110,12 @@ def test_a_model_dir_means_its_latest_checkpoint(tmp_path):
 def test_a_model_dir_of_dated_checkpoints_means_the_latest_one(tmp_path):
     """Model Zoo's ``checkpoint_<step>_<YYYYmmdd_HHMMSS>.mdl`` names: ``ckptfs export model_dir`` takes the highest
     step, then the later date (before, such a folder had "no checkpoint_<step>.mdl file")."""
-    env = {k: v for k, v in fake_env().items() if k != "CKPTFS_TEST_TREE"}
     model_dir = tmp_path / "model_dir"
     model_dir.mkdir()
     for name in ("checkpoint_200_20240102_030405.mdl", "checkpoint_200_20231231_235959.mdl",
                  "checkpoint_10_20250101_000000.mdl"):
         (model_dir / name).symlink_to(FIXTURES_CKPT)
-    r = ckptfs("export", model_dir, "README.txt", "-", env=env)
+    r = run_ckptfs("export", model_dir, "README.txt", "-", timeout=120)
     assert r.returncode == 0, r.stderr
     assert "checkpoint_200_20240102_030405.mdl" in r.stdout.decode()
 
@@ -127,7 +124,7 @@ def test_a_file_export_reads_ahead_while_it_writes_and_leaves_the_tree_as_it_was
     """``export_file`` reads like the FUSE server's kernel does (blocks dropped once read, the next ones prepared in
     the background), same bytes, and the tree's cache settings are back afterwards."""
     from ckptfs.commands.export import export_file
-    from ckptfs.vfs import build_tree
+    from ckptfs.tree.assemble import build_tree
 
     tree = build_tree(FIXTURES_CKPT)
     try:

@@ -13,22 +13,14 @@ import pytest
 import ckptfs
 from ckptfs.commands.export_tree import export_tree
 from ckptfs.errors import CkptfsError
-from conftest import FIXTURES, run_ckptfs
-from fusehelp import fake_env, mounted, needs_fuse
+from conftest import FIXTURES, needs_fuse, real_env, run_ckptfs
+from fusehelp import mounted
 from tokhelp import make_tokenizer
 
 pytestmark = pytest.mark.timeout(600)
 
 LLAMA = FIXTURES / "llama" / "cs" / "checkpoint.mdl"
 GPT2 = FIXTURES / "gpt2" / "cs" / "checkpoint.mdl"
-
-
-def real_env() -> dict:
-    return {k: v for k, v in fake_env().items() if k != "CKPTFS_TEST_TREE"}
-
-
-def cli(*args, **kw) -> subprocess.CompletedProcess:
-    return run_ckptfs(*args, env=real_env(), timeout=300, **kw)
 
 
 def listing(root: Path) -> dict:
@@ -66,7 +58,7 @@ def test_export_equals_cp_r_of_the_mount(case, args, tmp_path):
     with mounted(ckpt, *args, env=real_env()) as mnt:
         r = subprocess.run(["cp", "-r", f"{mnt}/.", str(tmp_path / "copy")], capture_output=True, timeout=300)
         assert r.returncode == 0, r.stderr
-    r = cli("export", ckpt, tmp_path / "export", *args)
+    r = run_ckptfs("export", ckpt, tmp_path / "export", *args)
     assert r.returncode == 0, r.stderr.decode()
     assert r.stderr == b""  # no progress bar without a terminal
     copy, export = listing(tmp_path / "copy"), listing(tmp_path / "export")
@@ -130,7 +122,7 @@ def test_an_interrupted_export_leaves_no_part_file_and_resumes(tmp_path):
 
 def test_outdir_that_is_a_file_is_a_usage_error(tmp_path):
     (tmp_path / "f").write_text("x")
-    r = cli("export", LLAMA, tmp_path / "f")
+    r = run_ckptfs("export", LLAMA, tmp_path / "f")
     assert r.returncode == 2 and b"not a directory" in r.stderr
 
 

@@ -13,7 +13,8 @@ import pytest
 
 from ckptfs.env import DIRECT_IO
 from ckptfs.storage import local
-from fusehelp import fake_env, mounted, needs_fuse
+from conftest import needs_fuse, real_env
+from fusehelp import mounted
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
@@ -45,7 +46,7 @@ def test_a_cold_checkpoint_is_read_straight_from_the_disk_through_the_mount(tmp_
     ck = tmp_path / "checkpoint_0.mdl"
     gen.write_checkpoint(ck, DIMS, "bf16", seed=5)
     gen.write_params(tmp_path / "params.yaml", DIMS)
-    env = {k: v for k, v in fake_env().items() if k != "CKPTFS_TEST_TREE"}
+    env = real_env()
     got = {}
     for direct in ("1", "0"):
         _evict(ck)
@@ -67,7 +68,7 @@ def test_peeks_at_every_tensor_of_a_cold_mount_give_the_files_bytes(tmp_path):
     ck = tmp_path / "checkpoint_0.mdl"
     gen.write_checkpoint(ck, DIMS, "bf16", seed=6)
     gen.write_params(tmp_path / "params.yaml", DIMS)
-    env = {k: v for k, v in fake_env().items() if k != "CKPTFS_TEST_TREE"}
+    env = real_env()
     with mounted(ck, env=env) as mnt:
         whole = (mnt / "model.safetensors").read_bytes()
     (n,) = struct.unpack("<Q", whole[:8])

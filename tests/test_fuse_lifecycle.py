@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from fusehelp import (ckptfs, fake_env, force_unmount, is_mounted, mounted_server, needs_fuse, process_gone, reap,
-                      start_server, wait_mounted)
+from conftest import needs_fuse, real_env, run_ckptfs
+from fusehelp import (FAKE, force_unmount, is_mounted, mounted_server, process_gone, reap, start_server,
+                      wait_mounted)
 
 pytestmark = [needs_fuse, pytest.mark.timeout(300)]
 
@@ -33,8 +34,8 @@ def mnt(tmp_path):
 
 
 def test_umount_command_unmounts_and_the_server_exits_cleanly(ckpt):
-    with mounted_server(ckpt) as srv:
-        r = ckptfs("umount", srv.mnt)
+    with mounted_server(ckpt, fake=FAKE) as srv:
+        r = run_ckptfs("umount", srv.mnt, timeout=120)
         assert r.returncode == 0, r.stderr
         assert reap(srv.proc) == 0, srv.log()
         assert not is_mounted(srv.mnt) and os.listdir(srv.mnt) == []
@@ -42,17 +43,17 @@ def test_umount_command_unmounts_and_the_server_exits_cleanly(ckpt):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_signals_unmount_cleanly(ckpt, sig):
-    with mounted_server(ckpt) as srv:
+    with mounted_server(ckpt, fake=FAKE) as srv:
         srv.proc.send_signal(sig)
         assert reap(srv.proc) == 0, srv.log()
         assert not is_mounted(srv.mnt)
 
 
 def test_umount_of_a_busy_mount_detaches_lazily(ckpt):
-    with mounted_server(ckpt) as srv:
+    with mounted_server(ckpt, fake=FAKE) as srv:
         holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], cwd=srv.mnt / "tensors")
         try:
-            r = ckptfs("umount", srv.mnt)
+            r = run_ckptfs("umount", srv.mnt, timeout=120)
             assert r.returncode == 0, r.stderr
             assert b"lazily" in r.stdout
             assert not is_mounted(srv.mnt)
@@ -63,12 +64,12 @@ def test_umount_of_a_busy_mount_detaches_lazily(ckpt):
 
 
 def test_umount_of_something_not_mounted_is_a_clear_error(tmp_path):
-    r = ckptfs("umount", tmp_path)
+    r = run_ckptfs("umount", tmp_path, timeout=120)
     assert r.returncode == 2 and b"not mounted" in r.stderr
 
 
 def test_stale_mount_is_explained_and_cleared(ckpt, mnt, tmp_path):
-    srv = start_server(ckpt, mnt, log_path=tmp_path / "server1.log")
+    srv = start_server(ckpt, mnt, fake=FAKE, log_path=tmp_path / "server1.log")
     try:
         wait_mounted(srv.proc, mnt, srv.log_path)
         srv.proc.kill()  # SIGKILL: the mount stays, with nobody serving it
@@ -76,15 +77,15 @@ def test_stale_mount_is_explained_and_cleared(ckpt, mnt, tmp_path):
         with pytest.raises(OSError) as e:
             os.listdir(mnt)  # (stat may still be answered from the kernel's attribute cache)
         assert e.value.errno == errno.ENOTCONN
-        r = ckptfs("mount", ckpt, mnt)
+        r = run_ckptfs("mount", ckpt, mnt, fake=FAKE, timeout=120)
         assert r.returncode == 2
         msg = r.stderr.decode()
         assert len(msg.strip().splitlines()) == 1
         assert "stale" in msg and f"ckptfs umount {mnt}" in msg and f"fusermount3 -u -z {mnt}" in msg
-        r = ckptfs("umount", mnt)
+        r = run_ckptfs("umount", mnt, timeout=120)
         assert r.returncode == 0, r.stderr
         assert not is_mounted(mnt) and os.listdir(mnt) == []
-        srv2 = start_server(ckpt, mnt, log_path=tmp_path / "server2.log")  # the mount point is usable again
+        srv2 = start_server(ckpt, mnt, fake=FAKE, log_path=tmp_path / "server2.log")  # the mount point is usable again
         try:
             wait_mounted(srv2.proc, mnt, srv2.log_path)
             assert (mnt / "README.txt").read_bytes()
@@ -98,8 +99,7 @@ def test_stale_mount_is_explained_and_cleared(ckpt, mnt, tmp_path):
 
 def test_background_mount_returns_when_ready_and_logs_to_the_cache_dir(ckpt, mnt, tmp_path):
     cache = tmp_path / "cache"
-    env = fake_env(CKPTFS_CACHE_DIR=str(cache))
-    r = ckptfs("mount", ckpt, mnt, env=env)
+    r = run_ckptfs("mount", ckpt, mnt, env=real_env(CKPTFS_CACHE_DIR=cache), fake=FAKE, timeout=120)
     assert r.returncode == 0, r.stderr
     out = r.stdout.decode()
     pid = int(re.search(r"pid (\d+)", out).group(1))
@@ -107,7 +107,7 @@ def test_background_mount_returns_when_ready_and_logs_to_the_cache_dir(ckpt, mnt
     try:
         assert log_path.parent == cache / "logs" and log_path.exists()
         assert is_mounted(mnt) and (mnt / "config.json").read_bytes()
-        assert ckptfs("umount", mnt).returncode == 0
+        assert run_ckptfs("umount", mnt, timeout=120).returncode == 0
         assert process_gone(pid)
         assert not is_mounted(mnt)
         assert "mounting" in log_path.read_text()
@@ -116,8 +116,8 @@ def test_background_mount_returns_when_ready_and_logs_to_the_cache_dir(ckpt, mnt
 
 
 def test_background_server_failure_is_reported_with_the_log_line(ckpt, mnt, tmp_path):
-    env = fake_env(CKPTFS_CACHE_DIR=str(tmp_path / "cache"), CKPTFS_TEST_TREE="fusehelp:fake_views_server_fails")
-    r = ckptfs("mount", ckpt, mnt, env=env)
+    r = run_ckptfs("mount", ckpt, mnt, env=real_env(CKPTFS_CACHE_DIR=tmp_path / "cache"),
+                   fake="fake_views_server_fails", timeout=120)
     assert r.returncode == 2
     assert b"vanished before the server started" in r.stderr and b"log:" in r.stderr
     assert not is_mounted(mnt)
@@ -131,7 +131,7 @@ def test_unusable_mount_points_are_refused_before_mounting(ckpt, tmp_path, case)
     elif case == "not_empty":
         target.mkdir()
         (target / "something").write_text("x")
-    r = ckptfs("mount", ckpt, target, "--foreground")
+    r = run_ckptfs("mount", ckpt, target, "--foreground", fake=FAKE, timeout=120)
     assert r.returncode == 2
     msg = r.stderr.decode()
     assert len(msg.strip().splitlines()) == 1
@@ -140,8 +140,8 @@ def test_unusable_mount_points_are_refused_before_mounting(ckpt, tmp_path, case)
 
 
 def test_already_mounted_mount_point_is_refused(ckpt):
-    with mounted_server(ckpt) as srv:
-        r = ckptfs("mount", ckpt, srv.mnt, "--foreground")
+    with mounted_server(ckpt, fake=FAKE) as srv:
+        r = run_ckptfs("mount", ckpt, srv.mnt, "--foreground", fake=FAKE, timeout=120)
         assert r.returncode == 2 and b"already mounted" in r.stderr
         assert srv.proc.poll() is None
 
@@ -149,19 +149,18 @@ def test_already_mounted_mount_point_is_refused(ckpt):
 def test_bad_checkpoint_exits_2_with_one_line_and_mounts_nothing(tmp_path, mnt):
     bad = tmp_path / "garbage.mdl"
     bad.write_bytes(b"garbage" * 1000)
-    env = {k: v for k, v in fake_env().items() if k != "CKPTFS_TEST_TREE"}
     for extra in ([], ["--foreground"]):
-        r = ckptfs("mount", bad, mnt, *extra, env=env, timeout=60)
+        r = run_ckptfs("mount", bad, mnt, *extra, timeout=60)
         assert r.returncode == 2
         assert len(r.stderr.decode().strip().splitlines()) == 1 and str(bad) in r.stderr.decode()
         assert not is_mounted(mnt)
-    r = ckptfs("mount", tmp_path / "nope.mdl", mnt, env=env)
+    r = run_ckptfs("mount", tmp_path / "nope.mdl", mnt, timeout=120)
     assert r.returncode == 2 and not is_mounted(mnt)
 
 
 def test_bad_options_exit_2(ckpt, mnt):
-    r = ckptfs("mount", ckpt, mnt, "--views", "hf,bogus")
+    r = run_ckptfs("mount", ckpt, mnt, "--views", "hf,bogus", fake=FAKE, timeout=120)
     assert r.returncode == 2 and b"bogus" in r.stderr
-    r = ckptfs("mount", ckpt, mnt, "--cache-size", "lots")
+    r = run_ckptfs("mount", ckpt, mnt, "--cache-size", "lots", fake=FAKE, timeout=120)
     assert r.returncode == 2 and b"lots" in r.stderr
     assert not is_mounted(mnt)

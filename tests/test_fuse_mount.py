@@ -8,7 +8,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from fusehelp import FAIL_FROM, FAILING, ckptfs, concurrent_random_reads, fake_tree, mounted_server, needs_fuse
+from conftest import needs_fuse, run_ckptfs
+from fusehelp import FAIL_FROM, FAILING, FAKE, concurrent_random_reads, fake_tree, mounted_server
 
 pytestmark = [needs_fuse, pytest.mark.timeout(300)]
 
@@ -23,7 +24,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def srv(ckpt):
-    with mounted_server(ckpt) as s:
+    with mounted_server(ckpt, fake=FAKE) as s:
         yield s
 
 
@@ -41,7 +42,7 @@ def exported(ckpt, tree, tmp_path_factory):
         if path == FAILING:
             continue
         dest = d / path.replace("/", "__")
-        r = ckptfs("export", ckpt, path, dest)
+        r = run_ckptfs("export", ckpt, path, dest, fake=FAKE, timeout=120)
         assert r.returncode == 0, r.stderr
         out[path] = dest.read_bytes()
     return out
@@ -97,7 +98,7 @@ def test_ls_lR_takes_attributes_from_the_listing_not_one_lookup_per_entry(ckpt, 
     dirs = [p for p in tree.all_paths() if p not in set(tree.file_paths())]
     entries = len(tree.all_paths())
     assert entries - len(dirs) >= 2 * len(dirs)  # a LOOKUP per entry would be visible over the per-directory cost
-    with mounted_server(ckpt) as s:
+    with mounted_server(ckpt, fake=FAKE) as s:
         before = _fuse_requests(s.proc.pid)
         r = subprocess.run(["ls", "-lRn", str(s.mnt)], capture_output=True, text=True, timeout=60)
         taken = _fuse_requests(s.proc.pid) - before

@@ -5,18 +5,15 @@ import subprocess
 
 import pytest
 
-from fusehelp import FIXTURES_CKPT, fake_env, mounted, needs_fuse
+from conftest import needs_fuse, real_env
+from fusehelp import FIXTURES_CKPT, mounted
 
 pytestmark = [needs_fuse, pytest.mark.timeout(600)]
 
 
-def _real_env():
-    return {k: v for k, v in fake_env().items() if k != "CKPTFS_TEST_TREE"}
-
-
 @pytest.fixture(scope="module")
 def tree():
-    from ckptfs.vfs import build_tree
+    from ckptfs.tree.assemble import build_tree
 
     t = build_tree(FIXTURES_CKPT)
     yield t
@@ -25,7 +22,7 @@ def tree():
 
 @pytest.fixture(scope="module")
 def mnt():
-    with mounted(FIXTURES_CKPT, env=_real_env()) as m:
+    with mounted(FIXTURES_CKPT, env=real_env()) as m:
         yield m
 
 

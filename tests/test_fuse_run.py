@@ -14,16 +14,13 @@ import numpy as np
 import pytest
 
 import ckptfs
-from fusehelp import fake_env, mounted, mounted_server, needs_fuse
+from conftest import needs_fuse, real_env
+from fusehelp import mounted, mounted_server
 from runhelp import model_dir, norm_of, save, save_partial, set_success, write_copy
 
 pytestmark = [needs_fuse, pytest.mark.timeout(900)]
 
 WAIT = 60  # seconds a live change may take to show (it takes about one)
-
-
-def real_env() -> dict:
-    return {k: v for k, v in fake_env().items() if k != "CKPTFS_TEST_TREE"}
 
 
 def wait_for(what, cond, timeout: float = WAIT):

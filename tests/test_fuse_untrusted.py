@@ -13,17 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fusehelp import fake_env, mounted, mounted_server, needs_fuse
+from conftest import needs_fuse, real_env
+from fusehelp import mounted, mounted_server
 from untrusted_help import (ALLOWED_WITH_OUTSIDE, HOSTILE_KEYS, MARK, REFERENCE_KEYS, add_leaves, all_served_bytes,
                             craft_hostile_metadata, craft_references, leaf_metadata, safetensor_ref, tensor_md)
 
 pytestmark = [needs_fuse, pytest.mark.timeout(900)]
-
-
-def real_env(**extra) -> dict:
-    env = {k: v for k, v in fake_env().items() if k != "CKPTFS_TEST_TREE"}
-    env.update(extra)
-    return env
 
 
 def read_each(mnt: Path) -> dict:
@@ -128,7 +123,7 @@ def _flip(path: Path, offset: int, size: int) -> None:
 def test_checkpoint_changed_under_a_live_mount_never_mixes_bytes(tmp_path, how):
     import shutil
 
-    from ckptfs.vfs import build_tree
+    from ckptfs.tree.assemble import build_tree
     from untrusted_help import copy_llama
 
     ckpt = copy_llama(tmp_path / "ck")

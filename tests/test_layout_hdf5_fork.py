@@ -82,7 +82,7 @@ def test_cs_view_of_a_forking_mount_has_the_same_bytes():
     import hashlib, os
     from cshelp import read_all
     from conftest import FIXTURES
-    from ckptfs.vfs import build_tree
+    from ckptfs.tree.assemble import build_tree
     from ckptfs.options import MountOptions
 
     def digest(fork):

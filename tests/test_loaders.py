@@ -12,16 +12,13 @@ import pytest
 import torch
 
 from conftest import FIXTURES
-from fusehelp import fake_env, mounted, needs_fuse
+from conftest import needs_fuse, real_env
+from fusehelp import mounted
 from tokhelp import make_tokenizer, prompts
 
 pytestmark = [needs_fuse, pytest.mark.timeout(900)]
 
 GREEDY = {"max_new_tokens": 20, "do_sample": False}
-
-
-def real_env() -> dict:
-    return {k: v for k, v in fake_env().items() if k != "CKPTFS_TEST_TREE"}
 
 
 def ckpt(case: str):

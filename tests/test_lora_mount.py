@@ -13,16 +13,13 @@ import torch
 import yaml
 
 from ckptfs.mapping.detect import cs_model_tensors
-from fusehelp import fake_env, mounted, needs_fuse
+from conftest import needs_fuse, real_env
+from fusehelp import mounted
 from mappinghelp import FIXTURES, open_fixture
 
 pytestmark = [needs_fuse, pytest.mark.timeout(900)]
 
 CASES = {"lora_gpt2": "gpt2", "lora_llama": "llama"}
-
-
-def real_env() -> dict:
-    return {k: v for k, v in fake_env().items() if k != "CKPTFS_TEST_TREE"}
 
 
 def load(path, cls):

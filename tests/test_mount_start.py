@@ -12,9 +12,8 @@ import pytest
 
 from ckptfs.errors import CheckpointError, ConfigError, CkptfsError
 from ckptfs.mountproc import MountError, encode_status_error, relayed_error
-from fusehelp import ckptfs, fake_env, force_unmount, is_mounted, needs_fuse, process_gone
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO, needs_fuse, real_env, run_ckptfs
+from fusehelp import FAKE, FIXTURES_CKPT, force_unmount, is_mounted, process_gone
 
 
 @pytest.mark.parametrize("err", [CheckpointError("/x/ck.mdl", "not an HDF5 file"),
@@ -115,10 +114,10 @@ def test_background_mount_of_a_bad_checkpoint_relays_the_servers_line(tmp_path):
     bad.write_bytes(b"garbage" * 1000)
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    env = {k: v for k, v in fake_env(CKPTFS_CACHE_DIR=str(tmp_path / "cache")).items() if k != "CKPTFS_TEST_TREE"}
+    env = real_env(CKPTFS_CACHE_DIR=tmp_path / "cache")
     try:
-        fg = ckptfs("mount", bad, mnt, "--foreground", env=env, timeout=60)
-        bg = ckptfs("mount", bad, mnt, env=env, timeout=60)
+        fg = run_ckptfs("mount", bad, mnt, "--foreground", env=env, timeout=60)
+        bg = run_ckptfs("mount", bad, mnt, env=env, timeout=60)
     finally:
         force_unmount(mnt)
     assert fg.returncode == bg.returncode == 2
@@ -151,7 +150,7 @@ def test_ckptfs_mount_forks_its_server_instead_of_starting_another_interpreter(t
 
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    r = ckptfs("mount", "fake.mdl", mnt, env=fake_env(CKPTFS_CACHE_DIR=str(tmp_path / "cache")), timeout=60)
+    r = run_ckptfs("mount", "fake.mdl", mnt, env=real_env(CKPTFS_CACHE_DIR=tmp_path / "cache"), fake=FAKE, timeout=60)
     assert r.returncode == 0, r.stderr
     pid = int(re.search(r"pid (\d+)", r.stdout.decode()).group(1))
     try:
@@ -160,7 +159,7 @@ def test_ckptfs_mount_forks_its_server_instead_of_starting_another_interpreter(t
         assert os.readlink(f"/proc/{pid}/fd/0") == os.devnull and os.readlink(f"/proc/{pid}/cwd") == "/"
         assert os.getsid(pid) == pid  # its own session: a Ctrl-C meant for the shell does not reach it
         assert (mnt / "README.txt").read_bytes()
-        assert ckptfs("umount", mnt).returncode == 0
+        assert run_ckptfs("umount", mnt, timeout=120).returncode == 0
         assert process_gone(pid) and not is_mounted(mnt)
     finally:
         force_unmount(mnt)
@@ -178,17 +177,17 @@ def test_a_process_running_threads_starts_a_new_interpreter_for_the_server(tmp_p
         assert single_threaded()
         threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
         assert not single_threaded()
-        print(mount("fake.mdl", {str(mnt)!r}).pid)
+        print(mount({str(FIXTURES_CKPT)!r}, {str(mnt)!r}).pid)
     """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
-                       env=fake_env(CKPTFS_CACHE_DIR=str(tmp_path / "cache")))
+                       env=real_env(CKPTFS_CACHE_DIR=tmp_path / "cache"))
     try:
         assert r.returncode == 0, r.stderr
         pid = int(r.stdout.split()[-1])
         argv = _server_cmdline(pid)
         assert argv[1:4] == ["-m", "ckptfs", "mount"] and "--foreground" in argv, argv
         assert (mnt / "README.txt").read_bytes()
-        assert ckptfs("umount", mnt).returncode == 0
+        assert run_ckptfs("umount", mnt, timeout=120).returncode == 0
         assert process_gone(pid)
     finally:
         force_unmount(mnt)

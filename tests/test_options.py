@@ -11,7 +11,7 @@ import pytest
 from ckptfs import options as mo
 from ckptfs.cli import build_parser
 from ckptfs.mountproc import server_argv
-from ckptfs.vfs import content_identity
+from ckptfs.tree.assemble import content_identity
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -107,9 +107,8 @@ def test_cache_dir_is_resolved_in_one_place(tmp_path, monkeypatch):
     assert default_crc_dir() == tmp_path / "x" / "ckptfs" / "crc"
 
 
-#: modules still reading a variable themselves: lz4chunks until it is split (issue 28, item 3), vfs until its test
-#: seam goes
-_READS_ENV_UNTIL_SPLIT = {"ckptfs/source/lz4chunks.py", "ckptfs/vfs.py"}
+#: modules still reading a variable themselves: lz4chunks until it is split (issue 28, item 3)
+_READS_ENV_UNTIL_SPLIT = {"ckptfs/source/lz4chunks.py"}
 
 
 def test_the_environment_is_read_in_one_module_and_documented_in_the_readme():

@@ -17,6 +17,7 @@ from ckptfs import virtual_tensor as tensor_mod
 from ckptfs.cache import BlockCache
 from ckptfs.layouts.pieces import Literal, PiecedFile, TensorRun
 from ckptfs.readahead import READ_AHEAD
+from ckptfs.virtual_file import fill
 from ckptfs.virtual_tensor import ArrayTensor
 
 BLOCK = 256 << 10  # small blocks (above the small-read and sequential-read sizes) so a few MB span many
@@ -66,8 +67,9 @@ def _blocks(t) -> int:
 
 
 def _read(f, offset, n) -> bytes:
+    """What a FUSE read of ``n`` bytes at ``offset`` gets (clipped at the end as the tree clips it)."""
     buf = bytearray(n)
-    got = f.readinto(offset, memoryview(buf))
+    got = fill(f, offset, memoryview(buf), "f")
     return bytes(buf[:got])
 
 

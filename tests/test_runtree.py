@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from ckptfs.options import MountOptions
-from ckptfs.runtree import LATEST, RunTree, is_run, open_run
+from ckptfs.tree.run import LATEST, RunTree, is_run, open_run
 from ckptfs.source.rundir import IN_PROGRESS, RunScanner, parse_name
-from ckptfs.vfs import VirtualPathError
+from ckptfs.tree.base import VirtualPathError
 from conftest import run_ckptfs
 from runhelp import NORM_HF, model_dir, norm_of, save, save_partial, set_success, write_copy
 
@@ -149,7 +149,7 @@ def test_at_most_keep_idle_trees_stay_built(tmp_path):
     closed = []
 
     def build(path, options):
-        from ckptfs.vfs import build_tree
+        from ckptfs.tree.assemble import build_tree
 
         t = build_tree(path, options)
         t._closers.append(lambda: closed.append(Path(path).name))
@@ -240,17 +240,12 @@ def test_single_and_files_are_not_runs(tmp_path):
         open_run(f)
 
 
-def _ckptfs(*args) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "CKPTFS_TEST_TREE"}
-    return run_ckptfs(*args, env=env, text=True, timeout=300)
-
-
 def test_ls_and_info_of_a_model_dir_list_the_run(tmp_path):
     d = model_dir(tmp_path / "run")
     save(d, 100)
     save(d, 2000)
     write_copy(d / "checkpoint_3000.mdl.00aa11bb.tmp", 3000, success=False)
-    r = _ckptfs("ls", d)
+    r = run_ckptfs("ls", d, text=True)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     row = next(ln for ln in lines if "checkpoint_2000.mdl" in ln)
@@ -258,16 +253,16 @@ def test_ls_and_info_of_a_model_dir_list_the_run(tmp_path):
     assert "save in progress" in next(ln for ln in lines if "checkpoint_3000.mdl.00aa11bb.tmp" in ln)
     assert "2 complete checkpoint(s), 1 not complete" in r.stdout
 
-    j = json.loads(_ckptfs("info", "--json", d).stdout)
+    j = json.loads(run_ckptfs("info", "--json", d, text=True).stdout)
     assert j["run"]["latest"] == "checkpoint_2000"
     assert [(c["step"], c["complete"], c["latest"]) for c in j["run"]["checkpoints"]] == [
         (100, True, False), (2000, True, True), (3000, False, False)]
     assert j["run"]["checkpoints"][0]["size"] == (d / "checkpoint_100.mdl").stat().st_size
     assert j["latest_checkpoint"]["path"] == str(d / "checkpoint_2000.mdl")
-    text = _ckptfs("info", d).stdout
+    text = run_ckptfs("info", d, text=True).stdout
     assert "latest: checkpoint_2000" in text and "latest checkpoint:" in text
 
-    single = _ckptfs("ls", "--single", d)
+    single = run_ckptfs("ls", "--single", d, text=True)
     assert single.returncode == 0 and "model/" in single.stdout  # the latest checkpoint's keys, as before
 
 

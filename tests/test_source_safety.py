@@ -33,10 +33,6 @@ class _CreatesFile:
         return (open, (self.path, "w"))
 
 
-def _ckptfs(*args):
-    return run_ckptfs(*args, cwd=ROOT, text=True)
-
-
 def test_pickled_object_is_never_unpickled(tmp_path):
     marker = tmp_path / "pwned"
     crafted = pickle.dumps(_CreatesFile(marker), protocol=4)
@@ -50,9 +46,9 @@ def test_pickled_object_is_never_unpickled(tmp_path):
         obj = to_torch(ckpt)["obj"]
         assert isinstance(obj, Opaque) and obj.data == crafted
     for cmd in (["info", ck], ["info", "--json", ck], ["ls", "-l", ck]):
-        r = _ckptfs(*cmd)
+        r = run_ckptfs(*cmd, text=True)
         assert r.returncode == 0, r.stderr
-    assert "opaque pickled object" in _ckptfs("ls", "-l", ck).stdout
+    assert "opaque pickled object" in run_ckptfs("ls", "-l", ck, text=True).stdout
     assert not marker.exists()
     # sanity: the crafted bytes really are dangerous when unpickled
     pickle.loads(crafted).close()
@@ -72,7 +68,7 @@ def test_legacy_object_value_stays_opaque(tmp_path):
         leaf = ckpt.leaves["optimizer.param_groups.0.name"]
         assert isinstance(leaf, OpaqueLeaf) and leaf.data == crafted
         to_torch(ckpt)
-    assert _ckptfs("ls", "-l", ck).returncode == 0
+    assert run_ckptfs("ls", "-l", ck, text=True).returncode == 0
     assert not marker.exists()
 
 
@@ -85,7 +81,7 @@ def test_legacy_spec_refuses_foreign_globals(tmp_path):
     with pytest.raises(CheckpointError) as ei:
         open_checkpoint(ck)
     assert "open" in ei.value.problem and "refuses" in ei.value.problem
-    r = _ckptfs("info", ck)
+    r = run_ckptfs("info", ck, text=True)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and ck.name in r.stderr
     assert not marker.exists()
 

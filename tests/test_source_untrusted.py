@@ -25,10 +25,6 @@ pytestmark = pytest.mark.timeout(300)  # the harness bound: a FIFO opened by mis
 ROOT = Path(__file__).parent.parent
 
 
-def _ckptfs(*args):
-    return run_ckptfs(*args, cwd=ROOT, text=True, timeout=120)
-
-
 @pytest.fixture(scope="module")
 def crafted(tmp_path_factory):
     d = tmp_path_factory.mktemp("refs")
@@ -62,12 +58,12 @@ def test_allow_external_opts_a_folder_in_but_never_hdf5_indirection(crafted):
 
 def test_info_and_ls_show_why(crafted):
     ckpt, _ = crafted
-    info = _ckptfs("info", ckpt)
+    info = run_ckptfs("info", ckpt, text=True, timeout=120)
     assert info.returncode == 0, info.stderr
     for key, why in REFERENCE_KEYS.items():
         line = next(ln for ln in info.stdout.splitlines() if ln.strip().startswith(f"unreadable {key}:"))
         assert why in line
-    ls = _ckptfs("ls", "-l", ckpt)
+    ls = run_ckptfs("ls", "-l", ckpt, text=True, timeout=120)
     assert ls.returncode == 0, ls.stderr
     assert all(any(ln.strip().startswith(key) and "unreadable" in ln for ln in ls.stdout.splitlines())
                for key in REFERENCE_KEYS)
@@ -85,7 +81,7 @@ def test_hostile_metadata_is_unreadable_from_the_catalog(tmp_path):
 
 def test_checkpoint_that_is_a_fifo_is_refused_without_opening_it(tmp_path):
     os.mkfifo(tmp_path / "checkpoint.mdl")
-    r = _ckptfs("info", tmp_path / "checkpoint.mdl")
+    r = run_ckptfs("info", tmp_path / "checkpoint.mdl", text=True, timeout=120)
     assert r.returncode == 2 and "FIFO" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 

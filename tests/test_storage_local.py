@@ -10,8 +10,8 @@ import pytest
 
 from ckptfs import env
 from ckptfs.storage import local
-from ckptfs.storage.base import ShortRead
-from ckptfs.storage.local import ALIGN, LocalFile
+from ckptfs.storage.base import Blob, Folder, ShortRead
+from ckptfs.storage.local import ALIGN, LocalFile, LocalFolder
 
 
 @pytest.fixture(autouse=True)
@@ -258,3 +258,46 @@ def test_consecutive_block_hints_announce_only_the_new_part_of_the_window(tmp_pa
     assert calls[3:] == [(10, w)]
 
 
+
+
+def test_a_local_file_is_a_blob_with_its_size_and_version(tmp_path):
+    """The storage interface over a local file: its size and version when opened, the version stored now (another
+    once the file changes), the default ``read_spans`` of ``Blob`` giving the same bytes as the local one, and a
+    short read at the end of the file."""
+    path, data = _file(tmp_path, 3 * ALIGN + 5)
+    f = LocalFile(str(path))
+    assert isinstance(f, Blob) and f.name == str(path) and f.size == len(data)
+    assert f.current_version() == f.version
+    spans = [(1, 100), (ALIGN, 2 * ALIGN + 7), (3 * ALIGN, len(data))]
+    buf, starts, _ = Blob.read_spans(f, spans, lambda n: mmap.mmap(-1, max(n, 1)))
+    assert [bytes(buf[at:at + end - lo]) for at, (lo, end) in zip(starts, spans)] == [data[lo:end] for lo, end in spans]
+    with pytest.raises(ShortRead):
+        Blob.read_spans(f, [(len(data) - 3, len(data) + 1)], lambda n: mmap.mmap(-1, max(n, 1)))
+    with open(path, "ab") as out:
+        out.write(b"more")
+    assert f.current_version() != f.version and f.version.difference(f.current_version()).startswith("size changed")
+    f.close()
+    with pytest.raises(OSError):  # never a read of whatever file reuses the descriptor's number
+        f.read_into(memoryview(bytearray(ALIGN)), 0, 10)
+
+
+def test_a_local_folder_lists_stats_opens_and_reads_its_entries(tmp_path):
+    (tmp_path / "checkpoint_1.mdl").write_bytes(b"x" * 10)
+    (tmp_path / "notes.txt").write_text("latest\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "link.mdl").symlink_to(tmp_path / "checkpoint_1.mdl")
+    (tmp_path / "dangling.mdl").symlink_to(tmp_path / "gone")
+    folder = LocalFolder(tmp_path)
+    assert isinstance(folder, Folder)
+    entries = {e.name: e for e in folder.entries()}
+    assert sorted(entries) == ["checkpoint_1.mdl", "link.mdl", "notes.txt", "sub"]  # a dangling link is left out
+    assert entries["link.mdl"].is_file and entries["link.mdl"].size == 10  # links are followed
+    assert not entries["sub"].is_file
+    assert entries["link.mdl"].version == entries["checkpoint_1.mdl"].version
+    assert sorted(e.name for e in folder.entries(match=lambda n: n.endswith(".mdl"))) == ["checkpoint_1.mdl", "link.mdl"]
+    assert folder.stat("nope") is None and folder.stat("notes.txt").size == 7
+    assert folder.read_text("notes.txt") == "latest\n" and folder.read_text("notes.txt", limit=3) == "lat"
+    blob = folder.open("checkpoint_1.mdl")
+    buf = bytearray(10)
+    assert blob.read_into(memoryview(buf), 0, 10)[0] == 10 and bytes(buf) == b"x" * 10
+    assert folder.folder("sub").entries() == []

@@ -8,9 +8,11 @@ import stat
 import pytest
 
 from ckptfs.errors import CheckpointError, CkptfsError, TensorReadError
-from ckptfs.views.base import BytesFile, MountOptions, ViewContext, ViewResult
-from ckptfs.vfs import (README_NAME, SourceInfo, VirtualPathError, VirtualTree, assemble_tree, build_tree,
-                        outcome_from, run_builder)
+from ckptfs.options import MountOptions
+from ckptfs.tree.assemble import SourceInfo, assemble_tree, build_tree, outcome_from, run_builder
+from ckptfs.tree.base import VirtualPathError
+from ckptfs.tree.virtual import VirtualTree
+from ckptfs.views.base import README_NAME, BytesFile, ViewContext, ViewResult
 from ckptfs.views.registry import View
 
 from fusehelp import FAIL_FROM, FAILING, FIXTURES_CKPT, PatternFile, fake_tree
@@ -87,8 +89,8 @@ def test_reads_are_exact_and_clipped():
 
 
 class Short(PatternFile):
-    def read(self, offset, n):
-        return super().read(offset, n)[:-1]
+    def readinto(self, offset, out):
+        return super().readinto(offset, out[:-1])
 
 
 def test_a_file_returning_the_wrong_length_is_an_error_not_wrong_bytes():
@@ -116,7 +118,7 @@ def test_empty_directories_can_be_declared():
 
 
 def test_lookups_stay_exact_across_more_directories_than_a_tree_remembers():
-    from ckptfs.vfs import RECENT_DIRS
+    from ckptfs.tree.virtual import RECENT_DIRS
 
     paths = [f"d{i % 7}/{i}/w.bin" for i in range(RECENT_DIRS + 300)] + ["d1/x"]
     t = VirtualTree({p: BytesFile(p) for p in paths})
@@ -218,7 +220,7 @@ def test_build_tree_on_a_real_checkpoint():
 
 
 def test_content_identity_names_the_file_and_the_options_that_shape_content(tmp_path):
-    from ckptfs.vfs import content_identity
+    from ckptfs.tree.assemble import content_identity
 
     ck = tmp_path / "c.mdl"
     ck.write_bytes(b"x")

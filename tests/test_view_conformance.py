@@ -22,6 +22,8 @@ from casehelp import PARAMS, case_model, expected_folders, original_tensors, tor
 from ckptfs.views.registry import names
 from conftest import FIXTURES
 
+pytestmark = pytest.mark.slow  # every view of every fixture
+
 #: view name -> (test module, test function) of its conformance test over fixtures
 VIEW_CONFORMANCE = {
     "hf": ("test_view_conformance", "test_hf_files_hold_the_converters_tensors"),

@@ -11,7 +11,7 @@ import argparse
 from dataclasses import replace
 
 from .. import options as mount_options
-from ..vfs import VirtualTree
+from ..tree.base import Tree
 from .export import resolve_file
 
 
@@ -38,11 +38,11 @@ def add_parser(subparsers):
     return p
 
 
-def explain_file(tree: VirtualTree, vpath: str, offset: int) -> str:
+def explain_file(tree: Tree, vpath: str, offset: int) -> str:
     """The explanation of byte ``offset`` of the virtual file ``vpath``, as text."""
     e = resolve_file(tree, vpath)
     f = e.file
-    if getattr(f, "deferred", False):
+    if f.deferred:
         f = f.resolve()
     explain = getattr(f, "explain", None)
     if explain is None:  # not made of pieces: say what kind of file it is
@@ -54,9 +54,9 @@ def explain_file(tree: VirtualTree, vpath: str, offset: int) -> str:
 
 
 def run(args) -> int:
-    from ..vfs import build_tree
+    from ..tree.assemble import build_tree
 
-    tree = build_tree(args.ckpt, mount_options.from_args(args))
+    tree = (getattr(args, "build_tree", None) or build_tree)(args.ckpt, mount_options.from_args(args))
     try:
         print(explain_file(tree, args.virtual_path, args.offset))
     finally:

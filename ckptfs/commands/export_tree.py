@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..errors import CkptfsError
 from ..progress import progress_bar
+from ..tree.base import Tree
 
 BLOCK = 8 << 20
 PART = ".part"
@@ -26,6 +27,13 @@ class ExportReport:
     files: int = 0  # files written by this run
     kept: int = 0  # files left as a previous run finished them
     bytes: int = 0  # bytes written by this run
+
+
+def read_failed(path: str, off: int, err: Exception) -> CkptfsError:
+    """The error to report for a read of ``path`` at ``off`` that raised ``err`` (itself when it says the path)."""
+    if isinstance(err, CkptfsError):
+        return err
+    return CkptfsError("/" + path, f"read failed at offset {off}: {type(err).__name__}: {err}")
 
 
 def default_threads() -> int:
@@ -93,35 +101,36 @@ class _PartFile:
                 pass
 
 
-def _plan(tree, outdir: Path, block: int) -> tuple:
+def _plan(tree: Tree, outdir: Path, block: int) -> tuple:
     """([(part file, offset, length)], {part files}, kept count, bytes to write)."""
     jobs, parts, kept, total = [], [], 0, 0
-    for path in tree.file_paths():
+    for path in tree.walk():
         e = tree.lookup(path)
+        mtime_ns = tree.attr(e).mtime_ns
         target = outdir / path
-        if finished(target, e.size, tree.mtime_ns):
+        if finished(target, e.size, mtime_ns):
             kept += 1
             stale = target.with_name(target.name + PART)
             if stale.exists() and not stale.is_dir():
                 stale.unlink()  # left by an earlier interrupted run of a file since finished
             continue
         nblocks = max(1, -(-e.size // block))
-        pf = _PartFile(e, target, nblocks, tree.mtime_ns)
+        pf = _PartFile(e, target, nblocks, mtime_ns)
         parts.append(pf)
         total += e.size
         jobs += [(pf, off, min(block, e.size - off)) for off in range(0, max(e.size, 1), block)]
     return jobs, parts, kept, total
 
 
-def _make_dirs(tree, outdir: Path) -> None:
-    files = set(tree.file_paths())
+def _make_dirs(tree: Tree, outdir: Path) -> None:
+    files = set(tree.walk())
     outdir.mkdir(parents=True, exist_ok=True)
-    for path in tree.all_paths():
+    for path in tree.walk(dirs=True):
         if path not in files:
             (outdir / path).mkdir(parents=True, exist_ok=True)
 
 
-def export_tree(tree, outdir, *, threads: int | None = None, progress: bool = False, block: int = BLOCK
+def export_tree(tree: Tree, outdir, *, threads: int | None = None, progress: bool = False, block: int = BLOCK
                 ) -> ExportReport:
     """Write every file of ``tree`` under ``outdir`` (see the module docstring); returns what was done."""
     outdir = Path(outdir)
@@ -137,10 +146,8 @@ def export_tree(tree, outdir, *, threads: int | None = None, progress: bool = Fa
         pf, off, n = job
         try:
             data = tree.read(pf.entry, off, n) if n else b""
-        except CkptfsError:
-            raise
         except Exception as err:
-            raise CkptfsError("/" + pf.entry.path, f"read failed at offset {off}: {type(err).__name__}: {err}") from err
+            raise read_failed(pf.entry.path, off, err) from err
         try:
             done = pf.write(off, data)
         except OSError as err:

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from ..errors import CkptfsError
+from ..units import human_size
 from .. import options as mount_options
 
 if TYPE_CHECKING:  # the source layer (h5py, numpy) is imported when a command runs, not when the CLI is built
@@ -110,15 +111,6 @@ def summarize(ckpt: Checkpoint) -> Summary:
         warnings=list(ckpt.warnings))
 
 
-def human_bytes(n: int) -> str:
-    v = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if v < 1024 or unit == "TiB":
-            return f"{int(v)} B" if unit == "B" else f"{v:.1f} {unit}"
-        v /= 1024
-    return f"{n} B"
-
-
 def family_line(f: FamilyInfo) -> str:
     if not f.family:
         return f"unknown ({f.reason})" if f.reason else "unknown"
@@ -133,7 +125,7 @@ def format_text(s: Summary) -> str:
              "complete: " + ("yes (__SUCCESS__ set)" if s.success else "no (partial save; opened with --allow-partial)"),
              f"family: {family_line(s.family)}",
              f"top-level keys ({s.root_kind}): " + (", ".join(str(k) for k in s.top_level_keys) or "(none)"),
-             f"tensors: {s.tensors} ({human_bytes(s.total_bytes)}, {s.total_bytes} bytes)"]
+             f"tensors: {s.tensors} ({human_size(s.total_bytes, binary=True)}, {s.total_bytes} bytes)"]
     w = max((len(k) for k in s.by_dtype), default=0)
     for name, t in s.by_dtype.items():
         lines.append(f"  {name:<{w}}  {t.tensors:>6} tensors  {t.bytes:>14} bytes")
@@ -160,7 +152,7 @@ def run(args) -> int:
             print(json.dumps({"run": as_json(listing), "latest_checkpoint": asdict(s) if s else None}, indent=2,
                              default=str))
         else:
-            print(format_run(listing, human_bytes) + ("\n\nlatest checkpoint:\n" + format_text(s) if s else ""))
+            print(format_run(listing) + ("\n\nlatest checkpoint:\n" + format_text(s) if s else ""))
         return 0
     with open_checkpoint(args.ckpt, allow_partial=args.allow_partial,
                          allow_external=args.allow_external or ()) as ckpt:

@@ -77,9 +77,7 @@ def run(args) -> int:
     from .runinfo import format_run, is_run_argument, scan_run
 
     if is_run_argument(args.ckpt, args.single):  # a model_dir: the run's checkpoints
-        from .info import human_bytes
-
-        print(format_run(scan_run(args.ckpt), human_bytes))
+        print(format_run(scan_run(args.ckpt)))
         return 0
     with open_checkpoint(args.ckpt, allow_partial=args.allow_partial,
                          allow_external=args.allow_external or ()) as ckpt:

@@ -29,12 +29,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from ..mountproc import mount
+    from ..mountproc import build_tree, mount
 
     options = mount_options.from_args(args)
     started = mount(args.ckpt, args.mountpoint, options, foreground=args.foreground,
                     allow_other=args.allow_other, debug=getattr(args, "debug", False),
-                    status_fd=args.status_fd if args.foreground else None)
+                    status_fd=args.status_fd if args.foreground else None,
+                    build=getattr(args, "build_tree", None) or build_tree)
     if started is not None:
         print(f"ckptfs: mounted {args.ckpt} at {started.mountpoint} (server pid {started.pid}; "
               f"log: {started.log_path}; stop with `ckptfs umount {started.mountpoint}`)")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 from ..source.rundir import RunListing, RunScanner
+from ..units import human_size
 
 
 @dataclass
@@ -55,8 +56,8 @@ def as_json(listing: RunListing) -> dict:
             "incomplete": len(listing.incomplete), "checkpoints": [asdict(r) for r in rows(listing)]}
 
 
-def format_run(listing: RunListing, human_bytes) -> str:
-    """The run as a table (``human_bytes`` formats a size)."""
+def format_run(listing: RunListing) -> str:
+    """The run as a table."""
     latest = listing.latest
     lines = [f"model_dir: {listing.model_dir}",
              f"latest: {latest.name} ({listing.latest_reason})" if latest else f"latest: none ({listing.latest_reason})"]
@@ -69,7 +70,7 @@ def format_run(listing: RunListing, human_bytes) -> str:
         for r in table:
             step = "?" if r.step is None else str(r.step)
             status = r.status + ("  <- latest" if r.latest else "")
-            lines.append(f"{step:>10}  {human_bytes(r.size):>10}  {r.modified:<19}  {r.file:<{wf}}  {status}")
+            lines.append(f"{step:>10}  {human_size(r.size, binary=True):>10}  {r.modified:<19}  {r.file:<{wf}}  {status}")
     lines.append(f"{len(listing.complete)} complete checkpoint(s), {len(listing.incomplete)} not complete "
                  f"(a run mount shows only complete ones)")
     return "\n".join(lines)

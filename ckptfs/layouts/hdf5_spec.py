@@ -3,9 +3,8 @@
 Pure functions over a tree of ``ckptfs.source.catalog.Container`` nodes whose leaves are any other
 objects. They reproduce, byte for byte, what ``cstorch.save`` writes:
 
-* ``flat_items(root)``: the flattened keys of ``cstorch.utils.nest.recurse_spec`` (cerebras-h5-format
-  §2.2): dict keys → ``str(key)``, sequences → indices, a subtree without leaves contributes nothing,
-  and the defaultdict quirk (children named ``str(factory)``, ``str(keys)``, the rest dropped).
+* ``flat_items(root)``: the flattened keys of ``cstorch.utils.nest.recurse_spec``: dict keys → ``str(key)``,
+  sequences → indices, a subtree without leaves contributes nothing, and the defaultdict quirk (children named ``str(factory)``, ``str(keys)``, the rest dropped).
 * ``treespec_dumps(root)``: torch pytree protocol-1 JSON (``torch.utils._pytree.treespec_dumps``).
 * ``spec_attr(root)``: the global ``__spec__`` = ``json.dumps([skeleton, treespec], indent=4)``,
   skeleton ``null`` when the structure is not JSON-able (a set, a deque, odd keys).

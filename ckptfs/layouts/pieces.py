@@ -19,10 +19,10 @@ Large literal content (for 100,000 keys: ~13 MB of data.pkl per torch zip, ~10 M
 repetitive) is kept compressed: ``packed(data)`` returns ``data`` itself below ``PACK_AT`` bytes, else a
 ``PackedBytes`` (independent zlib chunks, sliced like bytes, the last chunk used kept decompressed).
 
-``PiecedFile(pieces, name=…, cache=…)`` has an exact ``size`` and the single read loop, ``readinto(offset, out)``:
-it clips the request, finds the first piece with one bisect, lets each overlapping piece fill its share of the
-one buffer ``out``, and checks that every piece produced exactly its share (an error names the file and the
-piece); ``read(offset, n)`` is ``readinto`` a new buffer. A file
+``PiecedFile(pieces, name=…, cache=…)`` is a ``VirtualFile`` with an exact ``size`` and the single read loop,
+``readinto(offset, out)`` (the range already clipped to the file by ``virtual_file.fill``): it finds the first piece
+with one bisect, lets each overlapping piece fill its share of the one buffer ``out``, and checks that every piece
+produced exactly its share (an error names the file and the piece). A file
 whose plan is expensive passes ``plan=`` instead of ``pieces`` and is planned on first use, once (under a lock of
 its own); a file whose plan is cheap and pure (one per tensor: an .npy file) overrides ``_own_pieces()`` instead and is
 planned when read, without a lock (two first readers may both plan it; either plan serves); only the plans of the
@@ -46,6 +46,7 @@ from typing import Callable, Sequence
 
 from ..cache import BlockCache
 from ..errors import TensorReadError
+from ..virtual_file import VirtualFile
 from ..virtual_tensor import VirtualTensor, trace_element, unravel
 
 
@@ -352,8 +353,8 @@ class _Deferred:
         self.lock = threading.Lock()
 
 
-class PiecedFile:
-    """A generated file made of pieces: exact ``size``, ``read(offset, n)`` and ``explain(offset)``.
+class PiecedFile(VirtualFile):
+    """A generated file made of pieces: exact ``size``, ``readinto(offset, out)`` and ``explain(offset)``.
 
     Slotted (a mount of 100,000 tensors has ~100,000 .npy files): a file holds its name, cache, where its last read
     ended and its plan — a ``Plan``, a ``_Deferred`` (given ``plan=``: the only files with a lock) or None (a file
@@ -403,14 +404,12 @@ class PiecedFile:
         return self.plan().size
 
     def readinto(self, offset: int, out: memoryview) -> int:
-        """Fill ``out`` with bytes ``[offset, offset + len(out))`` of the file (fewer at its end); returns the count.
+        """Fill ``out`` with bytes ``[offset, offset + len(out))`` of the file, a range inside it; returns the count.
 
         The one read loop of every pieced file: one bisect, then each overlapping piece fills its share of ``out``
         and must produce exactly that many bytes."""
-        if offset < 0:
-            raise ValueError(f"{self.name}: invalid read at offset {offset}")
         plan = self.plan()
-        end = min(offset + len(out), plan.size)
+        end = offset + len(out)
         if offset >= end:
             return 0
         i = bisect_right(plan.starts, offset) - 1
@@ -441,14 +440,6 @@ class PiecedFile:
             if prefetch is not None:
                 prefetch(max(a - start, 0), b - start, cache)
             i += 1
-
-    def read(self, offset: int, n: int) -> bytes:
-        """Bytes ``[offset, offset + n)`` of the file, fewer at its end (``readinto`` a buffer of that size)."""
-        if n < 0:
-            raise ValueError(f"{self.name}: invalid read of {n} bytes at offset {offset}")
-        buf = bytearray(max(0, min(n, self.size - offset)))
-        self.readinto(offset, memoryview(buf))
-        return bytes(buf)
 
     def explain(self, offset: int) -> Explanation:
         plan = self.plan()

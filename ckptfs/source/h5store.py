@@ -279,7 +279,7 @@ class H5Store:
 
         While the file is open and still that version, its path is not consulted: a file removed or renamed over
         keeps its bytes for whoever holds it open, so reads stay whole and consistent (a run mount serves a
-        checkpoint that training deleted to the readers that opened it, ``ckptfs.runtree``)."""
+        checkpoint that training deleted to the readers that opened it, ``tree/run.py``)."""
         if self.identity is not None:
             if self._open_identity() == self.identity:
                 return

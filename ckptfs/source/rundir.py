@@ -18,15 +18,17 @@ from __future__ import annotations
 
 import os
 import re
-import stat as stat_mod
 import threading
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Hashable
 
 import numpy as np
 
 from ..errors import CheckpointError
+from ..storage.base import Folder, FolderEntry
+from ..storage.local import LocalFolder
 from .h5store import one_line
 from .resolve import CHECKPOINT_FILE, checkpoint_name
 
@@ -48,7 +50,7 @@ class RunCheckpoint:
     mtime_ns: int
     complete: bool
     status: str  # COMPLETE, IN_PROGRESS, or why the file is not a usable checkpoint
-    identity: tuple = ()  # (device, inode, size, mtime_ns, ctime_ns): changes whenever the file does
+    identity: Hashable = None  # the storage's version of the file (``FolderEntry.version``): changes with the file
 
     @property
     def name(self) -> str:
@@ -115,10 +117,12 @@ def probe(path) -> tuple:
 
 
 class RunScanner:
-    """Scans one model_dir; remembers each file's probe until the file changes (thread-safe)."""
+    """Scans one model_dir (a storage ``Folder``: a local directory unless ``folder`` says otherwise); remembers each
+    file's probe until the file changes (thread-safe)."""
 
-    def __init__(self, model_dir):
+    def __init__(self, model_dir, folder: Folder | None = None):
         self.model_dir = Path(model_dir).absolute()
+        self.folder = folder if folder is not None else LocalFolder(self.model_dir)
         self._probes: dict = {}  # identity -> (complete, status)
         self._lock = threading.Lock()
 
@@ -126,21 +130,12 @@ class RunScanner:
         """The model_dir's checkpoints now. ``CheckpointError`` if the model_dir itself cannot be listed."""
         found = []
         try:
-            with os.scandir(self.model_dir) as it:
-                entries = list(it)
+            entries = self.folder.entries(match=lambda name: parse_name(name) is not None)
         except OSError as e:
             raise CheckpointError(self.model_dir, f"cannot list the model_dir ({e.strerror or e})") from None
-        for de in entries:
-            parsed = parse_name(de.name)
-            if parsed is None:
-                continue
-            try:
-                st = de.stat()  # follows symlinks: a checkpoint may be a link to the file
-            except OSError:
-                continue  # deleted since listed, or a dangling link
-            if not stat_mod.S_ISREG(st.st_mode):
-                continue
-            found.append(self._checkpoint(Path(de.path), parsed, st))
+        for entry in entries:
+            if entry.is_file:  # links followed: a checkpoint may be a link to the file
+                found.append(self._checkpoint(self.model_dir / entry.name, parse_name(entry.name), entry))
         found.sort(key=RunCheckpoint.sort_key)
         with self._lock:
             keep = {c.identity for c in found}
@@ -148,9 +143,9 @@ class RunScanner:
         latest, reason, problem = choose_latest(self.model_dir, found)
         return RunListing(self.model_dir, tuple(found), latest, reason, problem)
 
-    def _checkpoint(self, path: Path, parsed: tuple, st: os.stat_result) -> RunCheckpoint:
+    def _checkpoint(self, path: Path, parsed: tuple, entry: FolderEntry) -> RunCheckpoint:
         step, stamp = parsed
-        identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        identity = entry.version
         if path.name.endswith(".tmp"):
             complete, status = False, IN_PROGRESS
         else:
@@ -161,7 +156,7 @@ class RunScanner:
                 with self._lock:
                     self._probes[identity] = known
             complete, status = known
-        return RunCheckpoint(path, step, stamp, st.st_size, st.st_mtime_ns, complete, status, identity)
+        return RunCheckpoint(path, step, stamp, entry.size, entry.mtime_ns, complete, status, identity)
 
 
 def choose_latest(model_dir: Path, checkpoints: list) -> tuple:

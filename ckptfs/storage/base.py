@@ -121,8 +121,9 @@ class Folder(ABC):
     name: str
 
     @abstractmethod
-    def entries(self) -> list:
-        """``FolderEntry`` of every entry directly in the folder (``OSError`` when it cannot be listed)."""
+    def entries(self, match: Callable[[str], bool] | None = None) -> list:
+        """``FolderEntry`` of every entry directly in the folder whose name ``match`` accepts (all without
+        ``match``; a backend may stat only those); ``OSError`` when the folder cannot be listed."""
 
     @abstractmethod
     def stat(self, name: str) -> FolderEntry | None:

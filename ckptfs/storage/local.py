@@ -2,9 +2,8 @@
 its pages are cached there, else straight from the disk) and a directory (``LocalFolder``, a ``Folder``).
 
 A cold read through the page cache costs more CPU than the disk transfer itself: the kernel allocates and fills a
-page per 4 KiB and copies it out again; on the 2-vCPU VMs ckptfs is measured on, a cold buffered read of 1 GB took
-0.6-2 CPU-s of system time against 0.1 s with ``O_DIRECT`` (the disk DMAs into our buffer), and the page cache ends
-up holding the compressed source beside the decoded blocks and the kernel's copy of the mount's output. So
+page per 4 KiB and copies it out again (docs/measurements.md, "Direct reads"), and the page cache ends up holding
+the compressed source beside the decoded blocks and the kernel's copy of the mount's output. So
 ``LocalFile.read_into`` asks the kernel whether a range is cached (``cachestat``, Linux 6.5+; one system call,
 which, unlike a non-blocking read, starts no read-ahead) and reads it
 
@@ -46,11 +45,9 @@ PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 #: bytes after a block read that ``will_need`` announces to the kernel
 HINT_AHEAD = 8 << 20
 #: a ``read_spans`` of at least this many bytes (a cache block's chunks, not a peek) of which some came from the page
-#: cache tells the kernel that the ``HINT_AHEAD`` bytes of the file after it will be read soon (``will_need``: an
-#: asynchronous read into the page cache). The chunks of a tensor, and the tensors of a checkpoint, follow each other
-#: in the file, so a block read is most often followed by a read of the next chunks; the disk fetches them while
-#: this block is decoded. A cold ``cp`` through the mount measured ~10% faster, a cold ``from_pretrained`` ~15%. Not
-#: after reads straight from the disk: those bytes are not to be loaded into the page cache.
+#: cache tells the kernel that the ``HINT_AHEAD`` bytes of the file after it will be read soon (``will_need``): the
+#: next chunks usually follow in the file (docs/measurements.md, "Announcing the next bytes"). Not after reads
+#: straight from the disk: those bytes are not to be loaded into the page cache.
 HINT_AFTER_BYTES = 512 << 10
 #: smaller reads (a peek, the chunks of a small tensor) always go through the page cache: a direct read would leave
 #: them out of it, and such reads come back (every mount of a small checkpoint re-reads the same chunks)
@@ -236,8 +233,8 @@ class LocalFile(Blob):
 
     def read_scattered(self, spans, scratch) -> tuple:
         """``read_spans`` for small ranges far apart (a peek's rows in each chunk of a row of chunks): every range is
-        announced to the kernel first, so that the disk reads them together instead of one after the other (32
-        cold 4 KiB ranges 64 KiB apart here: ~1 ms, against ~3 ms read in turn and ~4-5 ms as one 2 MB range)."""
+        announced to the kernel first, so that the disk reads them together instead of one after the other
+        (docs/measurements.md, "Scattered reads")."""
         spans = list(spans)
         if len(spans) > 1:
             for lo, end in spans:
@@ -247,8 +244,9 @@ class LocalFile(Blob):
     def will_need(self, offset: int) -> None:
         """Announce ``[offset, offset + HINT_AHEAD)`` to the kernel, minus what the last announcement covered.
 
-        The kernel walks its page cache over the whole range on every call (~130 us for 8 MiB already cached), so
-        consecutive blocks announce only the new part, and only once at least half a window is new. Best effort:
+        The kernel walks its page cache over the whole range on every call (docs/measurements.md, "Announcing the
+        next bytes"), so consecutive blocks announce only the new part, and only once at least half a window is new.
+        Best effort:
         readers racing on ``_hinted`` at worst announce a range twice."""
         lo, hi = self._hinted
         end = offset + HINT_AHEAD
@@ -265,6 +263,7 @@ class LocalFile(Blob):
         f = getattr(self, "file", None)
         if f is not None:
             f.close()
+            self.fd = -1  # a read after close fails (EBADF) instead of reading a file that reuses the number
         owned, self._owned_fd, self.direct_fd = getattr(self, "_owned_fd", None), None, None
         if owned is not None:
             os.close(owned)
@@ -293,10 +292,12 @@ class LocalFolder(Folder):
         self.path = Path(path)
         self.name = str(self.path)
 
-    def entries(self) -> list:
+    def entries(self, match=None) -> list:
         out = []
         with os.scandir(self.path) as it:
             for de in it:
+                if match is not None and not match(de.name):
+                    continue
                 try:
                     st = de.stat()  # follows links: a checkpoint may be a link to its file
                 except OSError:

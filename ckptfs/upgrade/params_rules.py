@@ -1,4 +1,4 @@
-"""Release rules for the Cerebras params YAML, one table entry per hop (modelzoo-conversion-rules.md §4.1).
+"""Release rules for the Cerebras params YAML, one table entry per hop (from Model Zoo's CS→CS converters).
 
 Each rule is a function ``(params: dict, ctx: ParamsEdit) -> dict`` that returns the new params
 and records every key it drops in ``ctx.notes``. Model Zoo's ``BaseConfigConverter_CS_CS`` runs:

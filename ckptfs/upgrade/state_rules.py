@@ -1,7 +1,7 @@
 """Release rules for checkpoint *state* (the tree written to ``cs/<stem>.mdl``), one table entry per hop.
 
-From Model Zoo's CS→CS converters (modelzoo-conversion-rules.md §4) and ``fix_checkpoint_spec.py``
-(cerebras-h5-format.md §3.4):
+From Model Zoo's CS→CS converters (its ``checkpoint_converters`` for each release hop) and its
+``fix_checkpoint_spec.py``:
 
 * 1.9→2.0 (and every older source, which passes through this hop):
   - tie repair (``tie_none_weights`` / ``maybe_tie_lm_head``): in ``model``, when one of

@@ -1,48 +1,38 @@
 """What every view (hf, cs, torch, tensors) receives and returns.
 
-A view turns one opened checkpoint into virtual files: relative paths (``/``-separated) mapped to
-objects with an exact ``size`` and ``read(offset, n) -> bytes``. Layout objects (safetensors, torch
-zip, npy, hdf5) already have that shape; ``BytesFile`` wraps small generated texts.
+A view turns one opened checkpoint into virtual files (``ckptfs.virtual_file.VirtualFile``): relative paths
+(``/``-separated) mapped to files with an exact ``size`` and ``readinto(offset, out)``. Layouts (safetensors, torch
+zip, npy, hdf5) are such files; ``BytesFile`` wraps small generated texts, ``DeferredFile`` a layout built on first
+use.
 """
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from ..cache import BlockCache
-from ..options import MountOptions  # noqa: F401 - views read ctx.options; declared in ckptfs.options
+from ..options import MountOptions
+from ..virtual_file import VirtualFile
 
-class VFile(Protocol):
-    size: int
-
-    def read(self, offset: int, n: int) -> bytes: ...
-
-
-def readinto_file(vf, offset: int, out: memoryview) -> int:
-    """Fill ``out`` with bytes of virtual file ``vf`` from ``offset``: straight into ``out`` when the file can
-    (``readinto(offset, out)``, every pieced layout), else a copy of ``read``. Returns the count."""
-    fill = getattr(vf, "readinto", None)
-    if fill is not None:
-        return fill(offset, out)
-    data = vf.read(offset, len(out))
-    out[:len(data)] = data
-    return len(data)
+#: the file at the root of every mount that says what was mounted (views must not put a file there)
+README_NAME = "README.txt"
 
 
-class BytesFile:
+class BytesFile(VirtualFile):
     """A small file whose whole content is known up front (config.json, index JSON, README.txt)."""
 
     def __init__(self, data: bytes | str):
         self.data = data.encode() if isinstance(data, str) else bytes(data)
         self.size = len(self.data)
 
-    def read(self, offset: int, n: int) -> bytes:
-        return self.data[offset:offset + n]
+    def readinto(self, offset: int, out: memoryview) -> int:
+        out[:] = self.data[offset:offset + len(out)]
+        return len(out)
 
 
-class DeferredFile:
+class DeferredFile(VirtualFile):
     """A file whose layout is built on first use (``size`` or ``read``) — or earlier by ``start()`` in a background
     thread — so that a mount answers before an expensive layout (the cs view's HDF5 skeleton) is ready. Its size is
     exact from the first ``stat``: that call waits for the build. A build error is raised on every use."""
@@ -83,23 +73,20 @@ class DeferredFile:
     def size(self) -> int:
         return self.resolve().size
 
-    def read(self, offset: int, n: int) -> bytes:
-        return self.resolve().read(offset, n)
-
     def readinto(self, offset: int, out: memoryview) -> int:
-        return readinto_file(self.resolve(), offset, out)
+        return self.resolve().readinto(offset, out)
 
 
 @dataclass
 class ViewResult:
-    files: dict = field(default_factory=dict)  # relative path -> VFile
+    files: dict = field(default_factory=dict)  # relative path -> VirtualFile
     missing: str | None = None  # why the view (or part of it) is absent
     notes: list = field(default_factory=list)  # lines for README.txt (dropped keys, opaque objects…)
 
 
 @dataclass
 class ViewContext:
-    """What a view's ``build(ctx) -> ViewResult`` receives (built once per mount by ``vfs.build_tree``; the views are
+    """What a view's ``build(ctx) -> ViewResult`` receives (built once per mount by ``tree/assemble.py``; the views are
     registered in ``ckptfs.views.registry``).
 
     A view's ``ViewResult.files`` paths are relative to the view's own directory ``<name>/`` in the mount

@@ -22,8 +22,9 @@ import json
 import posixpath
 import re
 
-from .base import BytesFile
+from .base import README_NAME, BytesFile
 from .overlay import collect_overlays, discover_tokenizer
+from .registry import folder_of
 from .special_tokens import token_ids
 
 BIN_FOLDER = "bin"
@@ -140,10 +141,8 @@ def arrange(files: dict, hf, ctx) -> tuple:
 
 def _lay_over(out: dict, overlay_files: dict, ctx) -> list:
     """Put the overlay files into ``out`` (replacing generated ones); skip what cannot coexist with the mount."""
-    from ..vfs import README_NAME, view_dir
-
     notes = []
-    other_dirs = {view_dir(v).rstrip("/") for v in ctx.options.views if view_dir(v)}
+    other_dirs = {folder_of(v).rstrip("/") for v in ctx.options.views if folder_of(v)}
     generated_dirs = {"/".join(p.split("/")[:i]) for p in out for i in range(1, p.count("/") + 1)}
     for rel, f in sorted(overlay_files.items()):
         parts = rel.split("/")

@@ -23,6 +23,7 @@ from pathlib import Path
 from ..errors import CkptfsError, ConfigError
 from ..mapping.safe_yaml import load_params_yaml
 from ..storage.local import FileIdentity
+from ..virtual_file import VirtualFile
 
 #: file names of a Hugging Face tokenizer (and chat template) that are picked up without --overlay
 TOKENIZER_FILES = (
@@ -40,7 +41,7 @@ class OverlayError(CkptfsError):
     """An overlay file cannot be served (gone, changed since the mount, unreadable) or an overlay is unusable."""
 
 
-class OverlayFile:
+class OverlayFile(VirtualFile):
     """A regular file on disk served as a virtual file: exactly the version seen when the view was built."""
 
     def __init__(self, path: Path, stamp: FileIdentity, origin: str):
@@ -53,31 +54,28 @@ class OverlayFile:
         if FileIdentity.of_stat(st) != self.stamp:
             raise OverlayError(self.path, "changed since the mount was made; remount to serve the new content")
 
-    def read(self, offset: int, n: int) -> bytes:
-        want = max(0, min(n, self.size - offset))
+    def readinto(self, offset: int, out: memoryview) -> int:
+        want = len(out)
         try:
             fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
         except OSError as e:
             raise OverlayError(self.path, f"cannot open: {e.strerror or e}") from e
         try:
             self._check(os.fstat(fd))
-            parts = []
             got = 0
             while got < want:
-                chunk = os.pread(fd, want - got, offset + got)
-                if not chunk:
+                k = os.preadv(fd, [out[got:]], offset + got)
+                if not k:
                     break
-                parts.append(chunk)
-                got += len(chunk)
+                got += k
             self._check(os.fstat(fd))
         except OSError as e:
             raise OverlayError(self.path, f"cannot read: {e.strerror or e}") from e
         finally:
             os.close(fd)
-        data = b"".join(parts)
-        if len(data) != want:
+        if got != want:
             raise OverlayError(self.path, "changed since the mount was made; remount to serve the new content")
-        return data
+        return got
 
     def read_all(self) -> bytes:
         return self.read(0, self.size)

@@ -1,6 +1,7 @@
 """The registered views: one record each (name, folder in the mount, builder). ``--views`` names come from here,
-``vfs.build_tree`` runs these builders, and tests/test_view_conformance.py requires a conformance check over
-fixtures for every record.
+``tree/assemble.py`` runs these builders, and tests/test_view_conformance.py requires a conformance check over
+fixtures for every record. This module imports nothing of the views themselves: the options (``--views``) read it
+without importing what building a view needs.
 
 Adding a view: write ``ckptfs/views/<name>.py`` with ``build(ctx: ViewContext) -> ViewResult`` (files relative to
 its folder), add its ``View`` to ``VIEWS`` below, and add its check to tests/test_view_conformance.py.
@@ -11,26 +12,25 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
-from .base import ViewContext, ViewResult
-
 
 @dataclass(frozen=True)
 class View:
     """A view of a checkpoint: its ``--views`` name, where its files go (``""`` = the mount's root, else
-    ``"<name>/"``), and the function that builds its files."""
+    ``"<name>/"``), and the function that builds its files (``build(ctx: ViewContext) -> ViewResult``, both of
+    ``views/base.py``)."""
 
     name: str
     folder: str
-    build: Callable[[ViewContext], ViewResult]
+    build: Callable
     about: str = ""
 
 
-def _builder(module: str) -> Callable[[ViewContext], ViewResult]:
+def _builder(module: str) -> Callable:
     """``ckptfs.views.<module>.build``, imported on the first call: listing the views (``--views``, the CLI's option
     defaults) must not import what building them needs (h5py, numpy), so a background mount starts its server
     without paying for those imports twice."""
 
-    def build(ctx: ViewContext) -> ViewResult:
+    def build(ctx):
         return importlib.import_module(f"{__package__}.{module}").build(ctx)
 
     build.__qualname__ = f"{module}.build"
@@ -56,3 +56,12 @@ def view(name: str) -> View:
         if v.name == name:
             return v
     raise KeyError(name)
+
+
+def folder_of(name: str) -> str:
+    """Where a view's files go, as its record says: the hf view at the mount's root (so
+    ``from_pretrained(mountpoint)`` works), every other view under ``<name>/`` (an unknown name too)."""
+    try:
+        return view(name).folder
+    except KeyError:
+        return name + "/"

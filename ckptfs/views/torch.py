@@ -12,7 +12,7 @@ Files (relative to ``torch/``):
 * ``model.pt`` — only the top-level ``model`` subtree, when there is one.
 
 CRC mode follows ``options.zip_crc``; CRCs persist under ``ctx.identity`` (the checkpoint's realpath, size,
-mtime_ns and inode plus the content-shaping options, see ``vfs.content_identity``) and the file name.
+mtime_ns and inode plus the content-shaping options, see ``tree/assemble.py`` ``content_identity``) and the file name.
 """
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def build(ctx) -> ViewResult:
     result = ViewResult()
     crc = getattr(ctx.options, "zip_crc", "exact")
     store = getattr(ctx, "crc_store", None)
-    ident = getattr(ctx, "identity", None)  # set by vfs.build_tree (content_identity)
+    ident = getattr(ctx, "identity", None)  # set by tree/assemble.py (content_identity)
 
     def layout(obj, name: str):
         return TorchZipLayout(obj, name, crc=crc, crc_store=store,

@@ -1,7 +1,7 @@
 """Write llama-shaped Cerebras checkpoints in the real cstorch 2.10 on-disk layout (format 0.5).
 
 The layout copies what ``cstorch.save`` writes for a converter-made llama checkpoint (see
-``tests/fixtures/llama/cs/checkpoint.mdl`` and docs/cerebras-h5-format.md §2):
+``tests/fixtures/llama/cs/checkpoint.mdl``):
 
 * root attributes ``__spec__`` (JSON ``[skeleton, treespec]``, indent 4), ``__version__`` (float64 0.5) and
   ``__cstorch_version__`` written first, then the datasets, then one ``<key>.__metadata__`` JSON attribute per

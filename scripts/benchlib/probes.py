@@ -122,7 +122,7 @@ def mount_breakdown(ckpt: str, params: str) -> dict:
     import ckptfs.cli  # noqa: F401
     import ckptfs.commands.mount  # noqa: F401
     import ckptfs.mountproc  # noqa: F401
-    from ckptfs.vfs import build_tree
+    from ckptfs.tree.assemble import build_tree
     from ckptfs.views.base import MountOptions
 
     t1 = time.perf_counter()

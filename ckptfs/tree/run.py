@@ -6,7 +6,7 @@ Root of a run mount::
     README.txt                  what the run holds now: its checkpoints, which one is latest, what is hidden and why
     latest -> checkpoint_3000   a relative symlink to the latest checkpoint's folder (``ckptfs.source.rundir``)
     checkpoint_1000/            one folder per complete checkpoint file, named after it (``checkpoint_<step>.mdl``):
-    checkpoint_3000/            exactly the tree ``ckptfs mount <that file>`` shows (``vfs.build_tree``)
+    checkpoint_3000/            exactly the tree ``ckptfs mount <that file>`` shows (``tree/assemble.py``)
 
 Live: a lookup rescans the model_dir when the last scan is older than ``poll`` seconds (one listing and one
 ``stat`` per checkpoint file; files are opened only when they are new or changed). A checkpoint appears once its
@@ -28,9 +28,8 @@ Inode numbers: 1 is the root, 2 README.txt, 3 ``latest``; each checkpoint file (
 ``k`` and its tree's inode ``i`` becomes ``k << 32 | i`` (the folder itself is ``k << 32 | 1``). Checkpoint folders
 report ``nlink`` 1 (their subdirectory count is unknown until built; ``find`` then does not rely on it).
 
-The frontends use the same methods as on a ``VirtualTree`` (``lookup``, ``attr``, ``listdir``, ``read``, ``open``,
-``entry_by_handle``, ``release``, ``readlink``, ``close``); the FUSE server serves it with short cache timeouts
-(``RUN_CACHE_TIMEOUT``) so that the kernel sees the listing change.
+A ``RunTree`` is a ``Tree`` (``tree/base.py``), served by the same frontends as a checkpoint's tree; the FUSE server
+serves it with short cache timeouts (``RUN_CACHE_TIMEOUT``) so that the kernel sees the listing change.
 """
 from __future__ import annotations
 
@@ -38,7 +37,6 @@ import errno
 import gc
 import itertools
 import logging
-import stat as stat_mod
 import threading
 import time
 from collections import OrderedDict
@@ -48,13 +46,15 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
 
-from .cache import BlockCache
-from .errors import CheckpointError, CkptfsError
-from .options import MountOptions
-from .source.rundir import RunCheckpoint, RunListing, RunScanner
-from .vfs import (DIR_MODE, FILE_MODE, README_NAME, Attr, Entry, VirtualPathError, VirtualTree, build_tree,
-                  read_clipped, readinto_clipped, split_path)
-from .views.base import BytesFile
+from ..cache import BlockCache
+from ..errors import CheckpointError, CkptfsError
+from ..options import MountOptions
+from ..source.rundir import RunCheckpoint, RunListing, RunScanner
+from ..views.base import README_NAME, BytesFile
+from .assemble import TreeBuilder, build_tree
+from .base import (DIR_MODE, FILE_MODE, LINK_MODE, Attr, Tree, VirtualPathError, read_entry, readinto_entry,
+                   split_path)
+from .virtual import Entry, VirtualTree
 
 log = logging.getLogger("ckptfs.run")
 
@@ -65,7 +65,6 @@ POLL_SECONDS = 1.0
 KEEP_TREES = 4
 LATEST = "latest"
 ROOT_INO, README_INO, LATEST_INO = 1, 2, 3
-LINK_MODE = stat_mod.S_IFLNK | 0o777
 INO_SHIFT = 32
 
 
@@ -128,16 +127,17 @@ class RunEntry:
         return len(self.link.encode()) if self.link is not None else 0
 
 
-class RunTree:
+class RunTree(Tree):
     """The live tree of a model_dir (see the module docstring). Thread-safe."""
 
     def __init__(self, model_dir, options: MountOptions | None = None, *, keep: int = KEEP_TREES,
-                 poll: float = POLL_SECONDS, build: Callable | None = None):
+                 poll: float = POLL_SECONDS, build: Callable | None = None, build_tree: TreeBuilder = build_tree):
         self.model_dir = Path(model_dir).absolute()
         self.options = options or MountOptions()
         self.keep = max(1, int(keep))
         self.poll = float(poll)
         self.cache = BlockCache(self.options.cache_size)  # shared by the run's trees: --cache-size bounds the run
+        self._build_tree = build_tree  # a checkpoint's tree, built with this run's cache (``_build_checkpoint``)
         self._build = build or self._build_checkpoint
         self._scanner = RunScanner(self.model_dir)
         self._lock = threading.RLock()
@@ -254,7 +254,7 @@ class RunTree:
                 return tree
 
     def _build_checkpoint(self, path, options: MountOptions) -> VirtualTree:
-        return build_tree(path, options, cache=self.cache)
+        return self._build_tree(path, options, cache=self.cache)
 
     def _evict(self) -> None:
         idle = [s for s in self._built if s.pins == 0]
@@ -334,7 +334,7 @@ class RunTree:
                         slot.mtime_ns, slot=slot, tree=tree, inner=inner, names=inner.children)
 
     def attr(self, path_or_entry) -> Attr:
-        e = path_or_entry if isinstance(path_or_entry, RunEntry) else self.lookup(path_or_entry)
+        e = self.entry(path_or_entry)
         if e.inner is not None:
             a = e.tree.attr(e.inner)
             return Attr(e.ino, a.mode, a.nlink, a.size, e.mtime_ns)
@@ -345,49 +345,28 @@ class RunTree:
             return Attr(e.ino, DIR_MODE, nlink, 0, e.mtime_ns)
         return Attr(e.ino, FILE_MODE, 1, e.size, e.mtime_ns)
 
-    def listdir(self, path: str = "") -> list:
-        e = self.lookup(path)
-        if not e.is_dir:
-            raise VirtualPathError("/" + e.path, "not a directory", errno.ENOTDIR)
-        return list(e.children)
-
     def readlink(self, path: str) -> str:
         e = self.lookup(path)
         if not e.is_link:
             raise VirtualPathError("/" + e.path, "not a symbolic link", errno.EINVAL)
         return e.link
 
-    def __contains__(self, path) -> bool:
-        try:
-            self.lookup(path)
-        except VirtualPathError:
-            return False
-        return True
-
     # -- data -------------------------------------------------------------------------------------------------
     def read(self, path_or_entry, offset: int, n: int) -> bytes:
         """Bytes ``[offset, offset+n)`` of a file, from the tree its entry was looked up in."""
-        e = path_or_entry if isinstance(path_or_entry, RunEntry) else self.lookup(path_or_entry)
+        e = self.entry(path_or_entry)
         if e.inner is not None:
             with self._using(e):
                 return e.tree.read(e.inner, offset, n)
-        self._check_file(e)
-        return read_clipped(e, offset, n)
+        return read_entry(e, offset, n)
 
     def readinto(self, path_or_entry, offset: int, out: memoryview) -> int:
         """``read`` straight into ``out`` (the FUSE server's read); the count."""
-        e = path_or_entry if isinstance(path_or_entry, RunEntry) else self.lookup(path_or_entry)
+        e = self.entry(path_or_entry)
         if e.inner is not None:
             with self._using(e):
                 return e.tree.readinto(e.inner, offset, out)
-        self._check_file(e)
-        return readinto_clipped(e, offset, out)
-
-    @staticmethod
-    def _check_file(e: RunEntry) -> None:
-        if e.file is None:
-            raise VirtualPathError("/" + e.path, "is a directory" if e.is_dir else "is a symbolic link",
-                                   errno.EISDIR if e.is_dir else errno.EINVAL)
+        return readinto_entry(e, offset, out)
 
     def open(self, entry: RunEntry) -> int:
         """A file handle: until ``release`` it serves the tree ``entry`` was looked up in (kept open)."""
@@ -433,9 +412,6 @@ class RunTree:
     def node_count(self) -> int:
         """The root and its entries (``statfs``'s ``f_files``)."""
         return len(self.all_paths()) + 1
-
-    def warm(self) -> None:
-        """Nothing to start: trees are built on first access."""
 
     def close(self) -> None:
         with self._lock:
@@ -488,7 +464,7 @@ def check_run(model_dir) -> None:
 
 
 def open_run(model_dir, options: MountOptions | None = None, **kw) -> RunTree:
-    """The run tree of ``model_dir`` (``kw``: ``keep``, ``poll``, ``build`` of ``RunTree``)."""
+    """The run tree of ``model_dir`` (``kw``: ``keep``, ``poll``, ``build``, ``build_tree`` of ``RunTree``)."""
     path = Path(model_dir)
     if not path.is_dir():
         raise CheckpointError(path, "not a directory (a run is a model_dir)")

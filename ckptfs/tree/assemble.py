@@ -1,0 +1,257 @@
+"""The assembly of a mount's tree from a checkpoint's views: ``build_tree(ckpt_path, options)``.
+
+It opens the checkpoint, creates the tree's own block cache (``options.cache_size``), runs the builder of each
+registered view named in ``options.views`` (``ckptfs.views.registry``; a view whose builder raises is *missing* with
+a reason, the others still mount), places each view's files in its folder and writes a root ``README.txt`` saying
+what was mounted. ``views=`` replaces the registered builders by one function giving every view's result (a test's
+synthetic files: tests/fusehelp.py); the checkpoint is then not opened.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from ..cache import BlockCache
+from ..errors import CheckpointError, CkptfsError
+from ..layouts.crc import CrcStore
+from ..options import MountOptions, check_options, content_options
+from ..units import human_size
+from ..views.base import README_NAME, BytesFile, ViewContext, ViewResult
+from ..views.registry import folder_of, names, view
+from .base import split_path
+from .virtual import VirtualTree
+
+log = logging.getLogger("ckptfs.vfs")
+
+# ---- assembling the views -------------------------------------------------------------------------
+
+
+@dataclass
+class SourceInfo:
+    """What README.txt says about the mounted checkpoint."""
+
+    path: Path
+    format_version: Any = None
+    release: str | None = None
+    success: bool | None = None
+    warnings: list = field(default_factory=list)
+    resolved_from: Path | None = None  # the model_dir the checkpoint was resolved from (its latest checkpoint)
+
+
+@dataclass
+class ViewOutcome:
+    """One view after its builder ran: its files (under ``<name>/``) or why it is missing."""
+
+    name: str
+    files: dict = field(default_factory=dict)
+    missing: str | None = None
+    notes: list = field(default_factory=list)
+
+    @property
+    def present(self) -> bool:
+        return bool(self.files) or self.missing is None
+
+
+def outcome_from(name: str, result) -> ViewOutcome:
+    """Normalise what a builder produced (a ``ViewResult`` or an exception) into a ``ViewOutcome``."""
+    if isinstance(result, CkptfsError):
+        return ViewOutcome(name, missing=str(result))
+    if isinstance(result, BaseException):
+        return ViewOutcome(name, missing=f"internal error: {type(result).__name__}: {result}")
+    if not isinstance(result, ViewResult):
+        return ViewOutcome(name, missing=f"internal error: builder returned {type(result).__name__}, not ViewResult")
+    files = {}
+    prefix = folder_of(name)
+    for rel, vf in (result.files or {}).items():
+        rel = "/".join(split_path(rel))
+        files[rel if (not prefix or rel.startswith(prefix)) else prefix + rel] = vf
+    try:  # validate the view alone, so that one broken view cannot stop the others
+        VirtualTree(files)
+    except CkptfsError as e:
+        return ViewOutcome(name, missing=f"invalid file list: {e}", notes=list(result.notes or []))
+    return ViewOutcome(name, files, result.missing, [str(n) for n in (result.notes or [])])
+
+
+def run_builder(view, ctx: ViewContext) -> ViewOutcome:
+    """Run a registered view's builder (``ckptfs.views.registry.View``); failures make the view missing."""
+    name, build = view.name, view.build
+    try:
+        result = build(ctx)
+    except CkptfsError as e:
+        log.debug("view %s failed", name, exc_info=True)
+        result = e
+    except Exception as e:  # a bug in one view must not take the others down
+        log.warning("view %s: internal error: %s: %s", name, type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
+        result = e
+    return outcome_from(name, result)
+
+
+def _run_view(name: str, ctx: ViewContext) -> ViewOutcome:
+    try:
+        return run_builder(view(name), ctx)
+    except KeyError:
+        return ViewOutcome(name, missing=f"unknown view (known: {', '.join(names())})")
+
+
+def family_of(outcomes: list) -> str | None:
+    """The model family as the hf view says it: ``model_type`` (and architecture) of its config.json."""
+    for o in outcomes:
+        vf = o.files.get(folder_of(o.name) + "config.json") if o.name == "hf" else None
+        if vf is None or vf.size > (1 << 20):
+            continue
+        try:
+            cfg = json.loads(vf.read(0, vf.size))
+        except Exception:
+            return None
+        fam = cfg.get("model_type")
+        archs = cfg.get("architectures") or []
+        if fam and archs:
+            return f"{fam} ({', '.join(map(str, archs))})"
+        return fam or (", ".join(map(str, archs)) or None)
+    return None
+
+
+def readme_text(info: SourceInfo, outcomes: list) -> str:
+    """The root README.txt: what was mounted, which views are present, why any is missing, and all notes."""
+    lines = ["ckptfs: a read-only view of a Cerebras checkpoint; every file is generated on read.", ""]
+    lines.append(f"checkpoint:     {info.path}")
+    if info.format_version is not None:
+        lines.append(f"format version: {info.format_version}")
+    if info.release:
+        lines.append(f"release:        {info.release}")
+    fam = family_of(outcomes)
+    if fam:
+        lines.append(f"family:         {fam}")
+    if info.success is False:
+        lines.append("complete:       no (no __SUCCESS__ marker; mounted with --allow-partial)")
+    if info.resolved_from is not None:
+        lines.append(f"resolved from:  {info.resolved_from} (its latest checkpoint when mounted; this mount keeps "
+                     "serving that one: remount to see a newer checkpoint)")
+    lines += ["", "views:"]
+    for o in outcomes:
+        if o.present:
+            ready = [f for f in o.files.values() if not getattr(f, "deferred", False)]
+            status = f"{len(o.files)} file{'' if len(o.files) == 1 else 's'}"
+            if ready:
+                status += f", {human_size(sum(f.size for f in ready))}"
+            if len(ready) < len(o.files):
+                status += f" ({len(o.files) - len(ready)} sized on first access)"
+            if o.missing:
+                status += f"; partly missing: {o.missing}"
+        else:
+            status = f"missing: {o.missing}"
+        lines.append(f"  {(folder_of(o.name) or '(root)'):<10} {o.name + ':':<8} {status}")
+    notes = [(o.name, n) for o in outcomes for n in o.notes] + [("checkpoint", w) for w in info.warnings]
+    if notes:
+        lines += ["", "notes:"]
+        lines += [f"  {n}" if n.startswith(who + ":") else f"  {who}: {n}" for who, n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def assemble_tree(info: SourceInfo, outcomes: list, *, mtime_ns: int | None = None, closers: Iterable = (),
+                  cache: BlockCache | None = None) -> VirtualTree:
+    """The mount's tree: each present view under ``<name>/`` plus the root README.txt."""
+    files: dict = {}
+    dirs = []
+    for o in outcomes:
+        if o.present:
+            files.update(o.files)
+            if folder_of(o.name):
+                dirs.append(folder_of(o.name).rstrip("/"))
+    files[README_NAME] = BytesFile(readme_text(info, outcomes))
+    return VirtualTree(files, dirs=dirs, mtime_ns=mtime_ns, closers=closers, cache=cache)
+
+
+# ---- building from a checkpoint ---------------------------------------------------------------------
+
+
+def open_source(ckpt_path, options: MountOptions):
+    """Resolve a checkpoint path (a .mdl or a model_dir) and open it: ``(resolved_path, checkpoint)``."""
+    path = Path(ckpt_path)
+    if not path.exists():
+        raise CheckpointError(path, "no such file or directory")
+    from ..source import open_checkpoint, resolve_checkpoint  # h5py: not imported before a tree is built
+
+    path = Path(resolve_checkpoint(path))
+    return path, open_checkpoint(path, allow_partial=options.allow_partial, allow_external=options.allow_external)
+
+
+def _file_identity(path) -> str | None:
+    try:
+        real = os.path.realpath(path)
+        st = os.stat(real)
+    except OSError:
+        return None
+    return f"{real}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+
+
+def content_identity(path, options: MountOptions) -> str | None:
+    """Names what the generated files are computed from: the checkpoint file and every option declared as changing
+    content (``ckptfs.options``: params YAML, model, trainer index…) that is not at its default; a path option
+    counts by its file's identity. Keys persisted caches (zip CRCs); None if the checkpoint cannot be stat'ed."""
+    ident = _file_identity(path)
+    if ident is None:
+        return None
+    parts = [ident]
+    for opt, value in content_options(options):
+        values = value if opt.repeat else (value,)
+        text = ",".join((_file_identity(v) or str(v)) if opt.kind.path else opt.kind.text(v) for v in values)
+        parts.append(f"{opt.name}={text}")
+    return "|".join(parts)
+
+
+
+
+#: views that start a build in a forked process when ``build_tree(fork_builds=True)``
+FORKING_VIEWS = ("cs",)
+
+
+#: what builds a tree: ``build_tree`` below, or a caller's own with its arguments (``ckptfs.cli.main(build_tree=…)``)
+TreeBuilder = Callable[..., VirtualTree]
+
+
+def build_tree(ckpt_path, options: MountOptions | None = None, *, cache: BlockCache | None = None,
+               fork_builds: bool = False, views: Callable[[Path, MountOptions], dict] | None = None) -> VirtualTree:
+    """Open the checkpoint and assemble every requested view into one ``VirtualTree``.
+
+    ``cache``: the block cache its files read through (default: its own, of ``options.cache_size``; the trees of a
+    run mount share one, ``tree/run.py``). Raises ``CheckpointError`` if the checkpoint cannot be opened; a
+    failing view only makes that view missing. ``fork_builds``: views may start expensive layouts in forked
+    processes (``ViewContext.fork_builds``): only for a caller that has no other thread, the mount server.
+    ``views``: instead of opening the checkpoint, ``views(path, options)`` gives ``{view name: ViewResult or the
+    exception its builder raised}``, assembled exactly like the registered views' (synthetic files in tests).
+    """
+    options = options or MountOptions()
+    check_options(options)
+    if cache is None:
+        cache = BlockCache(options.cache_size)  # this tree's own: never shared with, or replaced by, another tree
+    if views is not None:
+        path = Path(ckpt_path).absolute()
+        results = views(path, options)
+        outcomes = [outcome_from(n, results.get(n, CkptfsError(None, "not given by the views function")))
+                    for n in options.views]
+        info = SourceInfo(path)
+        closers: list = []
+    else:
+        path, ckpt = open_source(ckpt_path, options)
+        path = path.absolute()
+        ctx = ViewContext(checkpoint=ckpt, ckpt_path=path, stem=path.stem, options=options,
+                          crc_store=CrcStore(), identity=content_identity(path, options), cache=cache,
+                          fork_builds=fork_builds)
+        # a view that forks a build (cs) goes first, so that the build overlaps the others'; outcomes keep their order
+        first = [n for n in options.views if fork_builds and n in FORKING_VIEWS]
+        built = {n: _run_view(n, ctx) for n in first + [n for n in options.views if n not in first]}
+        outcomes = [built[n] for n in options.views]
+        info = SourceInfo(path, getattr(ckpt, "format_version", None), getattr(ckpt, "release", None),
+                          getattr(ckpt, "success", None), [str(w) for w in getattr(ckpt, "warnings", []) or []],
+                          Path(ckpt_path).absolute() if Path(ckpt_path).is_dir() else None)
+        closers = [ckpt.close] if callable(getattr(ckpt, "close", None)) else []
+    try:
+        mtime_ns = path.stat().st_mtime_ns
+    except OSError:
+        mtime_ns = None
+    return assemble_tree(info, outcomes, mtime_ns=mtime_ns, closers=closers, cache=cache)
