@@ -163,7 +163,8 @@ class MountOptions:
     config: Path | None = option(None, "--config", PATH, content=True,
                                  help="Cerebras params YAML (default: found next to the checkpoint)")
     model: str | None = option(None, "--model", TEXT, content=True,
-                               help="model name, overriding detection from the params YAML")
+                               help="model name (any of `ckptfs models`), overriding detection from the params YAML "
+                                    "(a Cerebras checkpoint) or from the config's architectures (a Hugging Face model)")
     trainer_index: int | None = option(None, "--trainer-index", INT, content=True,
                                        help="which trainer of a params YAML that lists several")
     lora: str = option("fold", "--lora", choice("fold", "keep"), content=True,
@@ -195,6 +196,11 @@ class MountOptions:
     single: bool = option(False, "--single", FLAG,
                           help="mount a model_dir as its latest checkpoint alone, fixed at mount time (default: the "
                                "whole run, live: every checkpoint as a folder, and latest; export always reads one)")
+    added_tensors: str = option("keep", "--added-tensors", choice("keep", "omit"), content=True,
+                                help="a Hugging Face model mounted as a Cerebras checkpoint: tensors the Cerebras model "
+                                     "needs but the HF model lacks (Model Zoo's converter draws them at random: a "
+                                     "headless model's lm_head, a missing projector…): keep (made deterministically; "
+                                     "README.txt says how) or omit")
     data_iter_dir: Path | None = option(None, "--data-iter-dir", PATH, content=True,
                                         help="dataloader state directory for the cs view")
     shuffle_seed: int | None = option(None, "--shuffle-seed", INT, content=True,

@@ -25,8 +25,10 @@ class RunRow:
 
 
 def is_run_argument(path, single: bool = False) -> bool:
-    """A directory given without ``--single`` means the whole run."""
-    return Path(path).is_dir() and not single
+    """A directory given without ``--single`` means the whole run (a Hugging Face model folder never does)."""
+    from ..source.hf_layout import is_hf_folder
+
+    return Path(path).is_dir() and not single and not is_hf_folder(path)
 
 
 def scan_run(path) -> RunListing:

@@ -169,6 +169,13 @@ def assemble_tree(info: SourceInfo, outcomes: list, *, mtime_ns: int | None = No
 # ---- building from a checkpoint ---------------------------------------------------------------------
 
 
+def is_hf_source(path) -> bool:
+    """Whether ``path`` is a Hugging Face model folder (or Hub cache snapshot), not a Cerebras checkpoint or run."""
+    from ..source.hf_layout import is_hf_folder
+
+    return is_hf_folder(path)
+
+
 def open_source(ckpt_path, options: MountOptions):
     """Resolve a checkpoint path (a .mdl or a model_dir) and open it: ``(resolved_path, checkpoint)``."""
     path = Path(ckpt_path)
@@ -236,6 +243,10 @@ def build_tree(ckpt_path, options: MountOptions | None = None, *, cache: BlockCa
                     for n in options.views]
         info = SourceInfo(path)
         closers: list = []
+    elif is_hf_source(ckpt_path):  # a Hugging Face model folder: served as a Cerebras checkpoint
+        from ..hf_tree import build_hf_tree
+
+        return build_hf_tree(ckpt_path, options, cache=cache, fork_builds=fork_builds)
     else:
         path, ckpt = open_source(ckpt_path, options)
         path = path.absolute()

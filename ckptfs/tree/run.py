@@ -454,8 +454,11 @@ def run_readme(listing: RunListing, poll: float = POLL_SECONDS, held: list = ())
 
 
 def is_run(path, options: MountOptions | None = None) -> bool:
-    """Whether ``path`` is mounted as a whole run: a directory, unless ``--single`` was given."""
-    return Path(path).is_dir() and not getattr(options, "single", False)
+    """Whether ``path`` is mounted as a whole run: a directory (not a Hugging Face model folder), unless ``--single``
+    was given."""
+    from ..source.hf_layout import is_hf_folder
+
+    return Path(path).is_dir() and not getattr(options, "single", False) and not is_hf_folder(path)
 
 
 def check_run(model_dir) -> None:

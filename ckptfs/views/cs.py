@@ -138,20 +138,29 @@ def build(ctx) -> ViewResult:
     else:
         result.notes.append(f"{ctx.stem}.yaml not generated (no params; use --config)")
 
-    entries = to_entries(up.root, result.notes)
+    mdl, missing = mdl_file(up.root, ctx.stem, ctx.ckpt_path, ctx.cache, ctx.fork_builds, result.notes)
+    if mdl is None:
+        result.missing = missing
+    else:
+        result.files[f"{ctx.stem}.mdl"] = mdl
+    return result
+
+
+def mdl_file(root, stem: str, path, cache, fork_builds: bool, notes: list) -> tuple:
+    """``(the .mdl file of state tree root, None)`` — a ``DeferredFile`` sized on first use — or ``(None, why)``
+    when the tree cannot be written (nothing ckptfs can write, too many keys, a layout error). Appends the layout's
+    notes to ``notes``. ``fork_builds``: the mount server, whose skeleton builds in a forked process."""
+    entries = to_entries(root, notes)
     if entries is OMIT:
-        result.missing = f"{ctx.stem}.mdl: the checkpoint holds nothing ckptfs can write"
-        return result
+        return None, f"{stem}.mdl: the checkpoint holds nothing ckptfs can write"
     if count_keys(entries) > MAX_KEYS:
-        result.missing = too_many_keys(ctx.stem, count_keys(entries))
-        return result
+        return None, too_many_keys(stem, count_keys(entries))
     try:
-        lay = Hdf5Layout(entries, path=ctx.ckpt_path, cache=ctx.cache)
+        lay = Hdf5Layout(entries, path=path, cache=cache)
     except CkptfsError as e:
-        result.missing = f"{ctx.stem}.mdl: {e.problem}"
-        return result
-    result.notes.extend(lay.notes)
-    if ctx.fork_builds:  # the mount server: the skeleton builds on the other CPU while the other views are built
+        return None, f"{stem}.mdl: {e.problem}"
+    notes.extend(lay.notes)
+    if fork_builds:  # the mount server: the skeleton builds on the other CPU while the other views are built
         lay.fork_build()
 
     def skeleton():
@@ -160,5 +169,4 @@ def build(ctx) -> ViewResult:
 
     # Sized on first use; the mount server warms it in a background thread (VirtualTree.warm) so that the mount
     # answers at once and the first stat of the file only waits for what is left of the build.
-    result.files[f"{ctx.stem}.mdl"] = DeferredFile(skeleton)
-    return result
+    return DeferredFile(skeleton), None

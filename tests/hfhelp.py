@@ -1,0 +1,89 @@
+"""Test helpers for Hugging Face sources: building HF folders (safetensors, sharded, .bin, Hub-cache-shaped) from
+tensors, and an identity planner standing in for the mapping core (each HF tensor under its own name) so that the
+source, the tree and the frontends are tested on their own."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class IdentityPlan:
+    family: str
+    model_name: str
+    tensors: list
+    params: dict
+    notes: list = field(default_factory=list)
+    added: list = field(default_factory=list)
+
+
+def identity_plan(folders: dict, *, model=None, added=True) -> IdentityPlan:
+    """Every HF tensor as ``model.<folder>.<name>`` (test stand-in for mapping.tocs.to_cs)."""
+    tensors = [((f + "." if f else "") + name, t) for f, (_, ts) in folders.items() for name, t in ts.items()]
+    return IdentityPlan("identity", model or "identity", tensors, {"model": {"name": model or "identity"}},
+                        ["identity mapping (test)"])
+
+
+def save_hf(folder: Path, state: dict, config: dict, *, fmt: str = "safetensors", shards: int = 1) -> Path:
+    """Write ``state`` ({name: torch tensor}) as save_pretrained would: one file or ``shards`` shards + index."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    names = list(state)
+    if shards == 1:
+        if fmt == "safetensors":
+            save_file({n: state[n].contiguous() for n in names}, folder / "model.safetensors", {"format": "pt"})
+        else:
+            torch.save(state, folder / "pytorch_model.bin")
+        return folder
+    groups = [names[i::shards] for i in range(shards)]
+    weight_map = {}
+    for i, group in enumerate(groups, 1):
+        if fmt == "safetensors":
+            shard = f"model-{i:05d}-of-{shards:05d}.safetensors"
+            save_file({n: state[n].contiguous() for n in group}, folder / shard, {"format": "pt"})
+        else:
+            shard = f"pytorch_model-{i:05d}-of-{shards:05d}.bin"
+            torch.save({n: state[n] for n in group}, folder / shard)
+        weight_map.update({n: shard for n in group})
+    index = "model.safetensors.index.json" if fmt == "safetensors" else "pytorch_model.bin.index.json"
+    (folder / index).write_text(json.dumps({"metadata": {"total_size": 0}, "weight_map": dict(sorted(weight_map.items()))}))
+    return folder
+
+
+def as_hub_cache(src: Path, cache: Path, repo_id: str = "org/tiny-model", revision: str = "0" * 40) -> Path:
+    """Copy the files of ``src`` into a Hub-cache-shaped repository (blobs/ + snapshots/<rev>/ links + refs/main);
+    returns the snapshot folder."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snap = repo / "snapshots" / revision
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(revision)
+    for f in sorted(src.rglob("*")):
+        if not f.is_file():
+            continue
+        rel = f.relative_to(src)
+        blob = repo / "blobs" / f"blob{abs(hash(str(rel))):x}"
+        shutil.copyfile(f, blob)
+        link = snap / rel
+        link.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(os.path.relpath(blob, link.parent), link)
+    return snap
+
+
+def llama_state(seed: int = 0, dtype=torch.float32, hidden: int = 16, layers: int = 2, vocab: int = 64) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    out = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g)}
+    for i in range(layers):
+        for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            out[f"model.layers.{i}.self_attn.{p}.weight"] = torch.randn(hidden, hidden, generator=g)
+        out[f"model.layers.{i}.input_layernorm.weight"] = torch.randn(hidden, generator=g)
+    out["model.norm.weight"] = torch.randn(hidden, generator=g)
+    out["lm_head.weight"] = torch.randn(vocab, hidden, generator=g)
+    return {k: v.to(dtype) for k, v in out.items()}
