@@ -71,16 +71,17 @@ class HFModel:
 class _Reader:
     """Opens files of the model only inside its confinement; remembers their newest mtime."""
 
-    def __init__(self, root: Path, confinement: Confinement):
+    def __init__(self, root: Path, confinement: Confinement, hub: HubSnapshot | None, user_allowed: bool):
         self.root = root
         self.confinement = confinement
+        self.where = confinement.folder + (f" and {hub.repo.name}/blobs/" if hub is not None else "")
+        self.hint = "" if user_allowed else " (to allow a folder, mount with --allow-external DIR)"
         self.mtime_ns = 0
 
     def resolve(self, path: Path) -> Path:
         real = os.path.realpath(path)
         if not self.confinement.contains(real):
-            hint = "" if self.confinement.allowed else " (to allow a folder, mount with --allow-external DIR)"
-            raise CheckpointError(path, f"leads to {real}, outside the model folder {self.confinement.folder}{hint}")
+            raise CheckpointError(path, f"leads to {real}, outside the model folder {self.where}{self.hint}")
         return Path(real)
 
     def identity(self, real: Path) -> FileIdentity:
@@ -234,7 +235,7 @@ def open_hf_model(path, *, allow_external=()) -> HFModel:
         allowed.append(os.path.realpath(hub.repo / "blobs"))
     allowed += [os.path.realpath(Path(p).absolute()) for p in allow_external or ()]
     confinement = Confinement(os.path.realpath(root), tuple(allowed))
-    reader = _Reader(root, confinement)
+    reader = _Reader(root, confinement, hub, bool(allow_external))
     notes: list = []
     if hub is not None:
         notes.append(f"Hugging Face Hub cache snapshot of {hub.repo_id} at revision {hub.revision}")

@@ -206,7 +206,10 @@ def read_torch_zip(real: Path, *, key_prefix: str = "", root: Path, confinement:
                     if (have.dtype, have.numel) != (s.dtype, s.numel):
                         raise PickleRefused(f"storage {s.key} is described twice, differently")
                     return have
-                member = arch.member(f"{arch.prefix}data/{s.key}")
+                try:
+                    member = arch.member(f"{arch.prefix}data/{s.key}")
+                except (TorchZipError, zipdir.ZipFormatError) as e:
+                    raise PickleRefused(str(e)) from None
                 if member is None:
                     raise PickleRefused(f"storage {s.key} has no member data/{s.key}")
                 if member.size != _storage_bytes(s):
