@@ -6,6 +6,7 @@
     head = tree.read("model.safetensors", 0, 8)            # any byte range of any file, computed on demand
     ckptfs.export("checkpoint_1000.mdl", "bin/pytorch_model.bin", "out.bin")
     state = ckptfs.load("checkpoint_1000.mdl")             # the state dict as torch objects, nothing unpickled
+    tree = ckptfs.open("hf_model/")                        # a Hugging Face folder: checkpoint.mdl, params.yaml…
     run = ckptfs.open_run("model_dir")                     # a whole run: checkpoint_<step>/…, latest, README.txt
 """
 from __future__ import annotations
@@ -18,7 +19,8 @@ from .tree.base import Tree
 
 def open(ckpt, **options) -> Tree:  # noqa: A001 - mirrors the file-system verb
     """The virtual tree of a checkpoint (a .mdl file or a model_dir), a ``ckptfs.tree.base.Tree``: ``listdir``,
-    ``attr``, ``read``, ``iter_blocks``, ``walk``.
+    ``attr``, ``read``, ``iter_blocks``, ``walk``. A Hugging Face model folder (or Hub cache snapshot) gives the tree
+    of the Cerebras checkpoint planned from it (``checkpoint.mdl``, ``params.yaml``, ``tensors/``, README.txt).
 
     Options are the fields of ``ckptfs.options.MountOptions`` (config, model, views, max_shard_size, zip_crc,
     cache_size, …); a text is parsed as its command-line flag's value (``max_shard_size="5GB"``, ``views="hf,cs"``).
@@ -48,11 +50,23 @@ def export(ckpt, virtual_path: str, dest, **options) -> int:
         tree.close()
 
 
-def load(ckpt, *, allow_partial: bool = False, allow_external=()):
+def load(ckpt, *, allow_partial: bool = False, allow_external=(), model: str | None = None):
     """The checkpoint's state as torch objects — a safe ``cstorch.load``: pickled objects stay ``Opaque`` bytes, and
-    files it refers to are read only from its own folder and the ``allow_external`` folders."""
+    files it refers to are read only from its own folder and the ``allow_external`` folders. A Hugging Face model
+    folder gives the state of the Cerebras checkpoint planned from it (``model``: a converter name, where the
+    config is ambiguous)."""
     from .source import open_checkpoint, resolve_checkpoint
+    from .source.hf_layout import is_hf_folder
     from .source.materialize import to_torch
+
+    if is_hf_folder(ckpt):
+        from .views.from_hf import open_hf_checkpoint
+
+        hc = open_hf_checkpoint(ckpt, _options(allow_external=tuple(allow_external), model=model))
+        try:
+            return to_torch(hc.checkpoint)
+        finally:
+            hc.close()
 
     with open_checkpoint(resolve_checkpoint(Path(ckpt)), allow_partial=allow_partial,
                          allow_external=allow_external) as c:

@@ -1,32 +1,15 @@
 """Test helpers for Hugging Face sources: building HF folders (safetensors, sharded, .bin, Hub-cache-shaped) from
-tensors, and an identity planner standing in for the mapping core (each HF tensor under its own name) so that the
-source, the tree and the frontends are tested on their own."""
+tensors, and the environment of a ckptfs subprocess that plans with the identity planner (``hfplan``)."""
 from __future__ import annotations
 
 import json
 import os
 import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-
-@dataclass
-class IdentityPlan:
-    family: str
-    model_name: str
-    tensors: list
-    params: dict
-    notes: list = field(default_factory=list)
-    added: list = field(default_factory=list)
-
-
-def identity_plan(folders: dict, *, model=None, added=True) -> IdentityPlan:
-    """Every HF tensor as ``model.<folder>.<name>`` (test stand-in for mapping.tocs.to_cs)."""
-    tensors = [((f + "." if f else "") + name, t) for f, (_, ts) in folders.items() for name, t in ts.items()]
-    return IdentityPlan("identity", model or "identity", tensors, {"model": {"name": model or "identity"}},
-                        ["identity mapping (test)"])
+from hfplan import IdentityPlan, identity_plan  # noqa: F401 - re-exported for the tests
 
 
 def save_hf(folder: Path, state: dict, config: dict, *, fmt: str = "safetensors", shards: int = 1) -> Path:
@@ -87,3 +70,13 @@ def llama_state(seed: int = 0, dtype=torch.float32, hidden: int = 16, layers: in
     out["model.norm.weight"] = torch.randn(hidden, generator=g)
     out["lm_head.weight"] = torch.randn(vocab, hidden, generator=g)
     return {k: v.to(dtype) for k, v in out.items()}
+
+
+def hf_env(**extra) -> dict:
+    """Environment for a ckptfs subprocess over an HF folder, with the identity planner (and this folder importable)."""
+    tests = Path(__file__).resolve().parent
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(tests), str(tests.parent), env.get("PYTHONPATH")) if x)
+    env["CKPTFS_TEST_HF_PLANNER"] = "hfplan:identity_plan"
+    env.update(extra)
+    return env

@@ -10,6 +10,11 @@ config.json's ``torch_dtype``/``dtype`` come from the weights in a real conversi
 
 A multi-component model (DPO, DPR, LLaVA…) has one config per HF folder: stdout then shows ``{folder: config}``
 (``""`` = the root); ``--folder NAME`` prints one of them alone, ``-o DIR`` writes ``DIR/<folder>/config.json``.
+
+The other way, ``ckptfs convert-config config.json`` (a Hugging Face config, or an HF model folder: each
+component's config.json) prints the params YAML a mount of that model serves (``params.yaml``, the model section
+Model Zoo's converter writes), and lists on stderr every HF setting the Cerebras model cannot carry, one line each;
+settings it cannot take at all are one ``error:`` line each and exit code 2.
 """
 from __future__ import annotations
 
@@ -32,7 +37,9 @@ def add_parser(subparsers):
         description="Print the Hugging Face config.json that a checkpoint trained with these Cerebras params would "
                     "be converted with, and the params keys HF has no counterpart for; or, when HF cannot express "
                     "the params, one error per obstacle (exit code 2).")
-    p.add_argument("params", metavar="PARAMS.yaml", help="Cerebras params YAML (legacy model: or trainer layout)")
+    p.add_argument("params", metavar="PARAMS.yaml", help="Cerebras params YAML (legacy model: or trainer layout); or a "
+                                                          "Hugging Face config.json (or model folder): the params "
+                                                          "YAML a mount of that model serves")
     mount_options.add_arguments(p, only=("model", "trainer_index"))  # --model NAME, --trainer-index N
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="the weights' dtype for torch_dtype/dtype (comes from the tensors in a real conversion; "
@@ -56,10 +63,45 @@ def _report(lines: list, head: str) -> None:
             print(f"  {line}", file=sys.stderr)
 
 
+def is_hf_config(path: Path) -> bool:
+    """A Hugging Face config (``*.json``) or model folder, rather than Cerebras params."""
+    return path.is_dir() or path.suffix.lower() == ".json"
+
+
+def run_hf(args) -> int:
+    """HF config(s) -> the params YAML a mount serves, and what it cannot carry."""
+    from ..mapping.tocs import hf_to_params
+    from ..source.hf_folder import read_hf_configs
+    from ..views.cs import params_yaml
+
+    src = Path(args.params)
+    configs = read_hf_configs(src)
+    result = hf_to_params(configs, model=args.model)
+    if result.problems:
+        for problem in result.problems:
+            print(f"ckptfs: error: {src}: {problem}", file=sys.stderr)
+        _report(result.notes, "Hugging Face settings the Cerebras params cannot carry:")
+        return 2
+    text = params_yaml(result.params)
+    if args.output is None:
+        sys.stdout.write(text)
+    else:
+        out = Path(args.output)
+        target = out / "params.yaml" if out.is_dir() else out
+        try:
+            target.write_text(text)
+        except OSError as e:
+            raise UsageError(e.filename or target, f"cannot write: {e.strerror or e}") from e
+    _report(result.notes, "Hugging Face settings the Cerebras params cannot carry:")
+    return 0
+
+
 def run(args) -> int:
     from ..mapping.params_config import params_to_hf_configs
 
     params = Path(args.params)
+    if is_hf_config(params):
+        return run_hf(args)
     result = params_to_hf_configs(params, model=args.model, trainer_index=args.trainer_index, dtype=args.dtype)
     if not result.ok:
         for problem in result.problems:

@@ -24,9 +24,11 @@ def add_parser(subparsers):
         description="Summarise a Cerebras checkpoint from its metadata: format version, the release that wrote it, "
                     "whether the save completed, tensors and bytes by dtype, top-level keys and the model family.")
     p.add_argument("ckpt", metavar="CKPT", help="checkpoint .mdl file, or a model_dir: its checkpoints (steps, sizes, "
-                                                "completeness, latest) and the latest one's summary (--single: only that)")
+                                                "completeness, latest) and the latest one's summary (--single: only "
+                                                "that), or a Hugging Face model folder: its files, and the Cerebras "
+                                                "checkpoint a mount of it serves")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    mount_options.add_arguments(p, only=("allow_partial", "allow_external", "single"))
+    mount_options.add_arguments(p, only=("allow_partial", "allow_external", "single", "model", "added_tensors"))
     return p
 
 
@@ -75,7 +77,7 @@ def detect(ckpt: Checkpoint) -> FamilyInfo:
     return FamilyInfo(getattr(d, "family", None), getattr(d, "model_name", None), str(getattr(d, "reason", "") or ""))
 
 
-def summarize(ckpt: Checkpoint) -> Summary:
+def summarize(ckpt: Checkpoint, family: FamilyInfo | None = None) -> Summary:
     from ..source.catalog import Container, OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
 
     by_dtype: dict = {}
@@ -107,7 +109,8 @@ def summarize(ckpt: Checkpoint) -> Summary:
         path=str(ckpt.path), format_version=ckpt.format_version, release=ckpt.release, success=ckpt.success,
         tensors=sum(t.tensors for t in by_dtype.values()), total_bytes=sum(t.bytes for t in by_dtype.values()),
         by_dtype=dict(sorted(by_dtype.items(), key=lambda kv: -kv[1].bytes)), values=values, opaque=opaque,
-        unreadable=unreadable, aliases=len(ckpt.links), top_level_keys=top, root_kind=kind, family=detect(ckpt),
+        unreadable=unreadable, aliases=len(ckpt.links), top_level_keys=top, root_kind=kind,
+        family=family or detect(ckpt),
         warnings=list(ckpt.warnings))
 
 
@@ -138,9 +141,57 @@ def format_text(s: Summary) -> str:
     return "\n".join(lines)
 
 
+@dataclass
+class HFSourceInfo:
+    """The Hugging Face model a checkpoint is planned from."""
+
+    path: str
+    hub: str | None  # "org/name at revision …" for a Hub cache snapshot
+    folders: dict  # folder ("" for one model) -> {"format", "files", "tensors", "bytes", "architectures"}
+    notes: list
+
+
+def hf_summary(hc) -> tuple:
+    """``(HFSourceInfo, Summary)`` of an ``HFCheckpoint`` (``views.from_hf``): the source, and the checkpoint its
+    mount serves, with the model the mapping chose as its family."""
+    from ..views.from_hf import MDL_NAME
+
+    m = hc.model
+    folders = {f: {"format": c.format, "files": list(c.files), "tensors": len(c.tensors),
+                   "bytes": sum(t.nbytes for t in c.tensors.values()),
+                   "architectures": c.config.get("architectures")} for f, c in m.components.items()}
+    hub = f"{m.hub.repo_id} at revision {m.hub.revision}" if m.hub else None
+    s = summarize(hc.checkpoint, FamilyInfo(hc.plan.family, hc.plan.model_name, "from the Hugging Face config"))
+    s.path = f"{MDL_NAME} (generated when read, by a mount or export of {m.path})"
+    return HFSourceInfo(str(m.path), hub, folders, list(hc.notes)), s
+
+
+def format_hf(src: HFSourceInfo, s: Summary) -> str:
+    lines = [f"Hugging Face model: {src.path}"]
+    if src.hub:
+        lines.append(f"  Hub cache snapshot of {src.hub}")
+    for f, d in src.folders.items():
+        lines.append(f"  {(f + '/') if f else '(root)'}: {d['format']}, {d['tensors']} tensors "
+                     f"({human_bytes(d['bytes'])}) in {', '.join(d['files'])}; architectures {d['architectures']}")
+    lines += ["", "served as a Cerebras checkpoint:", format_text(s)]
+    lines += [f"note: {n}" for n in src.notes]
+    return "\n".join(lines)
+
+
 def run(args) -> int:
     from ..source import open_checkpoint
-    from .runinfo import as_json, format_run, is_run_argument, scan_run
+    from .runinfo import as_json, format_run, is_hf_source, is_run_argument, scan_run
+
+    if is_hf_source(args.ckpt):  # a Hugging Face model: its files, and the checkpoint a mount of it serves
+        from ..views.from_hf import open_hf_checkpoint
+
+        hc = open_hf_checkpoint(args.ckpt, mount_options.from_args(args))
+        src, s = hf_summary(hc)
+        if args.json:
+            print(json.dumps({"hugging_face": asdict(src), "checkpoint": asdict(s)}, indent=2, default=str))
+        else:
+            print(format_hf(src, s))
+        return 0
 
     if is_run_argument(args.ckpt, args.single):  # a model_dir: the run, then its latest checkpoint
         listing = scan_run(args.ckpt)

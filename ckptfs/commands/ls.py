@@ -20,9 +20,11 @@ def add_parser(subparsers):
                               description="List a Cerebras checkpoint's keys as a tree (indentation shows nesting; "
                                           "'-> key' marks an alias of another key).")
     p.add_argument("ckpt", metavar="CKPT", help="checkpoint .mdl file, or a model_dir: its checkpoints (steps, sizes, "
-                                                "completeness, latest); with --single, its latest checkpoint's keys")
+                                                "completeness, latest); with --single, its latest checkpoint's keys; "
+                                                "or a Hugging Face model folder: the keys of the Cerebras checkpoint "
+                                                "a mount of it serves")
     p.add_argument("-l", "--long", action="store_true", help="also show shapes, dtypes and values")
-    mount_options.add_arguments(p, only=("allow_partial", "allow_external", "single"))
+    mount_options.add_arguments(p, only=("allow_partial", "allow_external", "single", "model", "added_tensors"))
     return p
 
 
@@ -74,10 +76,17 @@ def format_lines(ckpt, long: bool = False):
 
 def run(args) -> int:
     from ..source import open_checkpoint
-    from .runinfo import format_run, is_run_argument, scan_run
+    from .runinfo import format_run, is_hf_source, is_run_argument, scan_run
 
     if is_run_argument(args.ckpt, args.single):  # a model_dir: the run's checkpoints
         print(format_run(scan_run(args.ckpt)))
+        return 0
+    if is_hf_source(args.ckpt):  # a Hugging Face model: the checkpoint its mount serves
+        from ..views.from_hf import open_hf_checkpoint
+
+        hc = open_hf_checkpoint(args.ckpt, mount_options.from_args(args))
+        for line in format_lines(hc.checkpoint, args.long):
+            sys.stdout.write(line + "\n")
         return 0
     with open_checkpoint(args.ckpt, allow_partial=args.allow_partial,
                          allow_external=args.allow_external or ()) as ckpt:

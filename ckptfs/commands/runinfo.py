@@ -31,6 +31,13 @@ def is_run_argument(path, single: bool = False) -> bool:
     return Path(path).is_dir() and not single and not is_hf_folder(path)
 
 
+def is_hf_source(path) -> bool:
+    """A Hugging Face model folder (or Hub cache snapshot): ``info`` and ``ls`` show the checkpoint it mounts as."""
+    from ..source.hf_layout import is_hf_folder
+
+    return is_hf_folder(path)
+
+
 def scan_run(path) -> RunListing:
     """The run in ``path``; a ``CheckpointError`` if the directory holds no checkpoint file at all."""
     listing = RunScanner(path).scan()

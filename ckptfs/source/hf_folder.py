@@ -221,6 +221,24 @@ def _component(reader: _Reader, root: Path, folder: str, notes: list) -> HFCompo
     return HFComponent(folder, comp_dir, config, tensors, files, fmt)
 
 
+def read_hf_configs(path) -> dict:
+    """``{folder: config}`` of a Hugging Face ``config.json`` file, or of each component of a model folder (no
+    weights read): what ``ckptfs convert-config`` takes."""
+    p = Path(path).absolute()
+    if p.is_dir():
+        snap = hub_repo_snapshot(p)
+        root = snap if snap is not None else p
+        hub = hub_snapshot_of(root)
+        allowed = (os.path.realpath(hub.repo / "blobs"),) if hub is not None else ()
+        reader = _Reader(root, Confinement(os.path.realpath(root), allowed), hub, False)
+        return {f: reader.read_json((root / f if f else root) / CONFIG, MAX_CONFIG_BYTES, "config.json")
+                for f in component_folders(root) or ("",)}
+    if not p.exists():
+        raise CheckpointError(p, "no such file or directory")
+    reader = _Reader(p.parent, Confinement(os.path.realpath(p.parent)), None, True)
+    return {"": reader.read_json(Path(os.path.realpath(p)), MAX_CONFIG_BYTES, "the config")}
+
+
 def open_hf_model(path, *, allow_external=()) -> HFModel:
     """Open the Hugging Face model at ``path`` (see the module docstring); ``CheckpointError`` naming the file and
     the problem when it cannot be read. Reads metadata only."""

@@ -1,0 +1,23 @@
+"""An identity planner standing in for the mapping core's ``to_cs`` (each HF tensor under its own name), so that
+the HF source, the tree and the frontends are tested on their own; imports nothing heavy (a ckptfs subprocess
+imports it through ``CKPTFS_TEST_HF_PLANNER``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class IdentityPlan:
+    family: str
+    model_name: str
+    tensors: list
+    params: dict
+    notes: list = field(default_factory=list)
+    added: list = field(default_factory=list)
+
+
+def identity_plan(folders: dict, *, model=None, added=True) -> IdentityPlan:
+    """Every HF tensor as ``model.<folder>.<name>`` (test stand-in for mapping.tocs.to_cs)."""
+    tensors = [((f + "." if f else "") + name, t) for f, (_, ts) in folders.items() for name, t in ts.items()]
+    return IdentityPlan("identity", model or "identity", tensors, {"model": {"name": model or "identity"}},
+                        ["identity mapping (test)"])
