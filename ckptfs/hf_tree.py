@@ -94,7 +94,7 @@ def build_hf_tree(path, options: MountOptions | None = None, *, cache: BlockCach
         else:
             missing.append(why)
     if "tensors" in views:
-        from .views import tensors as tensors_view
+        from .views import npy_tree as tensors_view
 
         ctx = ViewContext(checkpoint=hc.checkpoint, ckpt_path=hc.model.path, stem=Path(MDL_NAME).stem,
                           options=options, cache=cache)

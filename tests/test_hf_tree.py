@@ -17,7 +17,7 @@ from ckptfs.errors import UsageError
 from ckptfs.hf_tree import build_hf_tree
 from ckptfs.options import MountOptions
 from ckptfs.source import open_checkpoint
-from ckptfs.source.tensors import FileRegionTensor
+from ckptfs.source.stored_tensors import FileRegionTensor
 from conftest import run_ckptfs
 from hfhelp import hf_env, identity_plan, llama_state, save_hf
 

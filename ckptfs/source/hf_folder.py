@@ -29,7 +29,7 @@ from .hf_layout import (BIN_INDEX, BIN_SINGLE, CONFIG, SAFE_INDEX, SAFE_SINGLE, 
                         component_folders, hub_repo_snapshot, hub_snapshot_of)
 from .safepickle import PickleRefused
 from .safetensors_ref import read_safetensors_header
-from .tensors import FileRegionTensor
+from .stored_tensors import FileRegionTensor
 from .torch_bin import TorchZipError, read_torch_zip
 from .watch import FileIdentity
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..tensor import Box, box_shape
+from ..virtual_tensor import Box, box_shape
 from .confine import Confinement, open_regular
 from .safepickle import PickleRefused, TorchStorage, TorchTensor, loads_torch, tensor_extent, torch_storage
-from .tensors import FileRegionTensor
+from .stored_tensors import FileRegionTensor
 from .watch import FileIdentity
 from . import zipdir
 

@@ -9,10 +9,10 @@ every tensor is a lazy operation over the HF files.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..env import test_hf_planner
 from ..errors import CheckpointError, CkptfsError
 from ..source.catalog import Checkpoint, Container, TensorLeaf
 from ..source.hf_folder import HFModel, open_hf_model
@@ -24,8 +24,6 @@ PARAMS_NAME = "params.yaml"
 FORMAT_VERSION = 0.5
 RELEASE = "2.10.0"
 
-#: test-only: ``module:function`` standing in for ``mapping.tocs.to_cs`` until the mapping core has it
-TEST_PLANNER_ENV = "CKPTFS_TEST_HF_PLANNER"
 
 
 @dataclass
@@ -42,7 +40,7 @@ class HFCheckpoint:
 
 
 def _planner() -> Callable:
-    spec = os.environ.get(TEST_PLANNER_ENV)
+    spec = test_hf_planner()  # tests only: module:function in place of the mapping core
     if spec:
         import importlib
 
