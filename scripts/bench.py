@@ -16,7 +16,9 @@
    FUSE filesystem of the same binding (the ceiling); 4 KiB from every tensor vs every tensor whole; checkpoint ->
    loaded model end to end (mount + from_pretrained + umount) vs ``ckptfs export`` + local from_pretrained;
    ``torch.load(mmap=True)`` first open of a .bin (cold and warm CRC store); 70B mount and ``ls -lR``
-   time and index read; that no tensor data is read to answer stat/index; the servers' peak RSS; at the start and
+   time and index read; that no tensor data is read to answer stat/index; for bf16, the local copy (an HF folder)
+   mounted as a Cerebras checkpoint: ``cp`` of its ``checkpoint.mdl`` vs ``cp`` of the source safetensors, and
+   ``ckptfs export`` of it (issue 30); the servers' peak RSS; at the start and
    the end, what writing fresh memory costs on this machine (a VM whose balloon hands freed memory back to the
    host makes every page a FUSE server writes into the page cache wait for the host).
 3. Prints one line per target, writes the JSON report. Exit 0 when every item was measured (targets may FAIL),
@@ -147,6 +149,8 @@ def run_dtype(r: Runner, ctx: measure.Ctx, ck: measure.Ckpt) -> None:
     if how is None:
         return
     r.item(f"{d}.cp_passthrough", measure.cp_passthrough, ctx, layout, local)
+    if d == "bf16":  # issue 30: the local copy is an HF folder; mounted as a Cerebras checkpoint
+        r.item(f"{d}.hf_to_cs", measure.hf_to_cs, ctx, layout, local)
     r.item(f"{d}.export_matches_mount", measure.export_matches_mount, ctx, ck, layout, local)
     r.item(f"{d}.datacheck", sysutil.probe, "datacheck", ck.path, *[local / n for n in layout["safetensors"]],
            env=ctx.env)

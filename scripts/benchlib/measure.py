@@ -259,6 +259,47 @@ def from_pretrained(ctx: Ctx, ck: Ckpt, layout: dict, local: Path) -> dict:
     return out
 
 
+def hf_to_cs(ctx: Ctx, layout: dict, local: Path) -> dict:
+    """The other direction (issue 30): the local copy (config.json + safetensors shards + index: a Hugging Face model
+    folder) mounted as a Cerebras checkpoint. Per run, cold: ``cp`` of the source safetensors to /dev/null (the
+    plain read, the baseline); ``cp`` of the mounted ``checkpoint.mdl`` (fresh mount, sized by one stat first, as
+    a user's loader does); ``ckptfs export`` of the folder's ``cs`` view (eager, no FUSE, wall time with startup)."""
+    names = layout["safetensors"]
+    src_bytes = sum(layout["sizes"][n] for n in names)
+    plain, mdl, cpu, export, peaks = [], [], [], [], []
+    size = None
+    for _ in range(ctx.repeat):
+        drop_caches()
+        plain.append(_cp_to_null(local, names))
+        n = next(_ids)
+        m = Mount(local, ctx.workdir / "mnt" / f"{n:03d}", cache_size=ctx.cache_size,
+                  cache_dir=ctx.workdir / "ckptfs-cache" / f"{n:03d}", label="hf-to-cs:mdl", env=ctx.env,
+                  on_stop=ctx._record)
+        with m:
+            size = os.stat(m.mountpoint / "checkpoint.mdl").st_size
+            drop_caches()
+            c0 = m.cpu()
+            mdl.append(_cp_to_null(m.mountpoint, ["checkpoint.mdl"]))
+            cpu.append(m.cpu() - c0)
+        peaks.append(m.peak_rss)
+        out = ctx.workdir / "hf-to-cs-export"
+        shutil.rmtree(out, ignore_errors=True)
+        drop_caches()
+        dt, _ = sysutil.timed(ckptfs_argv("export", local, out, "--views", "cs", "--cache-size", ctx.cache_size),
+                              env=_env_with_cache(ctx, "hf-to-cs-export"))
+        if (out / "checkpoint.mdl").stat().st_size != size:
+            raise StepError("the exported checkpoint.mdl differs in size from the mounted one")
+        export.append(dt)
+        shutil.rmtree(out, ignore_errors=True)
+    res = {"plain": _summary(plain, src_bytes, files=names),
+           "mdl": _summary(mdl, size, server_cpu_s=[round(c, 2) for c in cpu],
+                           server_cpu_s_per_gb=round(median(cpu) / (size / 1e9), 2)),
+           "export": _summary(export, size, includes_startup=True),
+           "peak_rss": [p for p in peaks if p]}
+    res["ratio"] = round(res["mdl"]["mb_s"] / res["plain"]["mb_s"], 3)
+    return res
+
+
 def cp_passthrough(ctx: Ctx, layout: dict, local: Path) -> dict:
     """The ceiling of the cp lines: ``cp`` of the local copy of the safetensors weights to /dev/null through the
     trivial passthrough (same binding and options as ckptfs, nothing to convert), page cache dropped first."""

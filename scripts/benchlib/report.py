@@ -15,6 +15,7 @@ PARTIAL_TARGET = 0.15  # 4 KiB from every tensor ≤ 15% of reading every tensor
 MOUNT_70B_TARGET_S = 0.5  # (#7: 1.0 s)
 LS_70B_TARGET_S = 0.5
 RSS_BASE_BYTES = 300 * 10**6  # peak server RSS ≤ 300 MB + --cache-size
+HF_TO_CS_TARGET = 1.0  # reading an HF folder's mounted .mdl ≥ 1.0 × a plain read of its safetensors (issue 30)
 
 
 @dataclass
@@ -84,6 +85,8 @@ def target_lines(results: dict, errors: dict, dtypes: list, cache_bytes: int) ->
                                                f"<= {FROM_PRETRAINED_TARGET:.2f}x",
                                                _verdict(fp["ratio"] <= FROM_PRETRAINED_TARGET))))
         lines += _issue14_lines(d, r, errors)
+        if r.get("hf_to_cs") is not None or f"{d}.hf_to_cs" in errors:
+            lines += _hf_to_cs_lines(d, r.get("hf_to_cs"), errors, cache_bytes)
         tl = r.get("torch_first_open")
         e = _err(f"{d}: torch.load(mmap) first open", errors, [f"{d}.torch_first_open", f"{d}.layout"])
         if e or tl is None:
@@ -152,6 +155,28 @@ def target_lines(results: dict, errors: dict, dtypes: list, cache_bytes: int) ->
         lines.append(Line(f"server peak RSS (VmHWM, {len(peaks)} mounts)", f"{max(peaks) / 1e6:.0f} MB",
                           f"<= {limit / 1e6:.0f} MB", "PASS" if max(peaks) <= limit else "FAIL"))
     return lines
+
+
+def _hf_to_cs_lines(d: str, h: dict | None, errors: dict, cache_bytes: int) -> list:
+    """Issue 30's lines: the mounted .mdl of an HF folder against a plain read of its safetensors, ckptfs's own eager
+    export of it, and the server's peak RSS."""
+    name = f"{d}: HF -> CS: cp mounted .mdl vs cp source safetensors"
+    e = _err(name, errors, [f"{d}.hf_to_cs"])
+    if e or h is None:
+        return [e or Line(name, "not measured", "", "ERROR")]
+    mdl, plain, exp = h["mdl"], h["plain"], h["export"]
+    out = [Line(name, f"{h['ratio']:.2f}x ({mdl['mb_s']:.0f} vs {plain['mb_s']:.0f} MB/s, cold; server "
+                      f"{mdl['server_cpu_s_per_gb']:.1f} CPU-s/GB)", f">= {HF_TO_CS_TARGET:.2f}x",
+                _verdict(h["ratio"] >= HF_TO_CS_TARGET)),
+           Line(f"{d}: HF -> CS: ckptfs export (eager) / cp mounted .mdl",
+                f"{exp['median_s']:.2f} vs {mdl['median_s']:.2f} s ({exp['mb_s']:.0f} MB/s incl. startup)", "",
+                "INFO")]
+    limit = RSS_BASE_BYTES + cache_bytes
+    if h["peak_rss"]:
+        peak = max(h["peak_rss"])
+        out.append(Line(f"{d}: HF -> CS: server peak RSS", f"{peak / 1e6:.0f} MB", f"<= {limit / 1e6:.0f} MB",
+                        _verdict(peak <= limit)))
+    return out
 
 
 def _verdict(ok: bool) -> str:
