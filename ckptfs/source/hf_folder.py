@@ -128,14 +128,16 @@ def _safetensors_tensors(reader: _Reader, comp_dir: Path, shard: str, key_prefix
     path = comp_dir / shard
     real = reader.resolve(path)
     try:
+        ident = reader.identity(real)
         header = read_safetensors_header(real)
+        if FileIdentity.of_path(real) != ident:  # the offsets must belong to the version the tensors will check
+            raise CheckpointError(path, "changed while its header was read")
     except RefusedReference as e:
         raise CheckpointError(path, e.problem) from None
     except FileNotFoundError:
         raise CheckpointError(path, "not found") from None
     except (OSError, ValueError) as e:
         raise CheckpointError(path, str(e)) from None
-    ident = reader.identity(real)
     return {name: FileRegionTensor(real, e.offset, e.shape, e.dtype, key_prefix + name, root, None,
                                    "safetensors file", identity=ident, confinement=reader.confinement)
             for name, e in header.items()}
