@@ -58,6 +58,9 @@ def readme_text(hc: HFCheckpoint, files: dict, missing: list, notes: list) -> st
                      f"under model.*); point a Model Zoo run's checkpoint path at it")
     if PARAMS_NAME in files:
         lines.append(f"{PARAMS_NAME}: the params' model section, as Model Zoo's converter writes it")
+    if MDL_NAME in files and PARAMS_NAME in files:
+        lines.append(f"back to HF:  ckptfs mount <this folder>/{MDL_NAME} DIR --config <this folder>/{PARAMS_NAME} "
+                     f"--model {plan.model_name}")
     if any(p.startswith("tensors/") for p in files):
         lines.append(f"tensors/:    every tensor of {MDL_NAME} as .npy, by its key (dots become folders)")
     for why in missing:
