@@ -119,6 +119,22 @@ def test_hub_link_out_of_its_repository_is_refused(tmp_path):
     assert_same(m, st)
 
 
+def test_a_blobs_link_widens_nothing(tmp_path):
+    """A snapshot whose repository's blobs/ is a link (to /) gets no blobs root: its links are refused."""
+    save_hf(tmp_path / "src", llama_state(), CONFIG)
+    snap = as_hub_cache(tmp_path / "src", tmp_path / "hub")
+    repo = snap.parent.parent
+    (repo / "blobs").rename(tmp_path / "real-blobs")
+    os.symlink("/", repo / "blobs")
+    for f in snap.iterdir():
+        target = tmp_path / "real-blobs" / os.readlink(f).rpartition("/")[2]
+        f.unlink()
+        os.symlink(os.path.relpath(target, "/").join(["../../blobs/", ""]), f)  # ../../blobs/<root-relative path>
+    assert (snap / "config.json").is_file()  # the link works: through blobs -> / to the real file
+    with pytest.raises(CheckpointError, match="outside the model folder"):
+        open_hf_model(snap)
+
+
 def test_multi_folder_models_from_the_fixtures():
     m = open_hf_model(FIXTURES / "llava" / "hf")
     assert list(m.components) == ["image_model", "text_model"]

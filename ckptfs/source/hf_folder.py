@@ -26,7 +26,7 @@ from pathlib import Path
 from ..errors import CheckpointError
 from .confine import Confinement, RefusedReference, open_regular
 from .hf_layout import (BIN_INDEX, BIN_SINGLE, CONFIG, SAFE_INDEX, SAFE_SINGLE, UNREAD_WEIGHTS, HubSnapshot,
-                        component_folders, hub_repo_snapshot, hub_snapshot_of)
+                        component_folders, hub_blobs, hub_repo_snapshot, hub_snapshot_of)
 from .safepickle import PickleRefused
 from .safetensors_ref import read_safetensors_header
 from .stored_tensors import FileRegionTensor
@@ -231,7 +231,8 @@ def read_hf_configs(path) -> dict:
         snap = hub_repo_snapshot(p)
         root = snap if snap is not None else p
         hub = hub_snapshot_of(root)
-        allowed = (os.path.realpath(hub.repo / "blobs"),) if hub is not None else ()
+        blobs = hub_blobs(hub) if hub is not None else None
+        allowed = (blobs,) if blobs else ()
         reader = _Reader(root, Confinement(os.path.realpath(root), allowed), hub, False)
         return {f: reader.read_json((root / f if f else root) / CONFIG, MAX_CONFIG_BYTES, "config.json")
                 for f in component_folders(root) or ("",)}
@@ -251,8 +252,9 @@ def open_hf_model(path, *, allow_external=()) -> HFModel:
     root = snap if snap is not None else given
     hub = hub_snapshot_of(root)
     allowed = []
-    if hub is not None and (hub.repo / "blobs").is_dir():
-        allowed.append(os.path.realpath(hub.repo / "blobs"))
+    blobs = hub_blobs(hub) if hub is not None else None
+    if blobs:
+        allowed.append(blobs)
     allowed += [os.path.realpath(Path(p).absolute()) for p in allow_external or ()]
     confinement = Confinement(os.path.realpath(root), tuple(allowed))
     reader = _Reader(root, confinement, hub, bool(allow_external))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +62,17 @@ def hub_snapshot_of(path: Path) -> HubSnapshot | None:
     repo = path.parent.parent
     repo_id = repo.name[len("models--"):].replace("--", "/")
     return HubSnapshot(repo, path.name, repo_id)
+
+
+def hub_blobs(hub: HubSnapshot) -> str | None:
+    """The real path of a Hub repository's ``blobs/`` when it is a real folder (a link named ``blobs`` could lead
+    anywhere: ``/``), else None."""
+    blobs = hub.repo / "blobs"
+    try:
+        st = os.lstat(blobs)
+    except OSError:
+        return None
+    return os.path.realpath(blobs) if stat.S_ISDIR(st.st_mode) else None
 
 
 def component_folders(path: Path) -> tuple:
