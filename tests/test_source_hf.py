@@ -318,6 +318,13 @@ def test_no_weights_and_other_formats(tmp_path):
         open_hf_model(m)
 
 
+def test_a_model_dir_holding_hf_files_stays_a_run(tmp_path):
+    m = _folder(tmp_path)
+    assert is_hf_folder(m)
+    (m / "checkpoint_100.mdl").write_bytes(b"")
+    assert not is_hf_folder(m)
+
+
 def test_safetensors_preferred_over_bin_as_transformers_does(tmp_path):
     st = llama_state()
     save_hf(tmp_path / "m", st, CONFIG)

@@ -87,7 +87,8 @@ def component_folders(path: Path) -> tuple:
 
 def is_hf_folder(path) -> bool:
     """Whether ``path`` looks like a Hugging Face model folder (``config.json`` beside weights, a multi-folder
-    model, or a Hub cache repository/snapshot) rather than a Model Zoo ``model_dir``."""
+    model, or a Hub cache repository/snapshot) rather than a Model Zoo ``model_dir`` (a folder holding ``.mdl``
+    files is one, whatever else it holds)."""
     p = Path(path)
     if not p.is_dir():
         return False
@@ -97,7 +98,15 @@ def is_hf_folder(path) -> bool:
         return True  # a Hub repository folder whose snapshot cannot be chosen: opening it says why
     if snap is not None:
         return True
-    if component_folders(p):
-        return True
-    return os.path.lexists(p / CONFIG) and any(os.path.lexists(p / n) for n in
-                                               (SAFE_SINGLE, SAFE_INDEX, BIN_SINGLE, BIN_INDEX) + UNREAD_WEIGHTS)
+    if not (component_folders(p) or (os.path.lexists(p / CONFIG) and any(
+            os.path.lexists(p / n) for n in (SAFE_SINGLE, SAFE_INDEX, BIN_SINGLE, BIN_INDEX) + UNREAD_WEIGHTS))):
+        return False
+    return not _holds_mdl(p)  # a model_dir that also holds HF files stays a training run
+
+
+def _holds_mdl(path: Path) -> bool:
+    try:
+        with os.scandir(path) as it:
+            return any(e.name.endswith(".mdl") for e in it)
+    except OSError:
+        return False
