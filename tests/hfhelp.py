@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from conftest import real_env
 from hfplan import IdentityPlan, identity_plan  # noqa: F401 - re-exported for the tests
 
 
@@ -73,10 +74,5 @@ def llama_state(seed: int = 0, dtype=torch.float32, hidden: int = 16, layers: in
 
 
 def hf_env(**extra) -> dict:
-    """Environment for a ckptfs subprocess over an HF folder, with the identity planner (and this folder importable)."""
-    tests = Path(__file__).resolve().parent
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(tests), str(tests.parent), env.get("PYTHONPATH")) if x)
-    env["CKPTFS_TEST_HF_PLANNER"] = "hfplan:identity_plan"
-    env.update(extra)
-    return env
+    """Environment for a ckptfs subprocess over an HF folder that plans with the identity planner (``hfplan``)."""
+    return real_env(CKPTFS_TEST_HF_PLANNER="hfplan:identity_plan", **extra)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ckptfs.source import open_checkpoint
-from conftest import run_ckptfs
-from fusehelp import is_mounted, mounted, needs_fuse
+from conftest import needs_fuse, run_ckptfs
+from fusehelp import is_mounted, mounted
 from hfhelp import as_hub_cache, hf_env, llama_state, save_hf
 
 pytestmark = [needs_fuse, pytest.mark.timeout(600)]

@@ -14,7 +14,7 @@ import yaml
 
 import ckptfs
 from ckptfs.errors import UsageError
-from ckptfs.hf_tree import build_hf_tree
+from ckptfs.tree.hf import build_hf_tree
 from ckptfs.options import MountOptions
 from ckptfs.source import open_checkpoint
 from ckptfs.source.stored_tensors import FileRegionTensor

@@ -172,7 +172,7 @@ def format_hf(src: HFSourceInfo, s: Summary) -> str:
         lines.append(f"  Hub cache snapshot of {src.hub}")
     for f, d in src.folders.items():
         lines.append(f"  {(f + '/') if f else '(root)'}: {d['format']}, {d['tensors']} tensors "
-                     f"({human_bytes(d['bytes'])}) in {', '.join(d['files'])}; architectures {d['architectures']}")
+                     f"({human_size(d['bytes'], binary=True)}) in {', '.join(d['files'])}; architectures {d['architectures']}")
     lines += ["", "served as a Cerebras checkpoint:", format_text(s)]
     lines += [f"note: {n}" for n in src.notes]
     return "\n".join(lines)

@@ -244,7 +244,7 @@ def build_tree(ckpt_path, options: MountOptions | None = None, *, cache: BlockCa
         info = SourceInfo(path)
         closers: list = []
     elif is_hf_source(ckpt_path):  # a Hugging Face model folder: served as a Cerebras checkpoint
-        from ..hf_tree import build_hf_tree
+        from .hf import build_hf_tree
 
         return build_hf_tree(ckpt_path, options, cache=cache, fork_builds=fork_builds)
     else:

@@ -17,27 +17,19 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from .cache import BlockCache
-from .errors import UsageError
-from .options import MountOptions, check_options
-from .tree.virtual import VirtualTree
-from .views.base import README_NAME
-from .views.base import BytesFile, ViewContext
-from .views.cs import mdl_file, params_yaml
-from .views.from_hf import MDL_NAME, PARAMS_NAME, HFCheckpoint, open_hf_checkpoint
+from ..cache import BlockCache
+from ..errors import UsageError
+from ..options import MountOptions, check_options
+from ..units import human_size
+from ..views.base import README_NAME, BytesFile, ViewContext
+from ..views.cs import mdl_file, params_yaml
+from ..views.from_hf import MDL_NAME, PARAMS_NAME, HFCheckpoint, open_hf_checkpoint
+from .virtual import VirtualTree
 
-log = logging.getLogger("ckptfs.hf_tree")
+log = logging.getLogger("ckptfs.tree.hf")
 
 #: the views an HF source serves
 HF_SOURCE_VIEWS = ("cs", "tensors")
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return str(n)
 
 
 def readme_text(hc: HFCheckpoint, files: dict, missing: list, notes: list) -> str:
@@ -50,7 +42,7 @@ def readme_text(hc: HFCheckpoint, files: dict, missing: list, notes: list) -> st
         n = len(c.tensors)
         size = sum(t.nbytes for t in c.tensors.values())
         lines.append(f"  {(folder + '/') if folder else '(root)':<12} {c.format}: {', '.join(c.files)} "
-                     f"({n} tensors, {_human(size)})")
+                     f"({n} tensors, {human_size(size)})")
     lines.append(f"model:       {plan.model_name} (family {plan.family})")
     keys = len(hc.checkpoint.leaves)
     if MDL_NAME in files:
@@ -97,7 +89,7 @@ def build_hf_tree(path, options: MountOptions | None = None, *, cache: BlockCach
         else:
             missing.append(why)
     if "tensors" in views:
-        from .views import npy_tree as tensors_view
+        from ..views import npy_tree as tensors_view
 
         ctx = ViewContext(checkpoint=hc.checkpoint, ckpt_path=hc.model.path, stem=Path(MDL_NAME).stem,
                           options=options, cache=cache)
