@@ -294,6 +294,38 @@ class PermuteRows(VirtualTensor):
                 f"rotary_dim={self.rotary_dim}) of {self.src.describe()}")
 
 
+class Alias(VirtualTensor):
+    """The same data under a second name (safetensors cannot share bytes between names; an HDF5 checkpoint would
+    link a repeated object). Its bytes are the target's cache blocks: same ``cache_key``, same block size, so a
+    tied tensor is computed once."""
+
+    def __init__(self, target: VirtualTensor):
+        super().__init__(target.shape, target.dtype)
+        self.target = target
+
+    @property
+    def cache_key(self):
+        return self.target.cache_key
+
+    def block_elems(self) -> int:
+        return self.target.block_elems()
+
+    def chunk_shape(self):
+        return self.target.chunk_shape()
+
+    def element_source(self, index):
+        return self.target, index
+
+    def read(self, box):
+        return self.target.read(box)
+
+    def sources(self):
+        return [self.target]
+
+    def describe(self) -> str:
+        return "alias of " + self.target.describe()
+
+
 # -- value operations ------------------------------------------------------------------------------
 
 AFFINE_STEPS = ("mul", "div", "add", "sub")
@@ -485,5 +517,5 @@ def _dim(dim: int, ndim: int, what: str) -> int:
     return d
 
 
-__all__ = ["Transpose", "Slice", "Select", "Concat", "Stack", "PermuteRows", "Affine", "Cast", "Generated",
+__all__ = ["Alias", "Transpose", "Slice", "Select", "Concat", "Stack", "PermuteRows", "Affine", "Cast", "Generated",
            "CausalMask", "Constant", "PositionIds", "AlibiSlopes", "alibi_slopes"]

@@ -64,6 +64,27 @@ class KeyPattern:
         return fill(self.text, values)
 
 
+def fields(text: str) -> list:
+    """``[(name, regex or None)]`` of a pattern's fields, in order (None: a decimal index ``{name}``)."""
+    return [(m.group(1), m.group(2)) for m in _FIELD.finditer(text)]
+
+
+def alternatives(regex: str) -> list | None:
+    """The strings a field regex that is a plain alternation of literals matches (``weight|bias``, ``\\.embed|``),
+    in order; None when the regex is anything else."""
+    out = []
+    for alt in regex.split("|"):
+        if re.search(r"[()\[\]*+?{}^$.]|\\[A-Za-z0-9]", re.sub(r"\\[^A-Za-z0-9]", "", alt)):
+            return None
+        out.append(re.sub(r"\\(.)", r"\1", alt))
+    return out
+
+
+def substitute(text: str, subs: dict) -> str:
+    """``text`` with each field named in ``subs`` replaced by ``subs[name]`` (other fields kept as written)."""
+    return _FIELD.sub(lambda m: subs.get(m.group(1), m.group(0)), text)
+
+
 def template_names(text: str) -> list:
     """The ``{name}`` fields of a template (for validation)."""
     return [m.group(1) for m in _FIELD.finditer(text)]

@@ -15,7 +15,7 @@ import yaml
 from ..errors import MappingError
 from . import lora_spec
 from .expr import ExprError, parse
-from .pattern import KeyPattern, PatternError, template_names
+from .pattern import KeyPattern, PatternError, alternatives, fields, template_names
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,9 @@ class ModelVariant:
     remote_code: str | None = None
     # multi-component checkpoints: ComponentSpec per HF model directory (empty: one model at the root)
     components: tuple = ()
+    # HF -> CS of a multi-component model: params model: entries beside the components' sections
+    # ({dotted params path: expression over the components' HF configs, by folder})
+    cs: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,9 @@ class ComponentSpec:
     config: "ConfigSpec | None" = None  # merged over the mapping family's config (these entries win)
     tensors: tuple = ()  # tried before the mapping family's tensor rules
     files: tuple = ()  # ((file name, expression giving its JSON content), ...) written beside config.json
+    # HF -> CS: when the HF model has no such folder, its CS tensors are a copy of this folder's (the converter
+    # makes DPO's reference model from the policy model)
+    copy_of: str | None = None
 
     @property
     def self_contained(self) -> bool:
@@ -84,6 +90,12 @@ class TensorRule:
     inputs: tuple = ()  # ((name, key template), ...) other CS tensors the rule consumes
     drop: str | None = None
     emits: tuple = ()
+    # HF -> CS (``inverse.py``): ((CS input name, expression over the HF output ``y``), ...) where the rule's op
+    # does not invert by itself; for a drop rule, ``make`` gives the CS tensor the HF model does not hold (a tied
+    # copy, a generated buffer) and ``added`` says why it is added (absent: part of the model, e.g. a tied copy)
+    inverse: tuple = ()
+    make: str | None = None
+    added: str | None = None
 
 
 @dataclass(frozen=True)
@@ -106,6 +118,11 @@ class ConfigSpec:
     hf: dict = field(default_factory=dict)  # HF config key -> expression, in order
     generation: dict = field(default_factory=dict)  # generation_config key -> expression
     notes: dict = field(default_factory=dict)  # CS key -> why it has no HF counterpart
+    # HF -> CS: params model: entries from config.json, as the converter writes them ({key: expression over the HF
+    # config}); hf_notes: HF config key -> why the CS model has no counterpart
+    cs: dict = field(default_factory=dict)
+    hf_notes: dict = field(default_factory=dict)
+    cs_derive: dict = field(default_factory=dict)  # name -> expression over the HF config, usable in ``cs``
 
 
 @dataclass(frozen=True)
@@ -235,7 +252,10 @@ def merge_config(base: ConfigSpec, own: ConfigSpec) -> ConfigSpec:
         guards=base.guards + own.guards,
         hf={**base.hf, **own.hf},
         generation={**base.generation, **own.generation},
-        notes={**base.notes, **own.notes})
+        notes={**base.notes, **own.notes},
+        cs={**base.cs, **own.cs},
+        hf_notes={**base.hf_notes, **own.hf_notes},
+        cs_derive={**base.cs_derive, **own.cs_derive})
 
 
 class _Validator:
@@ -291,8 +311,8 @@ class _Validator:
         out, seen = [], set()
         for n, item in enumerate(items):
             where = f"models[{n}]"
-            self.keys(item, {"name", "hf_class", "headless", "aliases", "vars", "notes", "remote_code", "components"},
-                      where)
+            self.keys(item, {"name", "hf_class", "headless", "aliases", "vars", "notes", "remote_code", "components",
+                             "cs"}, where)
             aliases = item.get("aliases") or []
             if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
                 self.fail(f"{where}.aliases: must be a list of names")
@@ -306,7 +326,11 @@ class _Validator:
                              None if item.get("remote_code") is None
                              else self.string(item.get("remote_code"), f"{where}.remote_code"),
                              self.components(item["components"], f"{where}.components", set(vars_))
-                             if "components" in item else ())
+                             if "components" in item else (),
+                             self.expressions(item.get("cs") or {}, f"{where}.cs"))
+            if m.cs and not m.components:
+                self.fail(f"{where}.cs: only a model with components has model-level params entries (a family's "
+                          f"own go to config.cs)")
             for name in (m.name, *m.aliases):
                 if name in seen:
                     self.fail(f"{where}: model name {name!r} listed twice")
@@ -315,7 +339,7 @@ class _Validator:
         return out
 
     _COMPONENT_KEYS = {"folder", "cs_prefix", "cs_rename", "params", "params_bind", "model", "model_from",
-                       "hf_class", "model_type", "vars", "config", "tensors", "files"}
+                       "hf_class", "model_type", "vars", "config", "tensors", "files", "copy_of"}
 
     def components(self, items, where, model_vars: set) -> tuple:
         """A model's ``components:`` list (see ComponentSpec); its own rules may use captures and vars."""
@@ -351,11 +375,21 @@ class _Validator:
                 config=self.config(item["config"], set(vars_)) if "config" in item else None,
                 tensors=tuple(self.rules(item.get("tensors") or [], f"{cw}.tensors", model_vars | set(vars_))),
                 files=tuple((self.string(k, f"{cw}.files"), self.expr(e, f"{cw}.files.{k}"))
-                            for k, e in (item.get("files") or {}).items()))
+                            for k, e in (item.get("files") or {}).items()),
+                copy_of=None if item.get("copy_of") is None else self._prefix(item["copy_of"], f"{cw}.copy_of"))
             if comp.self_contained and comp.hf_class is None:
                 self.fail(f"{cw}: a component without 'model' / 'model_from' needs 'hf_class'")
             out.append(comp)
+        for comp in out:
+            if comp.copy_of is not None and (comp.copy_of not in folders or comp.copy_of == comp.folder):
+                self.fail(f"{comp.where.split(': ', 1)[1]}.copy_of: {comp.copy_of!r} is not another component's folder")
         return tuple(out)
+
+    def expressions(self, data, where) -> dict:
+        """A mapping of names (dotted params paths) to expressions."""
+        if not isinstance(data, dict):
+            self.fail(f"{where}: must be a mapping")
+        return {self.string(k, where): self.expr(e, f"{where}.{k}") for k, e in data.items()}
 
     def _prefix(self, value, where) -> str:
         if not isinstance(value, str):
@@ -399,8 +433,9 @@ class _Validator:
                           None if cfg is None else self.expr(cfg, "detect.config"))
 
     def config(self, data, var_names) -> ConfigSpec:
-        self.keys(data, {"defaults", "derive", "guards", "hf", "generation", "notes"}, "config")
-        for k in ("defaults", "derive", "hf", "generation", "notes"):
+        self.keys(data, {"defaults", "derive", "guards", "hf", "generation", "notes", "cs", "hf_notes", "cs_derive"},
+                  "config")
+        for k in ("defaults", "derive", "hf", "generation", "notes", "cs", "hf_notes", "cs_derive"):
             if not isinstance(data.get(k) or {}, dict):
                 self.fail(f"config.{k}: must be a mapping")
         derive = {k: self.expr(e, f"config.derive.{k}") for k, e in (data.get("derive") or {}).items()}
@@ -426,7 +461,10 @@ class _Validator:
                                     message=self.string(g.get("message"), f"{where}.message"),
                                     warn=bool(g.get("warn"))))
         return ConfigSpec(dict(data.get("defaults") or {}), derive, guards, hf, gen,
-                          {str(k): str(v) for k, v in (data.get("notes") or {}).items()})
+                          {str(k): str(v) for k, v in (data.get("notes") or {}).items()},
+                          self.expressions(data.get("cs") or {}, "config.cs"),
+                          {str(k): str(v) for k, v in (data.get("hf_notes") or {}).items()},
+                          self.expressions(data.get("cs_derive") or {}, "config.cs_derive"))
 
     def rules(self, items, section, var_names, prepare=False) -> list:
         if not isinstance(items, list):
@@ -445,7 +483,7 @@ class _Validator:
                           (Emit("", self.expr(item["op"], f"{where}.op")),))
 
     def rule(self, item, where, var_names) -> TensorRule:
-        self.keys(item, {"cs", "when", "with", "drop", "hf", "op", "emit"}, where)
+        self.keys(item, {"cs", "when", "with", "drop", "hf", "op", "emit", "inverse", "make", "added"}, where)
         cs = self.pattern(item.get("cs"), f"{where}.cs")
         known = set(cs.names) | set(var_names)
         when = None if item.get("when") is None else self.expr(item["when"], f"{where}.when")
@@ -478,4 +516,20 @@ class _Validator:
         drop = item.get("drop")
         if "drop" in item and (not isinstance(drop, str) or not drop):
             self.fail(f"{where}.drop: give the reason the tensor is not converted")
-        return TensorRule(cs, f"{self.path.name}: {where}", when, inputs, drop, tuple(emits))
+        inverse = self.expressions(item.get("inverse") or {}, f"{where}.inverse")
+        unknown = sorted(set(inverse) - {"x", *(n for n, _ in inputs)})
+        if unknown:
+            self.fail(f"{where}.inverse: {unknown[0]!r} is not the rule's CS tensor x or one of its 'with' inputs")
+        if inverse and (len(emits) != 1 or emits[0].each):
+            self.fail(f"{where}.inverse: only a rule with one HF output (no 'each') names its inverse")
+        if ("make" in item or "added" in item) and "drop" not in item:
+            self.fail(f"{where}: 'make' and 'added' go with 'drop' (a CS tensor the HF model does not hold)")
+        if "added" in item and "make" not in item:
+            self.fail(f"{where}.added: says why 'make' adds a tensor; give 'make'")
+        if "make" in item and any(rx is None or alternatives(rx) is None for _, rx in fields(cs.text)):
+            self.fail(f"{where}.make: the keys a rule makes must be listed by 'cs' (captures of literal "
+                      f"alternatives such as {{p:weight|bias}}, no indices)")
+        make = None if item.get("make") is None else self.expr(item["make"], f"{where}.make")
+        added = None if item.get("added") is None else self.string(item["added"], f"{where}.added")
+        return TensorRule(cs, f"{self.path.name}: {where}", when, inputs, drop, tuple(emits),
+                          tuple(inverse.items()), make, added)

@@ -6,39 +6,8 @@ from __future__ import annotations
 import json
 
 from ..errors import CkptfsError
-from ..virtual_tensor import VirtualTensor
+from ..mapping.ops import Alias
 from .base import BytesFile, ViewResult
-
-
-class Alias(VirtualTensor):
-    """The same data under a second name (safetensors cannot share bytes between names). Its bytes are the
-    target's cache blocks: same ``cache_key``, same block size, so a tied tensor is computed once."""
-
-    def __init__(self, target: VirtualTensor):
-        super().__init__(target.shape, target.dtype)
-        self.target = target
-
-    @property
-    def cache_key(self):
-        return self.target.cache_key
-
-    def block_elems(self) -> int:
-        return self.target.block_elems()
-
-    def chunk_shape(self):
-        return self.target.chunk_shape()
-
-    def element_source(self, index):
-        return self.target, index
-
-    def read(self, box):
-        return self.target.read(box)
-
-    def sources(self):
-        return [self.target]
-
-    def describe(self) -> str:
-        return "alias of " + self.target.describe()
 
 
 def _json_file(obj) -> BytesFile:

@@ -7,7 +7,7 @@ CS q, k, v: block ``b`` = rows ``b`` quarter of q, then of v, then of k.
 from __future__ import annotations
 
 from ...virtual_tensor import VirtualTensor
-from .gpt_neox import interleave_blocks
+from .gpt_neox import deinterleave_blocks, interleave_blocks
 
 # HF CodeGenAttention hard-codes this block count
 CODEGEN_MP_NUM = 4
@@ -18,4 +18,11 @@ def codegen_fused_qkv(q: VirtualTensor, k: VirtualTensor, v: VirtualTensor) -> V
     return interleave_blocks([q, v, k], CODEGEN_MP_NUM)
 
 
+def codegen_split_qkv(y: VirtualTensor) -> list:
+    """[q, k, v] of HF ``attn.qkv_proj.weight`` (the inverse of ``codegen_fused_qkv``)."""
+    q, v, k = deinterleave_blocks(y, 3, CODEGEN_MP_NUM)
+    return [q, k, v]
+
+
 FUNCTIONS = {"codegen_fused_qkv": codegen_fused_qkv}
+INVERSES = {"codegen_fused_qkv": codegen_split_qkv}

@@ -38,9 +38,30 @@ def interleave_blocks(tensors: Sequence[VirtualTensor], blocks: int) -> VirtualT
     return parts[0] if len(parts) == 1 else ops.Concat(parts, 0)
 
 
+def deinterleave_blocks(y: VirtualTensor, count: int, blocks: int) -> list:
+    """The inverse of ``interleave_blocks`` of ``count`` tensors with equal rows: each one's ``blocks`` row blocks
+    taken back out of ``y`` and joined."""
+    count, blocks = int(count), int(blocks)
+    if count <= 0 or blocks <= 0 or y.shape[0] % (count * blocks):
+        raise MappingError(None, f"deinterleave_blocks: {y.shape[0]} rows of {y.describe()} are not {blocks} "
+                                 f"blocks of {count} equal parts")
+    size = y.shape[0] // (count * blocks)
+    out = []
+    for i in range(count):
+        parts = [ops.Slice(y, 0, (b * count + i) * size, (b * count + i + 1) * size) for b in range(blocks)]
+        out.append(parts[0] if len(parts) == 1 else ops.Concat(parts, 0))
+    return out
+
+
 def neox_fused_qkv(q: VirtualTensor, k: VirtualTensor, v: VirtualTensor, heads: int) -> VirtualTensor:
     """HF ``attention.query_key_value`` (weight or bias) from CS q, k, v (q and k already in HF RoPE layout)."""
     return interleave_blocks([q, k, v], heads)
 
 
+def neox_split_qkv(y: VirtualTensor, heads: int) -> list:
+    """[q, k, v] of a fused ``query_key_value`` (the inverse of ``neox_fused_qkv``)."""
+    return deinterleave_blocks(y, 3, heads)
+
+
 FUNCTIONS = {"neox_fused_qkv": neox_fused_qkv}
+INVERSES = {"neox_fused_qkv": neox_split_qkv}

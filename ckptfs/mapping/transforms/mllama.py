@@ -46,4 +46,38 @@ def patch_linear_to_conv(x, patch_size, channels) -> VirtualTensor:
     return PatchLinearAsConv(x, rows, cols, channels)
 
 
+class ConvAsPatchLinear(VirtualTensor):
+    """The conv weight ``src`` [H, channels, rows, cols] seen as the CS linear patch embedding [H, rows*cols*channels]
+    (the inverse of ``PatchLinearAsConv``)."""
+
+    def __init__(self, src: VirtualTensor):
+        if src.ndim != 4:
+            raise MappingError(None, f"conv_to_patch_linear: {src.describe()} is not a conv weight [H, C, p, p]")
+        h, c, r, k = src.shape
+        super().__init__((h, r * k * c), src.dtype)
+        self.src = src
+
+    def read(self, box: Box) -> np.ndarray:
+        (h0, h1), (a, b) = box
+        conv = self.src.read(((h0, h1),) + tuple((0, n) for n in self.src.shape[1:]))
+        flat = conv.transpose(0, 2, 3, 1).reshape(h1 - h0, -1)
+        return np.ascontiguousarray(flat[:, a:b])
+
+    def sources(self):
+        return [self.src]
+
+    def describe(self) -> str:
+        return f"linear patch embedding view of the conv weight {self.src.describe()}"
+
+
+def conv_to_patch_linear(y, patch_size, channels) -> list:
+    """[CS linear patch embedding] from the HF conv weight (the inverse of ``patch_linear_to_conv``)."""
+    t = ConvAsPatchLinear(y)
+    rows, cols = (patch_size, patch_size) if isinstance(patch_size, int) else tuple(patch_size)
+    if y.shape[1:] != (int(channels), rows, cols):
+        raise MappingError(None, f"conv_to_patch_linear: {y.describe()} is not [H, {channels}, {rows}, {cols}]")
+    return [t]
+
+
 FUNCTIONS = {"patch_linear_to_conv": patch_linear_to_conv}
+INVERSES = {"patch_linear_to_conv": conv_to_patch_linear}

@@ -9,6 +9,7 @@ from __future__ import annotations
 from ...errors import MappingError
 from ...virtual_tensor import VirtualTensor
 from .. import ops
+from .gpt_neox import deinterleave_blocks
 
 
 def bigcode_interleaved_qkv(q: VirtualTensor, k: VirtualTensor, v: VirtualTensor, heads: int) -> VirtualTensor:
@@ -28,4 +29,10 @@ def bigcode_interleaved_qkv(q: VirtualTensor, k: VirtualTensor, v: VirtualTensor
     return ops.Concat(parts, 0)
 
 
+def bigcode_split_qkv(y: VirtualTensor, heads: int) -> list:
+    """[q, k, v] of a multi-head ``c_attn`` (the inverse of ``bigcode_interleaved_qkv``)."""
+    return deinterleave_blocks(y, 3, heads)
+
+
 FUNCTIONS = {"bigcode_interleaved_qkv": bigcode_interleaved_qkv}
+INVERSES = {"bigcode_interleaved_qkv": bigcode_split_qkv}
