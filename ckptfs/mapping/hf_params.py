@@ -8,7 +8,7 @@ ConfigError naming it, as is a value the CS model cannot take (``lookup``, ``err
 
 What the section cannot express is found by converting it back (``config.convert_config``) and comparing with the
 HF config key by key: ``cs_differences`` gives one line per HF setting that does not come back, with the reason
-the family's ``config.hf_notes`` gives.
+the family's ``config.hf_notes`` gives (an empty reason: a key that is no model setting, never reported).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ HF_BOOKKEEPING = frozenset({
     "auto_map", "_commit_hash", "chunk_size_feed_forward", "pruned_heads", "tie_encoder_decoder",
     "is_decoder", "add_cross_attention", "problem_type", "finetuning_task", "tokenizer_class", "prefix",
     "task_specific_params", "id2label", "label2id", "bos_token_id", "eos_token_id", "pad_token_id",
-    "sep_token_id", "decoder_start_token_id", "gradient_checkpointing",
+    "sep_token_id", "decoder_start_token_id", "gradient_checkpointing", "output_router_logits",
 })
 
 
@@ -128,24 +128,32 @@ def hf_to_section(spec: FamilySpec, variant: ModelVariant, hf_config: dict, *, m
     return CSSection(section, set(hf.used))
 
 
-def cs_differences(hf_config: dict, back: dict, used: set, notes: dict, hf_class: str) -> list:
+def cs_differences(hf_config: dict, back: dict, used: set, notes: dict, hf_class: str, prefix: str = "") -> list:
     """One line per setting of ``hf_config`` that the params do not carry: ``back`` is the HF config the params
     convert back to; a key read by the conversion whose value does not come back, or a key nothing read, is lost
-    (``HF_BOOKKEEPING`` keys aside)."""
+    (``HF_BOOKKEEPING`` keys aside; a nested section is compared key by key)."""
     read = {p[0] for p in used if p}
     out = []
     for key, value in hf_config.items():
-        if key in HF_BOOKKEEPING or key.startswith("_"):
-            continue
+        name = prefix + str(key)
+        if key in HF_BOOKKEEPING or str(key).startswith("_") or value is None:
+            continue  # bookkeeping, or a setting left to its default
         if key in back and back[key] == value:
             continue
-        note = notes.get(key)
-        why = f" ({note})" if note else ""
-        if key in read:
-            if key not in back:
-                continue  # read into the params; the CS -> HF config leaves it to the HF default
-            out.append(f"config.json {key}={value!r} comes back as {back[key]!r} from the Cerebras params{why}")
+        note = notes.get(name)
+        if note == "":
+            continue  # declared no model setting (hf_notes: key: "")
+        if key in read and key not in back:
+            continue  # read into the params; the CS -> HF config leaves it to the HF default
+        if key in read and isinstance(value, dict) and isinstance(back[key], dict):
+            inner = {p[1:] for p in used if len(p) > 1 and p[0] == key} or {(k,) for k in value}
+            out += cs_differences(value, back[key], inner, notes, hf_class, name + ".")
+        elif key in read:
+            why = f" ({note})" if note else ""
+            out.append(f"config.json {name}={value!r} comes back as {back[key]!r} from the Cerebras params{why}")
+        elif note:
+            out.append(f"config.json {name}={value!r} is not in the Cerebras params: {note}")
         else:
-            out.append(f"config.json {key}={value!r} has no counterpart in the Cerebras params of {hf_class}; "
-                       f"not converted{why}")
+            out.append(f"config.json {name}={value!r} has no counterpart in the Cerebras params of {hf_class}; "
+                       f"not converted")
     return out

@@ -71,10 +71,10 @@ def fields(text: str) -> list:
 
 def alternatives(regex: str) -> list | None:
     """The strings a field regex that is a plain alternation of literals matches (``weight|bias``, ``\\.embed|``),
-    in order; None when the regex is anything else."""
+    in order, a ``.`` taken as the dot of a key name; None when the regex is anything else."""
     out = []
     for alt in regex.split("|"):
-        if re.search(r"[()\[\]*+?{}^$.]|\\[A-Za-z0-9]", re.sub(r"\\[^A-Za-z0-9]", "", alt)):
+        if re.search(r"[()\[\]*+?{}^$]|\\[A-Za-z0-9]", re.sub(r"\\[^A-Za-z0-9]", "", alt)):
             return None
         out.append(re.sub(r"\\(.)", r"\1", alt))
     return out
