@@ -17,12 +17,14 @@ hf_to_cs:
   tensors_differ: {key: reason}     # CS keys whose values differ (the converter draws random values there)
   params_differences: {key: reason} # params keys (dotted) whose value deliberately differs
   missing_keys: {key: reason}       # converter keys ckptfs does not write
-  not_round_trip: {hf name: reason} # original HF tensors the checkpoint cannot carry back
+  not_round_trip: {hf name: reason} # original HF tensors that do not come back bit for bit (fnmatch patterns)
 ```
 
 A case without an inverse fails here.
 """
 from __future__ import annotations
+
+import fnmatch
 
 import numpy as np
 import pytest
@@ -110,7 +112,7 @@ def test_round_trip_gives_back_the_hf_tensors(case):
         back = dict(folders[folder].tensors)
         for name, t in tensors.items():
             label = f"{folder}/{name}".lstrip("/")
-            if label in skip:
+            if any(fnmatch.fnmatchcase(label, pattern) for pattern in skip):
                 continue
             assert name in back, f"{label} does not come back from the planned checkpoint"
             assert back[name].read_all().tobytes() == t.read_all().tobytes(), f"{label} comes back changed"
