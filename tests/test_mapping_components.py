@@ -34,7 +34,7 @@ tensors:
 def registry_with(tmp_path, text: str, name: str = "twin.yaml") -> Registry:
     d = tmp_path / "mappings"
     d.mkdir(exist_ok=True)
-    for f in ("common.yaml", "llama.yaml", "mup.yaml", "lora_gpt2_lm.yaml"):
+    for f in ("common.yaml", "llama.yaml", "llama_like.yaml", "mup.yaml", "lora_gpt2_lm.yaml"):
         shutil.copy(mapping_dirs()[0] / f, d / f)
     (d / name).write_text(text)
     return Registry([d])
