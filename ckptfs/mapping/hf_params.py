@@ -8,7 +8,8 @@ ConfigError naming it, as is a value the CS model cannot take (``lookup``, ``err
 
 What the section cannot express is found by converting it back (``config.convert_config``) and comparing with the
 HF config key by key: ``cs_differences`` gives one line per HF setting that does not come back, with the reason
-the family's ``config.hf_notes`` gives (an empty reason: a key that is no model setting, never reported).
+the family's ``config.hf_notes`` gives (an empty reason: nothing is lost, the key is no model setting or other
+params carry it; never reported).
 """
 from __future__ import annotations
 
@@ -142,7 +143,7 @@ def cs_differences(hf_config: dict, back: dict, used: set, notes: dict, hf_class
             continue
         note = notes.get(name)
         if note == "":
-            continue  # declared no model setting (hf_notes: key: "")
+            continue  # declared carried or no model setting (hf_notes: key: "")
         if key in read and key not in back:
             continue  # read into the params; the CS -> HF config leaves it to the HF default
         if key in read and isinstance(value, dict) and isinstance(back[key], dict):
