@@ -20,9 +20,9 @@ from types import SimpleNamespace
 from ..errors import ConfigError, MappingError
 from . import ops
 from .components import component_config, params_at
-from .config import config_functions, convert_config
-from .expr import BASE_FUNCTIONS, ExprError, MissingName, Scope, evaluate
-from .hf_params import cs_differences, dotted_path, hf_to_section, set_path
+from .config import ConfigScope, config_functions, convert_config
+from .expr import ExprError, MissingName, evaluate
+from .hf_params import cs_differences, dotted_path, hf_functions, hf_to_section, set_path
 from .inverse import InverseEngine
 from .registry import Registry, default_registry
 from .rules import RuleEngine
@@ -75,7 +75,7 @@ def detect_hf(configs: dict, model: str | None, registry: Registry) -> tuple:
             raise ConfigError(None, f"--model {model!r} is not a supported model name (`ckptfs models` lists them)")
         return spec, spec.variant(model), model, []
     folders = set(configs)
-    found = []
+    found = []  # (classes matched, family, variant)
     for spec in registry.families.values():
         for v in spec.models:
             if v.components:
@@ -83,12 +83,13 @@ def detect_hf(configs: dict, model: str | None, registry: Registry) -> tuple:
                 every = {c.folder for c in v.components}
                 if not (need <= folders <= every):
                     continue
-                classes = {c.folder: c.hf_class for c in v.components if c.folder in folders}
-                if all(cls is None or _architecture(configs[f]) == cls for f, cls in classes.items()) and any(
-                        cls is not None for cls in classes.values()):
-                    found.append((spec, v))
+                score = sum(c.hf_class is not None and _architecture(configs[c.folder]) == c.hf_class
+                            for c in v.components if c.folder in folders)
+                if score:  # the folders say which model; a component's class may be spelled otherwise (LLaVA)
+                    found.append((score, spec, v))
             elif folders == {""} and _architecture(configs[""]) == v.hf_class:
-                found.append((spec, v))
+                found.append((1, spec, v))
+    found = [(spec, v) for _, spec, v in sorted(found, key=lambda f: -f[0])]
     if not found:
         arch = {f or ".": _architecture(c) for f, c in configs.items()}
         raise ConfigError(None, f"no converter name takes this Hugging Face model (architectures {arch}); pass "
@@ -147,13 +148,19 @@ def _place(whole: dict, path: tuple, section: dict) -> None:
 
 
 def _variant_entries(variant: ModelVariant, configs: dict, whole: dict, model_name: str, problems: list) -> None:
-    """A multi-component model's own params entries (``models[].cs``), over the HF configs by folder."""
-    scope = Scope({**{(f or "root"): c for f, c in configs.items()}, "model_name": model_name})
+    """A multi-component model's own params entries (``models[].cs``), over the HF configs by folder (``root`` for
+    the folder '')."""
+    hf = ConfigScope({(f or "root"): c for f, c in configs.items()})
+    scope = hf.child({"model_name": model_name})
+    funcs = hf_functions(hf, f"{variant.name} (models.cs)", None)
     for key, text in variant.cs.items():
         try:
-            value = evaluate(text, scope, BASE_FUNCTIONS)
+            value = evaluate(text, scope, funcs)
         except MissingName as e:
             problems.append(f"the HF configs lack {e.name}, needed for params model.{key}")
+            continue
+        except ConfigError as e:
+            problems.append(e.problem)
             continue
         except ExprError as e:
             raise MappingError(None, f"{variant.name}: models.cs.{key}: {e}") from None
