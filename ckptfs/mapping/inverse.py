@@ -114,6 +114,53 @@ class _Matcher:
     missing: tuple  # CS captures the HF name does not carry: ((name, candidate values), ...)
 
 
+def hf_matchers(spec: FamilySpec, variant: ModelVariant, hf_count: int) -> list:
+    """A ``_Matcher`` per (rule, output) of ``spec`` whose HF name can be matched: the template with ``variant``'s
+    vars filled in and each capture matching what its CS pattern field matches. A CS capture the HF name lacks gets
+    its candidate values: a field's literal alternatives, or (with ``each``) the indices up to ``hf_count``."""
+    out = []
+    for r, rule in enumerate(spec.tensors):
+        if rule.drop is not None:
+            continue
+        cs_fields = dict(fields(rule.cs.text))
+        for n, emit in enumerate(rule.emits):
+            each = {k for k, _ in emit.each}
+            text, used = emit.hf, set()
+            for name, _ in fields(emit.hf):
+                used.add(name)
+                if name not in cs_fields and name not in each and name in variant.vars:
+                    text = substitute(text, {name: str(variant.vars[name])})
+            subs = {}
+            for name, rx in fields(text):
+                if name in cs_fields:
+                    subs[name] = "{" + name + "}" if cs_fields[name] is None else "{" + name + ":" + cs_fields[name] + "}"
+                else:
+                    subs[name] = "{" + name + ":[^.]+}"
+            try:
+                pattern = KeyPattern.compile(substitute(text, subs))
+            except PatternError:
+                continue  # a field used twice: not matched the other way
+            missing = []
+            for name, rx in cs_fields.items():
+                if name in used:
+                    continue
+                cands = list(range(hf_count + 1)) if rx is None else alternatives(rx)
+                if cands is None or (rx is None and not emit.each):
+                    missing = None
+                    break
+                missing.append((name, tuple(cands)))
+            if missing is not None:
+                out.append(_Matcher(rule, r, n, pattern, tuple(missing)))
+    return out
+
+
+def hf_coverage(spec: FamilySpec, variant: ModelVariant, names) -> int:
+    """How many of the HF tensor ``names`` some rule of ``spec`` could take for ``variant`` (names only: tells a
+    headless model from one with an LM head, a prefix from another)."""
+    patterns = [m.pattern for m in hf_matchers(spec, variant, 0)]
+    return sum(any(p.match(n) is not None for p in patterns) for n in names)
+
+
 class InverseEngine:
     """Pushes one model's HF tensors back through one family's rules."""
 
@@ -140,44 +187,6 @@ class InverseEngine:
 
     def _value(self, node, values: dict, rule: TensorRule, part: str):
         return self._evaluate(ast.unparse(node), values, rule, part)
-
-    def _matchers(self, hf_count: int) -> list:
-        out = []
-        for r, rule in enumerate(self.spec.tensors):
-            if rule.drop is not None:
-                continue
-            cs_fields = dict(fields(rule.cs.text))
-            for n, emit in enumerate(rule.emits):
-                each = {k for k, _ in emit.each}
-                text, used = emit.hf, set()
-                for name, _ in fields(emit.hf):
-                    used.add(name)
-                    if name in cs_fields or name in each:
-                        continue
-                    if name in self.vars:
-                        text = substitute(text, {name: str(self.vars[name])})
-                subs = {}
-                for name, rx in fields(text):
-                    if name in cs_fields:
-                        subs[name] = "{" + name + "}" if cs_fields[name] is None else "{" + name + ":" + cs_fields[name] + "}"
-                    else:
-                        subs[name] = "{" + name + ":[^.]+}"
-                try:
-                    pattern = KeyPattern.compile(substitute(text, subs))
-                except PatternError:
-                    continue  # a field used twice: not matched the other way
-                missing = []
-                for name, rx in cs_fields.items():
-                    if name in used:
-                        continue
-                    cands = list(range(hf_count + 1)) if rx is None else alternatives(rx)
-                    if cands is None or (rx is None and not emit.each):
-                        missing = None
-                        break
-                    missing.append((name, tuple(cands)))
-                if missing is not None:
-                    out.append(_Matcher(rule, r, n, pattern, tuple(missing)))
-        return out
 
     def _fires(self, m: _Matcher, caps: dict, name: str) -> dict | None:
         """The full capture values (CS captures and ``each`` values) when ``m`` takes HF ``name``, else None."""
@@ -293,7 +302,7 @@ class InverseEngine:
         self.functions["has_tensor"] = lambda key: True  # while matching: whatever CS tensor a rule may consult
         firings: dict = {}  # (rule number, captures) -> [(emit number, captures with each values, HF tensor)]
         result = CSMapping([])
-        matchers = self._matchers(len(hf))
+        matchers = hf_matchers(self.spec, self.variant, len(hf))
         for name, tensor in hf.items():
             for m in matchers:
                 caps = m.pattern.match(name)

@@ -23,7 +23,7 @@ from .components import component_config, params_at
 from .config import ConfigScope, config_functions, convert_config
 from .expr import ExprError, MissingName, evaluate
 from .hf_params import cs_differences, dotted_path, hf_functions, hf_to_section, set_path
-from .inverse import InverseEngine
+from .inverse import InverseEngine, hf_coverage
 from .registry import Registry, default_registry
 from .rules import RuleEngine
 from .spec import ComponentSpec, FamilySpec, ModelVariant, merge_config
@@ -67,15 +67,19 @@ def _architecture(config: dict) -> str | None:
     return arch[0] if isinstance(arch, list) and arch and isinstance(arch[0], str) else None
 
 
-def detect_hf(configs: dict, model: str | None, registry: Registry) -> tuple:
-    """(family spec, variant, model name, notes) for HF configs by folder; ConfigError when no converter name fits."""
+def detect_hf(configs: dict, model: str | None, registry: Registry, names: dict | None = None) -> tuple:
+    """(family spec, variant, model name, notes) for HF configs by folder; ConfigError when no converter name fits.
+
+    A model's ``architectures`` (else its ``model_type``) gives the candidates; with the HF tensor names by folder
+    (``names``), the candidate whose rules take most of them wins (a headless model from one with an LM head: the
+    configs of remote-code models do not tell them apart)."""
     if model is not None:
         spec = registry.for_model(model)
         if spec is None:
             raise ConfigError(None, f"--model {model!r} is not a supported model name (`ckptfs models` lists them)")
         return spec, spec.variant(model), model, []
     folders = set(configs)
-    found = []  # (classes matched, family, variant)
+    found = []  # (rank, family, variant)
     for spec in registry.families.values():
         for v in spec.models:
             if v.components:
@@ -86,19 +90,25 @@ def detect_hf(configs: dict, model: str | None, registry: Registry) -> tuple:
                 score = sum(c.hf_class is not None and _architecture(configs[c.folder]) == c.hf_class
                             for c in v.components if c.folder in folders)
                 if score:  # the folders say which model; a component's class may be spelled otherwise (LLaVA)
-                    found.append((score, spec, v))
-            elif folders == {""} and _architecture(configs[""]) == v.hf_class:
-                found.append((1, spec, v))
-    found = [(spec, v) for _, spec, v in sorted(found, key=lambda f: -f[0])]
+                    found.append(((-score,), spec, v))
+            elif folders == {""}:
+                config = configs[""]
+                by_class = _architecture(config) == v.hf_class
+                if not by_class and not (spec.model_type and config.get("model_type") == spec.model_type):
+                    continue
+                cover = hf_coverage(spec, v, names[""]) if names else 0
+                found.append(((-cover, not by_class), spec, v))
+    found.sort(key=lambda f: f[0])
+    ties = [(spec, v) for rank, spec, v in found if rank == found[0][0]] if found else []
     if not found:
         arch = {f or ".": _architecture(c) for f, c in configs.items()}
         raise ConfigError(None, f"no converter name takes this Hugging Face model (architectures {arch}); pass "
                                 f"--model NAME (`ckptfs models` lists them)")
-    spec, v = found[0]
+    spec, v = ties[0]
     notes = []
-    if len(found) > 1:
-        others = ", ".join(o.name for _, o in found[1:])
-        notes.append(f"model {v.name} chosen from the HF config; --model chooses another ({others})")
+    if len(ties) > 1:
+        others = ", ".join(o.name for _, o in ties[1:])
+        notes.append(f"model {v.name} chosen from the HF model; --model chooses another ({others})")
     return spec, v, v.name, notes
 
 
@@ -260,7 +270,7 @@ def to_cs(folders: dict, *, model: str | None = None, added: bool = True,
     (README.txt says which). ConfigError / MappingError saying why when it cannot."""
     registry = registry or default_registry()
     configs = {f: c for f, (c, _) in folders.items()}
-    spec, variant, name, notes = detect_hf(configs, model, registry)
+    spec, variant, name, notes = detect_hf(configs, model, registry, {f: list(t) for f, (_, t) in folders.items()})
     problems: list = []
     section, parts = _params(spec, variant, name, configs, registry, problems)
     if problems:
