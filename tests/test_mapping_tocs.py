@@ -238,3 +238,21 @@ def test_bf16_hf_weights_stay_bf16():
     assert {t.dtype.name for _, t in plan.tensors} == {"bfloat16"}
     q = dict(plan.tensors)["transformer_decoder.layers.0.self_attn.proj_q_dense_layer.weight"]
     assert q.read_all().dtype == np.uint16
+
+
+def test_a_llava_text_model_without_projector_gets_a_zero_one():
+    folders = copy.deepcopy({f: (c, dict(t)) for f, (c, t) in hf_folders("llava").items()})
+    config, tensors = folders["text_model"]
+    for key in [k for k in config if k.startswith("mm_")]:
+        del config[key]
+    for name in [n for n in tensors if "mm_projector" in n]:
+        del tensors[name]
+    plan = to_cs(folders, model="llava")
+    reference = to_cs(hf_folders("llava"), model="llava")
+    assert plan.params == reference.params
+    made = {k: t for k, t in plan.tensors if k.startswith("projector_image_model.")}
+    assert {k: list(t.shape) for k, t in made.items()} == {
+        k: list(t.shape) for k, t in reference.tensors if k.startswith("projector_image_model.")}
+    assert all(not t.read_all().any() for t in made.values())
+    assert set(made) <= set(plan.added)
+    assert any("no LLaVA projector" in n and "at random" in n for n in plan.notes)
