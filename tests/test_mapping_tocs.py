@@ -256,3 +256,14 @@ def test_a_llava_text_model_without_projector_gets_a_zero_one():
     assert all(not t.read_all().any() for t in made.values())
     assert set(made) <= set(plan.added)
     assert any("no LLaVA projector" in n and "at random" in n for n in plan.notes)
+
+
+def test_a_clip_vision_model_without_projection_gets_a_zero_classifier():
+    config, tensors = copy.deepcopy(hf_folders("clip_vit")[""])
+    config["architectures"] = ["CLIPVisionModel"]
+    tensors = {n: t for n, t in tensors.items() if not n.startswith("visual_projection.")}
+    plan = to_cs({"": (config, tensors)})
+    assert plan.model_name == "clip-vit"
+    head = dict(plan.tensors)["classifier.classifier.ffn.0.linear_layer.weight"]
+    assert list(head.shape) == [config["projection_dim"], config["hidden_size"]] and not head.read_all().any()
+    assert "classifier.classifier.ffn.0.linear_layer.weight" in plan.added
