@@ -267,3 +267,12 @@ def test_a_clip_vision_model_without_projection_gets_a_zero_classifier():
     head = dict(plan.tensors)["classifier.classifier.ffn.0.linear_layer.weight"]
     assert list(head.shape) == [config["projection_dim"], config["hidden_size"]] and not head.read_all().any()
     assert "classifier.classifier.ffn.0.linear_layer.weight" in plan.added
+
+
+def test_errors_name_the_hf_folder(tmp_path):
+    configs = copy.deepcopy(_configs("gpt2"))
+    configs[""]["architectures"] = ["NoSuchModel"]
+    configs[""]["model_type"] = "no_such_type"
+    with pytest.raises(ConfigError, match="no converter name takes this Hugging Face model") as e:
+        to_cs({"": (configs[""], hf_folders("gpt2")[""][1])}, path=tmp_path)
+    assert str(e.value).startswith(str(tmp_path))

@@ -67,7 +67,7 @@ def _architecture(config: dict) -> str | None:
     return arch[0] if isinstance(arch, list) and arch and isinstance(arch[0], str) else None
 
 
-def detect_hf(configs: dict, model: str | None, registry: Registry, names: dict | None = None) -> tuple:
+def detect_hf(configs: dict, model: str | None, registry: Registry, names: dict | None = None, *, path=None) -> tuple:
     """(family spec, variant, model name, notes) for HF configs by folder; ConfigError when no converter name fits.
 
     A model's ``architectures`` (else its ``model_type``) gives the candidates; with the HF tensor names by folder
@@ -76,7 +76,7 @@ def detect_hf(configs: dict, model: str | None, registry: Registry, names: dict 
     if model is not None:
         spec = registry.for_model(model)
         if spec is None:
-            raise ConfigError(None, f"--model {model!r} is not a supported model name (`ckptfs models` lists them)")
+            raise ConfigError(path, f"--model {model!r} is not a supported model name (`ckptfs models` lists them)")
         return spec, spec.variant(model), model, []
     folders = set(configs)
     found = []  # (rank, family, variant)
@@ -102,7 +102,7 @@ def detect_hf(configs: dict, model: str | None, registry: Registry, names: dict 
     ties = [(spec, v) for rank, spec, v in found if rank == found[0][0]] if found else []
     if not found:
         arch = {f or ".": _architecture(c) for f, c in configs.items()}
-        raise ConfigError(None, f"no converter name takes this Hugging Face model (architectures {arch}); pass "
+        raise ConfigError(path, f"no converter name takes this Hugging Face model (architectures {arch}); pass "
                                 f"--model NAME (`ckptfs models` lists them)")
     spec, v = ties[0]
     notes = []
@@ -113,14 +113,14 @@ def detect_hf(configs: dict, model: str | None, registry: Registry, names: dict 
 
 
 def _component_model(comp: ComponentSpec, top: FamilySpec, variant: ModelVariant, config: dict,
-                     registry: Registry) -> tuple:
+                     registry: Registry, path=None) -> tuple:
     """(family, variant) whose rules map ``comp`` of an HF model: the model it names, the model its folder's HF
     class says (``model_from``), or the top family."""
     if comp.model is not None:
         spec = registry.for_model(comp.model) or registry.for_cs_name(comp.model)
         return spec, spec.variant(comp.model) if comp.model in spec.names() else spec.models[0]
     if comp.model_from is not None:
-        spec, sub, _, _ = detect_hf({"": config}, None, registry)
+        spec, sub, _, _ = detect_hf({"": config}, None, registry, path=path)
         return spec, sub
     return top, variant
 
@@ -177,20 +177,21 @@ def _variant_entries(variant: ModelVariant, configs: dict, whole: dict, model_na
         set_path(whole, dotted_path(key), value)
 
 
-def _params(spec, variant, model_name, configs, registry, problems) -> tuple:
+def _params(spec, variant, model_name, configs, registry, problems, path=None) -> tuple:
     """(params model: section, {folder: (spec, variant, section result)}) for the HF configs by folder."""
     whole: dict = {}
     parts = {}
     if not variant.components:
-        sec = hf_to_section(spec, variant, configs[""], model_name=model_name, problems=problems)
+        sec = hf_to_section(spec, variant, configs[""], model_name=model_name, problems=problems, config_path=path)
         return sec.section, {"": (spec, variant, sec)}
     for comp in variant.components:
         config = configs.get(comp.folder)
         if config is None:
             continue  # a copy_of component the HF model lacks: its section is its source's
-        base, base_variant = _component_model(comp, spec, variant, config, registry)
+        base, base_variant = _component_model(comp, spec, variant, config, registry, path)
         cspec, sub = _component_spec(comp, base, base_variant)
-        sec = hf_to_section(cspec, sub, config, model_name=base_variant.name, problems=problems)
+        sec = hf_to_section(cspec, sub, config, model_name=base_variant.name, problems=problems,
+                            config_path=path)
         if comp.model_from is not None:
             sec.section[comp.model_from] = base_variant.name
         _place(whole, comp.params, sec.section)
@@ -199,13 +200,15 @@ def _params(spec, variant, model_name, configs, registry, problems) -> tuple:
     return whole, parts
 
 
-def hf_to_params(configs: dict, *, model: str | None = None, registry: Registry | None = None) -> CSParams:
+def hf_to_params(configs: dict, *, model: str | None = None, registry: Registry | None = None,
+                 path=None) -> CSParams:
     """The params YAML the converter writes for HF configs by folder (``{'': config}`` for one model): every
-    obstacle in ``problems``, every HF setting the params do not carry in ``notes``."""
+    obstacle in ``problems``, every HF setting the params do not carry in ``notes``; ConfigError (naming ``path``)
+    only when no converter name takes the model."""
     registry = registry or default_registry()
-    spec, variant, name, notes = detect_hf(configs, model, registry)
+    spec, variant, name, notes = detect_hf(configs, model, registry, path=path)
     out = CSParams(spec.family, name, notes=list(notes))
-    section, parts = _params(spec, variant, name, configs, registry, out.problems)
+    section, parts = _params(spec, variant, name, configs, registry, out.problems, path)
     out.params = {"model": _sorted(section)}
     if out.problems:
         return out
@@ -237,20 +240,27 @@ def _global_key(comp: ComponentSpec, local: str) -> str:
     return comp.cs_prefix + local
 
 
-def _map_folder(spec, sub, cfg, hf: dict, where: str, notes: list) -> list:
-    """[(local CS key, tensor)], made tensors and added ones of one HF folder; checks that the CS tensors map
-    back to every HF tensor."""
+#: HF tensors no rule takes listed one by one in the notes; more are counted
+MAX_UNMATCHED_NOTES = 20
+
+
+def _map_folder(spec, sub, cfg, hf: dict, where: str, notes: list, path):
+    """The ``CSMapping`` of one HF folder (CS keys as its rules name them); checks that the CS tensors map back to
+    every HF tensor."""
     funcs = config_functions(cfg.cs_scope, spec.path.name, None)
     mapping = InverseEngine(spec, sub, cfg.scope, funcs).run(hf)
     if not mapping.tensors:
-        raise MappingError(None, f"{where}no HF tensor matched the {spec.family} rules ({spec.path.name}); is this "
+        raise MappingError(path, f"{where}no HF tensor matched the {spec.family} rules ({spec.path.name}); is this "
                                  f"really a {sub.hf_class}?")
     local = dict(mapping.tensors + mapping.made + [(a.key, a.tensor) for a in mapping.added])
     back = dict(RuleEngine(spec, sub, cfg.scope, funcs).run(local).tensors)
-    for name in mapping.unmatched:
+    for name in mapping.unmatched[:MAX_UNMATCHED_NOTES]:
         t = hf[name]
         notes.append(f"{where}HF tensor {name} {list(t.shape)} {t.dtype.name} matches no rule of {spec.path.name}; "
                      f"not converted")
+    if len(mapping.unmatched) > MAX_UNMATCHED_NOTES:
+        notes.append(f"{where}{len(mapping.unmatched) - MAX_UNMATCHED_NOTES} more HF tensors match no rule of "
+                     f"{spec.path.name}; not converted")
     for name, t in hf.items():
         if name in mapping.unmatched:
             continue
@@ -263,18 +273,20 @@ def _map_folder(spec, sub, cfg, hf: dict, where: str, notes: list) -> list:
     return mapping
 
 
-def to_cs(folders: dict, *, model: str | None = None, added: bool = True,
-          registry: Registry | None = None) -> CSModel:
+def to_cs(folders: dict, *, model: str | None = None, added: bool = True, registry: Registry | None = None,
+          path=None) -> CSModel:
     """Plan the Cerebras checkpoint of an HF model: ``folders`` maps a folder ('' for a single model) to
     ``(config dict, {HF name: VirtualTensor})``; ``added=False`` leaves out tensors the HF model does not hold
-    (README.txt says which). ConfigError / MappingError saying why when it cannot."""
+    (README.txt says which). ConfigError / MappingError (naming ``path``, the HF model's folder) saying why when it
+    cannot."""
     registry = registry or default_registry()
     configs = {f: c for f, (c, _) in folders.items()}
-    spec, variant, name, notes = detect_hf(configs, model, registry, {f: list(t) for f, (_, t) in folders.items()})
+    spec, variant, name, notes = detect_hf(configs, model, registry, {f: list(t) for f, (_, t) in folders.items()},
+                                           path=path)
     problems: list = []
-    section, parts = _params(spec, variant, name, configs, registry, problems)
+    section, parts = _params(spec, variant, name, configs, registry, problems, path)
     if problems:
-        raise ConfigError(None, problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+        raise ConfigError(path, problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
     params = {"model": _sorted(section)}
     out = CSModel(spec.family, name, [], params, list(notes))
     pending_added = []
@@ -288,7 +300,7 @@ def to_cs(folders: dict, *, model: str | None = None, added: bool = True,
         cspec, sub, sec = parts[folder]
         cfg = _forward_config(cspec, sub, variant, section, folder, spec, registry)
         config, hf = folders[folder]
-        mapping = _map_folder(cspec, sub, cfg, hf, where, out.notes)
+        mapping = _map_folder(cspec, sub, cfg, hf, where, out.notes, path)
         glob = (lambda k: k) if comp is None else (lambda k, c=comp: _global_key(c, k))
         by_folder[folder] = mapping
         out.tensors += [(glob(k), t) for k, t in mapping.tensors + mapping.made]
