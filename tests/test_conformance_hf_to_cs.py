@@ -20,7 +20,7 @@ hf_to_cs:
   not_round_trip: {hf name: reason} # original HF tensors that do not come back bit for bit (fnmatch patterns)
 ```
 
-A case without an inverse fails here.
+A case without an inverse fails here. Two cases also go through a real FUSE mount of their HF folder.
 """
 from __future__ import annotations
 
@@ -30,8 +30,10 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import FIXTURES
+from conftest import FIXTURES, needs_fuse, real_env
 from tocshelp import HF_CASES, h5_entries, h5_file, hf_facts, hf_folders, mdl_bytes, planned
+
+pytestmark = pytest.mark.slow  # every fixture case with an HF model, every tensor, both ways
 
 
 
@@ -125,3 +127,27 @@ def test_every_case_file_names_a_case():
         facts = yaml.safe_load(f.read_text()) or {}
         if "hf_to_cs" in facts:
             assert f.stem in HF_CASES, f"{f.name}: hf_to_cs facts for a case without hf/"
+
+
+@needs_fuse
+@pytest.mark.parametrize("case", ["llama_headless", "llava"])
+def test_a_mounted_hf_folder_serves_the_converters_checkpoint(case):
+    """The mount of a fixture's hf/ folder (the real mapping, not a test planner): checkpoint.mdl read with h5py
+    holds the converter's keys, dtypes and tensors, params.yaml is the converter's, README.txt says what was added."""
+    from fusehelp import mounted
+
+    facts = hf_facts(case)
+    with mounted(FIXTURES / case / "hf", "--model", planned(case).model_name, env=real_env()) as mnt:
+        with open(mnt / "checkpoint.mdl", "rb") as f:
+            ours = h5_entries(h5_file(f.read()))
+        params = yaml.safe_load((mnt / "params.yaml").read_text())
+        readme = (mnt / "README.txt").read_text()
+    theirs = h5_entries(_reference(case))
+    assert set(ours) == set(theirs)
+    for key, d in ours.items():
+        assert d.dtype == theirs[key].dtype, key
+        if key not in (facts.get("tensors_differ") or {}):
+            assert np.asarray(d[()]).tobytes() == np.asarray(theirs[key][()]).tobytes(), key
+    assert params == yaml.safe_load((FIXTURES / case / "cs" / "params.yaml").read_text())
+    for note in planned(case).notes:
+        assert note in readme
