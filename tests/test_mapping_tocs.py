@@ -47,6 +47,7 @@ DETECTED_OTHERWISE = {
 }
 
 
+@pytest.mark.slow  # every fixture case
 @pytest.mark.parametrize("case", HF_CASES)
 def test_models_are_recognised_from_their_hf_configs(case):
     registry = default_registry()
