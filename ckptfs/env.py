@@ -21,8 +21,6 @@ FUSE_THREADS = "CKPTFS_FUSE_THREADS"
 #: mfusepy's own: the libfuse to load, by path or by name (``ckptfs.fusefs`` sets the path to libfuse 3 otherwise)
 FUSE_LIBRARY_PATH = "FUSE_LIBRARY_PATH"
 FUSE_LIBRARY_NAME = "FUSE_LIBRARY_NAME"
-#: test-only: ``module:function`` planning a Hugging Face model instead of the mapping core (``views.from_hf``)
-TEST_HF_PLANNER = "CKPTFS_TEST_HF_PLANNER"
 
 
 def _text(name: str, default: str = "") -> str:
@@ -75,8 +73,3 @@ def fuse_library_chosen() -> bool:
 def choose_fuse_library(path: str) -> None:
     """Tell mfusepy (which reads ``FUSE_LIBRARY_PATH`` when imported) to load the libfuse at ``path``."""
     os.environ[FUSE_LIBRARY_PATH] = path
-
-
-def test_hf_planner() -> str | None:
-    """``$CKPTFS_TEST_HF_PLANNER`` (tests only) when set."""
-    return os.environ.get(TEST_HF_PLANNER) or None

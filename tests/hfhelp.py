@@ -1,5 +1,5 @@
-"""Test helpers for Hugging Face sources: building HF folders (safetensors, sharded, .bin, Hub-cache-shaped) from
-tensors, and the environment of a ckptfs subprocess that plans with the identity planner (``hfplan``)."""
+"""Test helpers for Hugging Face sources: HF folders (safetensors, sharded, .bin, Hub-cache-shaped) from tensors or
+from a tiny real Llama (``save_llama``), and the environment of a ckptfs subprocess over them."""
 from __future__ import annotations
 
 import json
@@ -74,5 +74,24 @@ def llama_state(seed: int = 0, dtype=torch.float32, hidden: int = 16, layers: in
 
 
 def hf_env(**extra) -> dict:
-    """Environment for a ckptfs subprocess over an HF folder that plans with the identity planner (``hfplan``)."""
-    return real_env(CKPTFS_TEST_HF_PLANNER="hfplan:identity_plan", **extra)
+    """Environment for a ckptfs subprocess (conftest's, with ``extra``)."""
+    return real_env(**extra)
+
+
+def save_llama(folder: Path, *, dtype=torch.float32, fmt: str = "safetensors", shard: str | None = None,
+               seed: int = 0, hidden: int = 64, vocab: int = 256) -> Path:
+    """A tiny LlamaForCausalLM (random weights, GQA) written by save_pretrained: safetensors (one file, or shards of
+    at most ``shard``, e.g. "40KB"), or a ``pytorch_model.bin``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=128, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).to(dtype)
+    if fmt == "bin":  # transformers writes safetensors whatever it is asked; a .bin as torch.save of the state dict
+        model.config.architectures = ["LlamaForCausalLM"]
+        model.config.save_pretrained(folder)
+        torch.save(model.state_dict(), Path(folder) / "pytorch_model.bin")
+        return folder
+    model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
+    return folder

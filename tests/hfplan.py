@@ -1,6 +1,5 @@
-"""An identity planner standing in for the mapping core's ``to_cs`` (each HF tensor under its own name), so that
-the HF source, the tree and the frontends are tested on their own; imports nothing heavy (a ckptfs subprocess
-imports it through ``CKPTFS_TEST_HF_PLANNER``)."""
+"""An identity planner standing in for the mapping core's ``to_cs`` (each HF tensor under its own name), handed to
+``build_hf_tree(planner=...)`` so that the HF source and the tree are tested on their own."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

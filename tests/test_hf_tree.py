@@ -1,7 +1,7 @@
 """An HF folder served as a Cerebras checkpoint, without FUSE: checkpoint.mdl is a format-0.5 file that h5py and
 ckptfs's own reader read back as the HF tensors (under an identity mapping here; the families' mappings have
-their own conformance test), sizes are exact before any tensor is read, and export, info, ls, load and the API take
-an HF folder."""
+their own conformance test), sizes are exact before any tensor is read, and export, info, ls, load, convert-config
+and the API take an HF folder (with the real mapping: a tiny Llama)."""
 from __future__ import annotations
 
 import json
@@ -19,7 +19,8 @@ from ckptfs.options import MountOptions
 from ckptfs.source import open_checkpoint
 from ckptfs.source.stored_tensors import FileRegionTensor
 from conftest import run_ckptfs
-from hfhelp import hf_env, identity_plan, llama_state, save_hf
+from ckptfs.views.from_hf import open_hf_checkpoint
+from hfhelp import hf_env, identity_plan, llama_state, save_hf, save_llama
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
 
@@ -98,37 +99,59 @@ def test_views_choose_the_files(tmp_path):
         build_hf_tree(tmp_path / "m", MountOptions(views=("hf",)), planner=identity_plan)
 
 
-def test_api_open_load_and_export(tmp_path, monkeypatch):
-    for k, v in hf_env().items():
-        monkeypatch.setenv(k, v)
-    st = llama_state(dtype=torch.bfloat16)
-    save_hf(tmp_path / "m", st, CONFIG)
-    tree = ckptfs.open(tmp_path / "m")
+def _planned(src) -> dict:
+    hc = open_hf_checkpoint(src, MountOptions())
+    return {k: leaf.tensor.read_all().tobytes() for k, leaf in hc.checkpoint.tensors().items()}
+
+
+def _mdl_bytes(path) -> dict:
+    with open_checkpoint(path) as c:
+        return {k: leaf.tensor.read_all().tobytes() for k, leaf in c.tensors().items()}
+
+
+def test_api_open_load_and_export(tmp_path):
+    src = save_llama(tmp_path / "m", dtype=torch.bfloat16)
+    tree = ckptfs.open(src)
     assert "checkpoint.mdl" in tree.listdir("")
-    state = ckptfs.load(tmp_path / "m")
-    assert list(state) == ["model"] and state["model"]["lm_head.weight"].dtype == torch.bfloat16
-    assert torch.equal(state["model"]["lm_head.weight"], st["lm_head.weight"])
-    n = ckptfs.export(tmp_path / "m", "checkpoint.mdl", tmp_path / "x.mdl")
+    state = ckptfs.load(src)
+    assert list(state) == ["model"]
+    emb = state["model"]["embedding_layer.word_embeddings.weight"]
+    assert emb.dtype == torch.bfloat16 and emb.shape == (256, 64)
+    n = ckptfs.export(src, "checkpoint.mdl", tmp_path / "x.mdl")
     assert n == (tmp_path / "x.mdl").stat().st_size
-    check_mdl(tmp_path / "x.mdl", st)
+    assert _mdl_bytes(tmp_path / "x.mdl") == _planned(src)
 
 
 def test_cli_export_info_ls_and_errors(tmp_path):
-    st = llama_state()
-    save_hf(tmp_path / "m", st, CONFIG, fmt="bin")
+    src = save_llama(tmp_path / "m", fmt="bin")
     env = hf_env()
-    run_ckptfs("export", tmp_path / "m", tmp_path / "out", env=env, check=True)
+    run_ckptfs("export", src, tmp_path / "out", env=env, check=True)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["README.txt", "checkpoint.mdl", "params.yaml",
                                                                    "tensors"]
-    check_mdl(tmp_path / "out" / "checkpoint.mdl", st)
-    r = run_ckptfs("info", tmp_path / "m", env=env, text=True, check=True)
-    assert "Hugging Face model: " in r.stdout and "pytorch_model.bin" in r.stdout and "tensors: 13" in r.stdout
-    info = json.loads(run_ckptfs("info", "--json", tmp_path / "m", env=env, text=True, check=True).stdout)
-    assert info["hugging_face"]["folders"][""]["format"] == "bin" and info["checkpoint"]["tensors"] == len(st)
-    r = run_ckptfs("ls", "-l", tmp_path / "m", env=env, text=True, check=True)
-    assert r.stdout.splitlines()[0].startswith("model/") and "lm_head.weight  [64, 16] float32" in r.stdout
-    (tmp_path / "m" / "pytorch_model.bin").write_bytes(b"PK\x03\x04garbage")
+    assert _mdl_bytes(tmp_path / "out" / "checkpoint.mdl") == _planned(src)
+    r = run_ckptfs("info", src, env=env, text=True, check=True)
+    assert "Hugging Face model: " in r.stdout and "pytorch_model.bin" in r.stdout and "family: llama (llama)" in r.stdout
+    info = json.loads(run_ckptfs("info", "--json", src, env=env, text=True, check=True).stdout)
+    assert info["hugging_face"]["folders"][""]["format"] == "bin"
+    assert info["checkpoint"]["tensors"] == len(_planned(src))
+    r = run_ckptfs("ls", "-l", src, env=env, text=True, check=True)
+    assert r.stdout.splitlines()[0].startswith("model/")
+    assert "embedding_layer.word_embeddings.weight  [256, 64] float32" in r.stdout
+    (src / "pytorch_model.bin").write_bytes(b"PK\x03\x04garbage")
     for cmd in (["info"], ["ls"], ["export"]):
-        r = run_ckptfs(*cmd, tmp_path / "m", *([tmp_path / "o2"] if cmd == ["export"] else []), env=env, text=True)
+        r = run_ckptfs(*cmd, src, *([tmp_path / "o2"] if cmd == ["export"] else []), env=env, text=True)
         assert r.returncode == 2 and r.stderr.count("\n") == 1, (cmd, r.stderr)
         assert "pytorch_model.bin" in r.stderr and "zip" in r.stderr, r.stderr
+
+
+def test_convert_config_of_an_hf_config(tmp_path, fixtures):
+    want = yaml.safe_load((fixtures / "llama" / "cs" / "params.yaml").read_text())
+    r = run_ckptfs("convert-config", fixtures / "llama" / "hf" / "config.json", env=hf_env(), text=True, check=True)
+    assert yaml.safe_load(r.stdout) == want
+    r = run_ckptfs("convert-config", fixtures / "llama" / "hf", "-o", tmp_path, env=hf_env(), text=True, check=True)
+    assert yaml.safe_load((tmp_path / "params.yaml").read_text()) == want
+    cfg = json.loads((fixtures / "llama" / "hf" / "config.json").read_text())
+    cfg["hidden_act"] = "tanh"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    r = run_ckptfs("convert-config", tmp_path / "config.json", env=hf_env(), text=True)
+    assert r.returncode == 2 and "error:" in r.stderr and "hidden_act" in r.stderr, r.stderr

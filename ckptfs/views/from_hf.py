@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..env import test_hf_planner
 from ..errors import CheckpointError, CkptfsError
 from ..source.catalog import Checkpoint, Container, TensorLeaf
 from ..source.hf_folder import HFModel, open_hf_model
@@ -39,22 +38,11 @@ class HFCheckpoint:
         self.model.close()
 
 
-def _planner() -> Callable:
-    spec = test_hf_planner()  # tests only: module:function in place of the mapping core
-    if spec:
-        import importlib
-
-        mod, _, func = spec.partition(":")
-        return getattr(importlib.import_module(mod), func)
-    from ..mapping.tocs import to_cs
-
-    return to_cs
-
-
 def plan_model(model: HFModel, options, planner: Callable | None = None):
     """The mapping core's plan for ``model`` (``--model`` and ``--added-tensors`` from ``options``)."""
     folders = {f: (c.config, c.tensors) for f, c in model.components.items()}
-    planner = planner or _planner()
+    if planner is None:
+        from ..mapping.tocs import to_cs as planner
     try:
         return planner(folders, model=getattr(options, "model", None),
                        added=getattr(options, "added_tensors", "keep") != "omit")
