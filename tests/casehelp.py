@@ -1,12 +1,22 @@
 """Shared by the conformance and family end-to-end tests: the converter fixture cases, their per-case facts
-(tests/conformance/<case>.yaml), the mapping core's result per case, and model inputs/outputs for comparisons."""
+(tests/conformance/<case>.yaml), the mapping core's result per case, and model inputs/outputs for comparisons.
+
+A *derived* case (its case file has ``derived_from: <converter case>``) is a configuration no converter case holds,
+made from a converter case's genuine files by the edits its case file states (params, CS tensors left out or
+replaced) and written once per test session as a real checkpoint (``case_checkpoint``); its original HF model and
+the converter's output are its parent's.
+"""
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
+import shutil
+import tempfile
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -33,9 +43,6 @@ def converter_cases() -> list:
     return out
 
 
-CASES = converter_cases()
-
-
 @lru_cache(maxsize=None)
 def case_facts(case: str) -> dict:
     path = CASE_FILES / f"{case}.yaml"
@@ -43,8 +50,56 @@ def case_facts(case: str) -> dict:
     return facts or {}
 
 
+def derived_cases() -> list:
+    return sorted(f.stem for f in CASE_FILES.glob("*.yaml") if case_facts(f.stem).get("derived_from"))
+
+
+CASES = converter_cases() + derived_cases()
+
+
+def case_dir(case: str) -> Path:
+    """The fixture folder of a case's original HF model and converter output (a derived case's parent's)."""
+    return FIXTURES / (case_facts(case).get("derived_from") or case)
+
+
 def case_model(case: str) -> str:
-    return case_facts(case).get("model") or _manifest(case)["converter_model"]
+    return case_facts(case).get("model") or _manifest(case_dir(case).name)["converter_model"]
+
+
+def case_options(case: str) -> dict:
+    """``to_hf`` / mount options of a case: ``--model`` unless the case says the params choose (``detect: params``)."""
+    return {} if case_facts(case).get("detect") == "params" else {"model": case_model(case)}
+
+
+_BUILT = Path(tempfile.mkdtemp(prefix="ckptfs-derived-cases-"))
+atexit.register(shutil.rmtree, _BUILT, True)
+
+
+@lru_cache(maxsize=None)
+def case_checkpoint(case: str) -> Path:
+    """The case's CS checkpoint: the fixture's, or a derived case's written (with its params.yaml beside it)."""
+    facts = case_facts(case)
+    parent = facts.get("derived_from")
+    if not parent:
+        return FIXTURES / case / "cs" / "checkpoint.mdl"
+    from cshelp import rewrite_checkpoint
+
+    folder = _BUILT / case
+    folder.mkdir()
+    params = yaml.safe_load((FIXTURES / parent / "cs" / "params.yaml").read_text())
+    params["model"].update(facts.get("params") or {})
+    (folder / "params.yaml").write_text(yaml.safe_dump(params))
+    drop = {f"model.{k}" for k in facts.get("drop_tensors") or ()}
+    rng = np.random.default_rng(int(facts.get("seed", 0)))  # new tensors drawn as the fixtures' are: N(0, 0.5²)
+    replace = {f"model.{k}": rng.normal(0, 0.5, shape).astype(np.float32)
+               for k, shape in (facts.get("replace_tensors") or {}).items()}
+    return rewrite_checkpoint(FIXTURES / parent / "cs" / "checkpoint.mdl", folder / "checkpoint.mdl",
+                              keep=lambda key: key not in drop, replace=replace)
+
+
+def has_hf(case: str) -> bool:
+    """Whether the case's model has a Hugging Face side (a ``no_hf`` case checks that it is refused instead)."""
+    return not case_facts(case).get("no_hf")
 
 
 def _param(case: str):
@@ -53,18 +108,21 @@ def _param(case: str):
     return pytest.param(case, marks=marks, id=case)
 
 
-PARAMS = [_param(c) for c in CASES]
+PARAMS = [_param(c) for c in CASES if has_hf(c)]
 
 
 @lru_cache(maxsize=None)
 def converted(case: str):
-    ckpt = open_checkpoint(FIXTURES / case / "cs" / "checkpoint.mdl")
-    return to_hf(ckpt, model=case_model(case))
+    ckpt = open_checkpoint(case_checkpoint(case))
+    hf = to_hf(ckpt, **case_options(case))
+    if case_facts(case).get("detect") == "params":
+        assert hf.model_name == case_model(case), f"{case}: the params chose {hf.model_name} ({hf.chosen})"
+    return hf
 
 
 def expected_folders(case: str) -> list:
     """HF model folders of the converter's output, relative to expected_hf ('' = the root)."""
-    root = FIXTURES / case / "expected_hf"
+    root = case_dir(case) / "expected_hf"
     return sorted(str(p.parent.relative_to(root)).replace(".", "") for p in root.rglob("keys.json"))
 
 
@@ -77,7 +135,7 @@ def sha256(t) -> str:
 
 
 def original_tensors(case: str, folder: str) -> dict | None:
-    path = FIXTURES / case / "hf" / folder / "model.safetensors"
+    path = case_dir(case) / "hf" / folder / "model.safetensors"
     if not path.is_file():
         return None
     from safetensors import safe_open

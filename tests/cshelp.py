@@ -168,3 +168,63 @@ def copy_view_file_in_subprocess(view: str, src: Path, name: str, dest: Path, ca
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     size, peak = map(int, out.split())
     return size, peak
+
+
+# -- a format-0.5 checkpoint rewritten: keys left out or replaced ---------------------------------------------
+def rewrite_checkpoint(src: Path, dst: Path, *, keep=lambda key: True, replace: dict | None = None) -> Path:
+    """A copy of format-0.5 checkpoint ``src`` at ``dst`` as cstorch lays it out (``__spec__`` from ckptfs's own
+    ``hdf5_spec``, one ``<key>.__metadata__`` per key, ``__SUCCESS__`` last) holding only the keys ``keep(key)``
+    accepts. A kept dataset is copied with HDF5's object copy: its chunks are the same stored bytes. ``replace``
+    maps a tensor key to a numpy array (bf16 as ``(uint16 bits, "bfloat16")``) written LZ4-chunked as cstorch does,
+    with its metadata's shape and dtype updated. Keys whose metadata is a link must be kept with their target."""
+    import json
+
+    import h5py
+    import hdf5plugin
+
+    from ckptfs.layouts.hdf5 import RTFX_CODES
+    from ckptfs.layouts.hdf5_spec import spec_attr
+    from ckptfs.source import open_checkpoint
+
+    replace = dict(replace or {})
+    with open_checkpoint(src) as ck:
+        def prune(node, key):
+            if not isinstance(node, Container):
+                return node if keep(key) else None
+            names = node.keys if node.keys is not None else range(len(node.children))
+            kept = [(k, c) for k, c in ((k, prune(c, f"{key}.{k}" if key else str(k)))
+                                        for k, c in zip(names, node.children)) if c is not None]
+            if not kept:
+                return None
+            return Container(node.kind, [k for k, _ in kept] if node.keys is not None else None,
+                             [c for _, c in kept], node.extra)
+
+        root = prune(ck.root, "")
+        keys = [k for k in ck.leaves if keep(k)]
+    with h5py.File(src, "r") as f, h5py.File(dst, "w") as out:
+        out.attrs["__spec__"] = spec_attr(root)
+        for name in ("__version__", "__cstorch_version__"):
+            out.attrs[name] = f.attrs[name]
+        metas = {}
+        for key in keys:
+            meta = json.loads(f.attrs[f"{key}.__metadata__"])
+            if key in replace:
+                value = replace.pop(key)
+                array, dtype = value if isinstance(value, tuple) else (value, str(value.dtype))
+                inner = meta[f"{key}.__metadata__"]
+                inner.update(shapes=[list(array.shape)], dtypes=[f"torch.{dtype}"], rtfx_dtypes=[RTFX_CODES[dtype]])
+                stored = array.view(np.int16) if dtype == "bfloat16" else array
+                ds = out.create_dataset(key, data=stored, chunks=True, **hdf5plugin.LZ4())
+                for name, v in f[key].attrs.items():
+                    ds.attrs[name] = v
+                ds.attrs["shapes"] = np.array([array.shape], dtype=np.int64)
+                ds.attrs["dtypes"] = np.array([f"torch.{dtype}"], dtype=h5py.string_dtype())
+                ds.attrs["rtfx_dtypes"] = np.array([RTFX_CODES[dtype]], dtype=np.int64)
+            elif key in f:
+                f.copy(f[key], out, name=key)
+            metas[key] = json.dumps(meta, indent=4)
+        assert not replace, f"keys to replace that {src} does not hold: {sorted(replace)}"
+        for key, text in metas.items():
+            out.attrs[f"{key}.__metadata__"] = text
+        out.attrs["__SUCCESS__"] = np.bool_(True)
+    return dst

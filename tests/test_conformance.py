@@ -18,11 +18,24 @@ list that ``ckptfs models`` does not know. Per-case facts live in ``tests/confor
 
 ```yaml
 model: NAME                 # --model to use (default: the MANIFEST's converter_model)
+detect: params              # no --model: the params must choose NAME (as a mount without options does)
 pending: "issue N: why"     # the case is not covered yet: an expected failure until the issue lands
 config_differences: {key: reason}       # keys whose value deliberately differs from the converter's
 not_in_checkpoint: {hf tensor: reason}  # original HF tensors the CS file does not hold
 extra_tensors: {hf tensor: reason}      # tensors written although save_pretrained of the original leaves them out
 outputs: {skip: reason} | {atol: 1e-6, reason: ...} | {ignore: [output name], reason: ...}  # output comparison
+```
+
+A configuration no converter case holds is a *derived* case (``casehelp``): a case file that names its parent
+converter case and the edits that make it, checked against the parent's original model and converter output:
+
+```yaml
+derived_from: CASE          # the converter case whose files it starts from
+params: {key: value}        # set in the params' model: section
+drop_tensors: [cs key]      # CS model tensors the checkpoint does not hold
+replace_tensors: {cs key: shape}   # CS model tensors drawn anew (seed: N), as the fixtures' are
+original_config: {key: value}      # the original HF model loaded with these config values (the same configuration)
+no_hf: "why"                # the model has no HF side: the case checks that it is refused with its family's reason
 ```
 """
 from __future__ import annotations
@@ -33,9 +46,9 @@ import re
 import pytest
 import torch
 
-from casehelp import (CASE_FILES, CASES, FIXTURES, IGNORED_CONFIG_KEYS, PARAMS, case_facts, case_model,
-                      converted, expected_folders, model_inputs, model_outputs, original_tensors, raw_bytes, sha256,
-                      torch_bytes, transformers_class)
+from casehelp import (CASE_FILES, CASES, FIXTURES, IGNORED_CONFIG_KEYS, PARAMS, case_checkpoint, case_dir,
+                      case_facts, case_model, case_options, converted, expected_folders, has_hf, model_inputs,
+                      model_outputs, original_tensors, raw_bytes, sha256, torch_bytes, transformers_class)
 from ckptfs.mapping.registry import default_registry, list_models
 
 pytestmark = pytest.mark.slow  # every converter case, every tensor, and the models built from them
@@ -55,7 +68,7 @@ def test_every_tensor_bit_identical(case):
     folders = hf.folders()
     for folder in expected_folders(case):
         model = folders[folder]
-        expected = json.loads((FIXTURES / case / "expected_hf" / folder / "keys.json").read_text())["tensors"]
+        expected = json.loads((case_dir(case) / "expected_hf" / folder / "keys.json").read_text())["tensors"]
         original = original_tensors(case, folder) or {}
         names = [n for n, _ in model.tensors]
         assert len(names) == len(set(names)), f"{folder}: a tensor name is written twice"
@@ -91,7 +104,7 @@ def test_tensor_names_as_save_pretrained_writes_them(case):
         assert not extra, (f"{folder}: tensors save_pretrained of the original model leaves out (tied copies, "
                            f"buffers) are written: {extra}")
         checked += 1
-    assert checked or not (FIXTURES / case / "hf").exists()
+    assert checked or not (case_dir(case) / "hf").exists()
 
 
 @pytest.mark.parametrize("case", PARAMS)
@@ -100,7 +113,7 @@ def test_config_agrees_with_converter(case):
     folders = hf.folders()
     differences = case_facts(case).get("config_differences") or {}
     for folder in expected_folders(case):
-        expected = json.loads((FIXTURES / case / "expected_hf" / folder / "config.json").read_text())
+        expected = json.loads((case_dir(case) / "expected_hf" / folder / "config.json").read_text())
         ours = folders[folder].config
         for key, value in expected.items():
             label = f"{folder}/{key}".lstrip("/")
@@ -120,7 +133,7 @@ def output_cases() -> list:
     for case in CASES:
         if case_facts(case).get("pending") or (case_facts(case).get("outputs") or {}).get("skip"):
             continue
-        if not (FIXTURES / case / "hf").is_dir():
+        if not has_hf(case) or not (case_dir(case) / "hf").is_dir():
             continue
         out.append(case)
     return out
@@ -135,7 +148,7 @@ def test_outputs_equal_original_model(case, tmp_path):
     ignore = (case_facts(case).get("outputs") or {}).get("ignore") or ()
     compared = 0
     for folder, model in hf.folders().items():
-        src = FIXTURES / case / "hf" / folder
+        src = case_dir(case) / "hf" / folder
         cls = transformers_class(model.hf_class)
         if cls is None or not (src / "config.json").is_file():
             continue  # remote code (btlm, jais, santacoder) or a component without an original
@@ -149,7 +162,7 @@ def test_outputs_equal_original_model(case, tmp_path):
                 :t.numel].reshape(t.shape).clone()
         save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
         kw = {"attn_implementation": "eager"}
-        original = cls.from_pretrained(src, **kw)
+        original = cls.from_pretrained(src, **kw, **(case_facts(case).get("original_config") or {}))
         ours = cls.from_pretrained(out, **kw)
         inputs = model_inputs(original, original.config)
         for a, b in zip(model_outputs(ours, inputs, ignore), model_outputs(original, inputs, ignore),
@@ -162,13 +175,33 @@ def test_outputs_equal_original_model(case, tmp_path):
     assert compared, f"{case}: no folder with a transformers class to compare (say why with outputs.skip)"
 
 
+# -- models without a Hugging Face side ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if not has_hf(c)])
+def test_models_without_hf_side_are_refused_with_their_reason(case):
+    from ckptfs.errors import MappingError
+    from ckptfs.mapping.convert import to_hf
+    from ckptfs.mapping.detect import detect_family
+    from ckptfs.mapping.registry import default_registry
+    from ckptfs.source import open_checkpoint
+
+    with open_checkpoint(case_checkpoint(case)) as ck:
+        det = detect_family(ck, **case_options(case))
+        spec = default_registry().family(det.family)
+        assert spec.variant(det.model_name) is spec.variant(case_model(case)) and spec.no_hf
+        with pytest.raises(MappingError) as e:
+            to_hf(ck, **case_options(case))
+        assert spec.no_hf in e.value.problem and case_model(case) in e.value.problem
+
+
 # -- nothing can be left uncovered ---------------------------------------------------------------------------
 
 
 def test_every_case_has_facts_only_when_needed():
     """Case files name existing cases only (a typo would silently cover nothing)."""
     for f in CASE_FILES.glob("*.yaml"):
-        assert f.stem in CASES, f"{f.name} names no converter case under tests/fixtures"
+        assert f.stem in CASES, f"{f.name} names no converter case under tests/fixtures (nor derives one)"
 
 
 def test_every_family_has_a_conformance_case():
@@ -184,7 +217,8 @@ def test_every_family_has_a_conformance_case():
 
 
 def converter_names() -> list:
-    """Every converter name of the fixtures README's "Every converter name -> case" table, plus the seed names."""
+    """Every converter name of the fixtures README's "Every converter name -> case" table, plus the seed names
+    (bert-summarization too: `ckptfs models` lists it, with no HF class)."""
     text = (FIXTURES / "README.md").read_text()
     names = []
     for title in ("### Every converter name", "Names from the seed documentation"):
@@ -194,7 +228,7 @@ def converter_names() -> list:
             if not ln.startswith("| ") or ln.startswith("| converter name") or ln.startswith("| seed name"):
                 continue
             cells = [c.strip() for c in ln.strip("|").split("|")]
-            if set(cells[0]) <= {"-", " "} or "not possible" in cells[-1]:
+            if set(cells[0]) <= {"-", " "}:
                 continue
             names += [n.strip() for n in re.split(r"[/,]", cells[0]) if n.strip()]
     return names

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from casehelp import CASES, FIXTURES, case_facts, case_model, converted, model_inputs, model_outputs, transformers_class
+from casehelp import (CASES, case_checkpoint, case_dir, case_facts, case_model, case_options, converted, has_hf,
+                      model_inputs, model_outputs, transformers_class)
 from ckptfs.mapping.registry import default_registry
 from conftest import needs_fuse, real_env
 from fusehelp import mounted
@@ -23,7 +24,7 @@ def family_cases() -> list:
     chosen: dict = {}
     for case in CASES:
         facts = case_facts(case)
-        if facts.get("pending") or not (FIXTURES / case / "hf").is_dir():
+        if facts.get("pending") or not has_hf(case) or not (case_dir(case) / "hf").is_dir():
             continue
         spec = registry.for_model(case_model(case))
         if spec is None or spec.family in chosen:
@@ -54,7 +55,7 @@ def compare_through_the_mount(case: str, mnt, folder: str, cls) -> None:
     """``cls.from_pretrained`` of the mounted folder equals the original: state dict, then greedy generation of 20
     tokens (or, for models that do not generate, every output)."""
     kw = {"attn_implementation": "eager"}
-    src = FIXTURES / case / "hf" / folder
+    src = case_dir(case) / "hf" / folder
     original = cls.from_pretrained(src, **kw).eval()
     ours = cls.from_pretrained(str(mnt / folder), **kw).eval()
     facts = case_facts(case)
@@ -79,9 +80,9 @@ def compare_through_the_mount(case: str, mnt, folder: str, cls) -> None:
             assert same, f"{case}/{folder}: outputs differ"
 
 
-def mount_case(case: str):
-    return mounted(FIXTURES / case / "cs" / "checkpoint.mdl", "--model", case_model(case), "--views", "hf",
-                   env=real_env())
+def mount_case(case: str, views: str = "hf"):
+    model = case_options(case).get("model")
+    return mounted(case_checkpoint(case), *(["--model", model] if model else []), "--views", views, env=real_env())
 
 
 @pytest.mark.parametrize("case", family_cases())
@@ -91,7 +92,7 @@ def test_from_pretrained_and_generate_through_the_mount(case):
         compared = 0
         for folder, model in hf.folders().items():
             cls = transformers_class(model.hf_class)
-            if cls is None or not (FIXTURES / case / "hf" / folder / "config.json").is_file():
+            if cls is None or not (case_dir(case) / "hf" / folder / "config.json").is_file():
                 continue
             compare_through_the_mount(case, mnt, folder, cls)
             compared += 1
@@ -99,9 +100,11 @@ def test_from_pretrained_and_generate_through_the_mount(case):
 
 
 # cases the issues name that the per-family choice above does not pick, with the class a user loads them with
-# (LLaVA's text model is LLaVA's own LlavaLlamaForCausalLM, not in transformers: its Llama part loads as Llama)
+# (LLaVA's text model is LLaVA's own LlavaLlamaForCausalLM, not in transformers: its Llama part loads as Llama;
+# bert_mlm, a BERT without NSP mounted without --model, against the bert case's model loaded as BertForMaskedLM)
 NAMED = [("t5", "", "T5ForConditionalGeneration"), ("llava", "text_model", "LlamaForCausalLM"),
-         ("mmsimple_llava", "text_model", "LlamaForCausalLM"), ("llama", "", "LlamaForCausalLM")]
+         ("mmsimple_llava", "text_model", "LlamaForCausalLM"), ("llama", "", "LlamaForCausalLM"),
+         ("bert_mlm", "", "BertForMaskedLM")]
 
 
 @pytest.mark.parametrize("case,folder,cls_name", NAMED, ids=[f"{c}-{f or 'root'}" for c, f, _ in NAMED])
@@ -118,3 +121,31 @@ def test_every_family_with_a_transformers_class_is_mounted_here():
         if any(transformers_class(m.hf_class) for m in spec.models) and any(
                 registry.for_model(case_model(c)) is spec and not case_facts(c).get("pending") for c in CASES):
             assert spec.family in mounted_families, spec.family
+
+
+def test_a_model_without_hf_side_mounts_with_the_views_that_apply():
+    """bert-summarization: README.txt says why there is no HF view; cs/, torch/ and tensors/ serve the checkpoint."""
+    import numpy as np
+
+    from ckptfs.mapping.registry import default_registry
+    from ckptfs.source import open_checkpoint
+
+    case = "bert_summarization"
+    reason = default_registry().family("bert-summarization").no_hf
+    with mount_case(case, views="hf,cs,torch,tensors") as mnt:
+        readme = (mnt / "README.txt").read_text()
+        assert "missing: Hugging Face files not generated: model bert/extractive_summarization (family " \
+               "bert-summarization) has no Hugging Face counterpart" in readme
+        assert " ".join(reason.split()) in " ".join(readme.split())
+        assert not (mnt / "config.json").exists() and (mnt / "cs" / "checkpoint.mdl").is_file()
+        state = torch.load(mnt / "torch" / "model.pt", weights_only=True)
+        with open_checkpoint(case_checkpoint(case)) as ck:
+            source = {k[len("model."):]: leaf.tensor.read_all() for k, leaf in ck.tensors().items()}
+        assert state.keys() == source.keys() and state["classifier.weight"].shape == (2, 32)
+        for key, value in source.items():
+            assert np.array_equal(state[key].numpy(), value), key
+        head = np.load(mnt / "tensors" / "model" / "classifier" / "weight.npy")
+        assert np.array_equal(head, source["classifier.weight"])
+        with open_checkpoint(mnt / "cs" / "checkpoint.mdl") as upgraded:
+            assert {k: leaf.tensor.read_all().tobytes() for k, leaf in upgraded.tensors().items()} == \
+                {f"model.{k}": v.tobytes() for k, v in source.items()}

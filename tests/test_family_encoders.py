@@ -198,12 +198,26 @@ def test_encoders_and_decoders_told_apart_by_tensor_names(tmp_path, case, family
             assert "--model" in det.reason
 
 
-def test_roberta_params_name_bert_points_to_roberta():
-    """RoBERTa checkpoints say name: bert; converting them as BertForPreTraining stops and says what to use."""
+def test_roberta_params_name_bert_is_read_as_roberta_and_model_bert_overrides():
+    """RoBERTa checkpoints say name: bert; their trait (positions after the padding index) makes them RoBERTa, with
+    the reason for README.txt; --model bert reads one as BERT (its masked-LM class: no NSP head), warning that HF
+    BERT numbers positions otherwise."""
     with open_fixture("roberta") as ck:
-        with pytest.raises(ConfigError, match="--model roberta"):
-            to_hf(ck)
-        assert to_hf(ck, model="roberta").hf_class == "RobertaForMaskedLM"
+        hf = to_hf(ck)
+        assert (hf.family, hf.model_name, hf.hf_class) == ("roberta", "roberta", "RobertaForMaskedLM")
+        assert "mask_padding_in_positional_embed" in hf.chosen and "pad_token_id 1" in hf.chosen
+        assert "--model bert" in hf.chosen
+        bert = to_hf(ck, model="bert")
+        assert (bert.family, bert.model_name, bert.hf_class) == ("bert", "bert-mlm", "BertForMaskedLM")
+        assert any("mask_padding_in_positional_embed=True" in w and "converted anyway" in w for w in bert.warnings)
+
+
+def test_bert_with_an_nsp_head_stays_bert_for_pretraining_and_bert_mlm_says_what_it_drops(tmp_path):
+    with open_fixture("bert") as ck:
+        hf = to_hf(ck)
+        assert (hf.model_name, hf.hf_class, hf.chosen) == ("bert", "BertForPreTraining", "")
+    with pytest.raises(ConfigError, match="NSP head"):
+        fixture_with_params("bert", tmp_path, model="bert-mlm")
 
 
 @pytest.mark.parametrize("case,model,changes,problem", [

@@ -67,6 +67,12 @@ BAD_FAMILIES = [
     ({"tensors": []}, "at least one tensor rule"),
     ({"config": {"guards": [{"key": "k"}]}}, "allowed"),
     ({"models": [{"name": "toy", "hf_class": "X"}, {"name": "toy", "hf_class": "Y"}]}, "listed twice"),
+    ({"models": [{"name": "toy", "hf_class": "X", "replaces": [{"model": "nope", "when": "True", "reason": "r"}]}]},
+     "replaces: unknown model name 'nope'"),
+    ({"models": [{"name": "toy", "hf_class": "X", "replaces": [{"model": "toy", "when": "(", "reason": "r"}]}]},
+     "syntax error"),
+    ({"no_hf": "why", "models": [{"name": "toy", "hf_class": "X"}]}, "no HF side"),
+    ({"no_hf": "why", "models": [{"name": "toy"}]}, "no config, prepare, tensors"),
 ]
 
 

@@ -46,6 +46,14 @@ def test_only_the_asked_family_is_parsed():
     assert lazy.for_cs_name("llama") is spec  # parsed once
 
 
+def test_replacements_are_found_by_the_lazy_registry_as_by_the_full_one(eager):
+    lazy = LazyRegistry()
+    assert [s.family for s in lazy.families_replacing("bert")] == [s.family for s in eager.families_replacing("bert")]
+    assert {s.family for s in eager.families_replacing("bert")} == {"bert", "roberta"}
+    assert set(lazy._specs) == {"bert", "roberta"}  # only the families that declare a replacement of bert
+    assert lazy.families_replacing("llama") == []
+
+
 def test_what_needs_every_family_sees_them_all(eager):
     lazy = LazyRegistry()
     assert set(lazy.families) == set(eager.families)

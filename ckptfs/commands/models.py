@@ -1,4 +1,5 @@
-"""``ckptfs models``: every model name ``--model`` accepts, its family, the HF class and notes."""
+"""``ckptfs models``: every model name ``--model`` accepts, its family, the HF class (none for a family without an HF
+side, whose checkpoints mount with the other views) and notes."""
 from __future__ import annotations
 
 import json
@@ -29,16 +30,20 @@ def run(args) -> int:
             raise UsageError(None, f"unknown model {args.name!r}; supported: {known}")
         models = chosen
     if args.json:
-        rows = [{"name": m.name, "family": m.family, "hf_class": m.hf_class, "notes": m.notes} for m in models]
+        rows = [{"name": m.name, "family": m.family, "hf_class": m.hf_class or None, "notes": m.notes} for m in models]
         print(json.dumps(rows, indent=2))
         return 0
     print(format_table(models, notes=not args.hide_notes))
     return 0
 
 
+#: the HF CLASS cell of a model without an HF side
+NO_HF_CLASS = "(none)"
+
+
 def format_table(models, *, notes: bool = True) -> str:
     head = ["MODEL", "FAMILY", "HF CLASS"] + (["NOTES"] if notes else [])
-    rows = [[m.name, m.family, m.hf_class] + ([m.notes] if notes else []) for m in models]
+    rows = [[m.name, m.family, m.hf_class or NO_HF_CLASS] + ([m.notes] if notes else []) for m in models]
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(3)]
     total = shutil.get_terminal_size((120, 20)).columns
     note_width = max(30, total - sum(widths) - 6)

@@ -40,19 +40,27 @@ def to_hf(checkpoint: Checkpoint, *, config=None, model: str | None = None, trai
         more = f" (and {len(unreadable) - 1} more model tensors)" if len(unreadable) > 1 else ""
         raise MappingError(checkpoint.path, f"CS tensor {key} is unreadable ({reason}){more}; the Hugging Face "
                                             "weights would lack it")
-    params = find_params(checkpoint, config, trainer_index)
     spec = registry.family(det.family)
+    if spec.no_hf is not None:
+        raise MappingError(checkpoint.path, f"model {det.model_name} (family {spec.family}) has no Hugging Face "
+                                            f"counterpart: {spec.no_hf}")
+    params = find_params(checkpoint, config, trainer_index)
     variant = spec.variant(det.model_name)
     warnings = []
     cs_name = params.model.get("name")
     if model is not None and isinstance(cs_name, str) and registry.for_cs_name(cs_name) not in (None, spec):
         warnings.append(f"params name {cs_name!r} overridden by --model {model}")
+    hf = _to_hf(checkpoint, spec, variant, params, registry, warnings, det.model_name or variant.name, lora)
+    hf.chosen = det.chosen or ""
+    return hf
+
+
+def _to_hf(checkpoint: Checkpoint, spec, variant, params, registry, warnings: list, name: str, lora: str) -> HFModel:
+    """``to_hf`` once the family and model are known."""
     if variant.components:  # one HF model directory per component (DPO, DPR, LLaVA)
-        return components_to_hf(checkpoint, spec, variant, params, registry, warnings,
-                                model_name=det.model_name or variant.name)
+        return components_to_hf(checkpoint, spec, variant, params, registry, warnings, model_name=name)
 
     cs = cs_model_tensors(checkpoint)
-    name = det.model_name or variant.name
     adapters = find_lora(spec, params, cs, checkpoint.path)  # LoRA folded lazily (None: no LoRA)
     if adapters is None:
         return _map_model(checkpoint, spec, variant, name, params.model, params.path, cs, warnings)

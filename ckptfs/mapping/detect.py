@@ -1,8 +1,10 @@
 """Which model family (and CLI model name) a Cerebras checkpoint is, and why.
 
 Precedence: an explicit ``model`` name; else the params' ``name:``; else the family whose ``detect``
-rules match the checkpoint's CS tensor names (highest priority first). Never raises for an unknown
-model: the result then has ``family=None`` and a ``reason`` saying why.
+rules match the checkpoint's CS tensor names (highest priority first). Then a model whose ``replaces:`` names the
+chosen one may take its place when its condition holds on the params (BERT without NSP is BertForMaskedLM; a
+RoBERTa whose params say ``name: bert`` is RoBERTa): one of another family only when no ``--model`` fixed the
+family. Never raises for an unknown model: the result then has ``family=None`` and a ``reason`` saying why.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ class FamilyDetection:
     model_name: str | None
     reason: str
     params_path: Path | None
+    chosen: str | None = None  # why a model replaced the one named (``replaces:``), for README.txt
 
 
 def cs_model_tensors(checkpoint: Checkpoint) -> dict:
@@ -60,13 +63,38 @@ def _matches_keys(spec, keys) -> bool:
 def _matches_config(spec, params: CSParams | None) -> bool:
     if spec.detect.config is None:
         return True
-    if params is None:
-        return False
+    return params is not None and _holds(spec.detect.config, spec, params)
+
+
+def _holds(expression: str, spec, params: CSParams) -> bool:
+    """Whether a detection expression holds on the params (False when it cannot be evaluated)."""
     scope = ConfigScope(params.model)
     try:
-        return bool(evaluate(spec.detect.config, scope, config_functions(scope, spec.path.name, params.path)))
+        return bool(evaluate(expression, scope, config_functions(scope, spec.path.name, params.path)))
     except (ExprError, MissingName, CkptfsError, TypeError, ValueError):
         return False
+
+
+def replacement(registry: Registry, spec, model_name: str, params: CSParams | None, *,
+                other_families: bool) -> tuple | None:
+    """``(spec, model name, reason)`` of the model chosen instead of ``model_name`` of ``spec`` (``replaces:``),
+    following replacements of replacements; None when none applies. A model of another family (what the params'
+    traits show the checkpoint is) goes before one of the same family (the HF class for its configuration), and is
+    only considered with ``other_families`` (no ``--model`` fixed the family)."""
+    found, seen = None, {model_name}
+    while params is not None:
+        base = spec.variant(model_name).name
+        families = registry.families_replacing(base)
+        order = [s for s in families if s is not spec and other_families] + [s for s in families if s is spec]
+        hit = next(((s, m.name, r.reason) for s in order for m in s.models for r in m.replaces
+                    if r.model == base and m.name not in seen and _holds(r.when, s, params)), None)
+        if hit is None:
+            return found
+        spec, model_name, why = hit
+        why = _with_values(why, {**spec.config.defaults, **params.model})
+        seen.add(model_name)
+        found = (spec, model_name, why if found is None else f"{found[2]}; {why}")
+    return None
 
 
 def infer_from_keys(registry: Registry, keys, params: CSParams | None):
@@ -93,7 +121,8 @@ def detect_family(checkpoint: Checkpoint, config=None, model: str | None = None,
         if spec is None:
             return FamilyDetection(None, model, f"unknown model name {model!r} (`ckptfs models` lists the "
                                                 f"supported names)", params_path)
-        return FamilyDetection(spec.family, model, f"model {model!r} given explicitly", params_path)
+        return _replaced(registry, FamilyDetection(spec.family, model, f"model {model!r} given explicitly",
+                                                   params_path), spec, params, other_families=False)
 
     name = params.model.get("name") if params else None
     if isinstance(name, str) and name:
@@ -112,7 +141,8 @@ def detect_family(checkpoint: Checkpoint, config=None, model: str | None = None,
             return FamilyDetection(None, None, f"params name {name!r} ({where}) is not a supported model family "
                                                f"(supported: {known}); pass --model to override", params_path)
         model_name = name if name in spec.names() else spec.models[0].name
-        return FamilyDetection(spec.family, model_name, f"params name {name!r} ({where})", params_path)
+        return _replaced(registry, FamilyDetection(spec.family, model_name, f"params name {name!r} ({where})",
+                                                   params_path), spec, params, other_families=True)
 
     keys = list(cs_model_tensors(checkpoint))
     if not keys:
@@ -125,5 +155,32 @@ def detect_family(checkpoint: Checkpoint, config=None, model: str | None = None,
         return FamilyDetection(None, None, f"model family not recognised from the CS tensor names and no "
                                            f"'name' in the params ({where}){why}; pass --model", params_path)
     how = f"no 'name' in {where}" if params else f"params unavailable: {params_problem}"
-    return FamilyDetection(spec.family, spec.models[0].name,
-                           f"inferred from the CS tensor names ({how})", params_path)
+    return _replaced(registry, FamilyDetection(spec.family, spec.models[0].name,
+                                               f"inferred from the CS tensor names ({how})", params_path),
+                     spec, params, other_families=True)
+
+
+class _Values(dict):
+    """Params values for ``str.format_map``; a name the params lack stays ``{name}``."""
+
+    def __missing__(self, key):
+        return "{" + key + "}"
+
+
+def _with_values(text: str, model: dict) -> str:
+    """``text`` with ``{key}`` replaced by ``model``'s value of ``key`` (the params over the family's defaults)."""
+    try:
+        return text.format_map(_Values({k: v for k, v in model.items() if isinstance(k, str)}))
+    except (ValueError, IndexError, AttributeError, KeyError):
+        return text
+
+
+def _replaced(registry: Registry, det: FamilyDetection, spec, params: CSParams | None, *,
+              other_families: bool) -> FamilyDetection:
+    """``det``, or the model that replaces its model on these params (``replacement``), the reason saying both."""
+    got = replacement(registry, spec, det.model_name, params, other_families=other_families)
+    if got is None:
+        return det
+    new_spec, name, why = got
+    chosen = f"model {name} chosen instead of {det.model_name}: {why}"
+    return FamilyDetection(new_spec.family, name, f"{det.reason}; {chosen}", det.params_path, chosen)

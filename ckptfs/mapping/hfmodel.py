@@ -36,6 +36,7 @@ class HFModel:
     # folders that are no HF model directory (--lora keep's PEFT adapter/): {folder: {file name: content}}, a
     # content being JSON (a dict) or a safetensors file's [(name, tensor)]
     extra_folders: dict = field(default_factory=dict)
+    chosen: str = ""  # why this model replaced the one the params or --model named (README.txt), "" if none did
 
     def folders(self) -> dict:
         """{sub-folder ('' = the mount root): HFModel} for every HF model directory this checkpoint gives."""

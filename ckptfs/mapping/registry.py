@@ -24,7 +24,7 @@ class ModelInfo:
 
     name: str
     family: str
-    hf_class: str
+    hf_class: str  # "" for a family without an HF side
     notes: str
 
 
@@ -97,13 +97,19 @@ class Registry:
                 continue
             spec = load_family(path, fragments, data)
             try:
-                claims.add(spec, spec.names(), spec.cs_names, spec.detect.config is not None, path)
+                claims.add(spec, spec.names(), spec.cs_names, spec.detect.config is not None, path,
+                           replaces=[r.model for m in spec.models for r in m.replaces])
             except _Clash as e:
                 raise MappingError(path, str(e)) from None
+        unknown = claims.unknown_replaced()
+        if unknown:
+            family, name = unknown
+            raise MappingError(claims.path_of(family), f"replaces: unknown model name {name!r}")
         self.families: dict[str, FamilySpec] = claims.families
         self.by_model: dict[str, FamilySpec] = claims.by_model
         self.by_cs_name: dict[str, FamilySpec] = claims.by_cs_name
         self.shared_cs_names: dict[str, list] = claims.shared_cs_names
+        self.replacing: dict[str, list] = claims.replacing
 
     def family(self, name: str) -> FamilySpec:
         try:
@@ -128,6 +134,11 @@ class Registry:
         spec = self.for_cs_name(name)
         return [spec] if spec is not None else []
 
+    def families_replacing(self, name: str) -> list:
+        """Every family with a model that may be chosen instead of model ``name`` (``replaces:``), highest detect
+        priority first."""
+        return _by_detect_priority(self.replacing.get(name, []))
+
     def models(self) -> list:
         out = []
         for spec in self.families.values():
@@ -147,6 +158,7 @@ class _Declared:
     names: tuple  # model names and aliases, in file order (``FamilySpec.names()``)
     cs_names: tuple
     has_detect_config: bool
+    replaces: tuple = ()  # model names its models may be chosen instead of (``replaces:``)
 
 
 def _declared(key: str, data: dict) -> _Declared | None:
@@ -154,18 +166,23 @@ def _declared(key: str, data: dict) -> _Declared | None:
     family, models = data.get("family"), data.get("models")
     if not (isinstance(family, str) and family and isinstance(models, list) and models):
         return None
-    names = []
+    names, replaces = [], []
     for m in models:
         aliases = (m.get("aliases") or []) if isinstance(m, dict) else None
         if not (isinstance(m, dict) and isinstance(m.get("name"), str) and m["name"] and isinstance(aliases, list)
                 and all(isinstance(a, str) for a in aliases)):
             return None
         names += [m["name"], *aliases]
+        rules = m.get("replaces") or []
+        if not (isinstance(rules, list) and all(isinstance(r, dict) and isinstance(r.get("model"), str)
+                                                for r in rules)):
+            return None
+        replaces += [r["model"] for r in rules]
     cs_names = data.get("cs_names") or [family]
     detect = data.get("detect") or {}
     if not (isinstance(cs_names, list) and all(isinstance(n, str) for n in cs_names) and isinstance(detect, dict)):
         return None
-    return _Declared(key, family, tuple(names), tuple(cs_names), detect.get("config") is not None)
+    return _Declared(key, family, tuple(names), tuple(cs_names), detect.get("config") is not None, tuple(replaces))
 
 
 class _Clash(Exception):
@@ -184,11 +201,12 @@ class _Claims:
         # CS names several families share (the Model Zoo's one `vision_transformer` class serves both HF ViT
         # and CLIP): each sharing family tells its checkpoints apart with detect.config
         self.shared_cs_names: dict = {}
+        self.replacing: dict = {}  # model name -> the claimants with a model chosen instead of it (``replaces:``)
         self._where: dict = {}  # family -> (path of its file, has detect.config)
 
-    def add(self, item, names, cs_names, detect_config: bool, path: Path) -> None:
-        """Record ``item``'s claims (its ``family``, model ``names``, ``cs_names``); ``_Clash`` if one of them is
-        another family's (or repeated)."""
+    def add(self, item, names, cs_names, detect_config: bool, path: Path, replaces=()) -> None:
+        """Record ``item``'s claims (its ``family``, model ``names``, ``cs_names``, the model names it ``replaces``);
+        ``_Clash`` if one of them is another family's (or repeated)."""
         family = item.family
         if family in self.families:
             raise _Clash(f"family {family!r} also defined in {self._where[family][0]}")
@@ -210,6 +228,18 @@ class _Claims:
                 self.by_cs_name.pop(name, None)
             else:
                 self.by_cs_name[name] = item
+        for name in dict.fromkeys(replaces):
+            self.replacing.setdefault(name, []).append(item)
+
+    def unknown_replaced(self) -> tuple | None:
+        """``(family, model name)`` of a ``replaces:`` entry naming no model of any family, or None."""
+        for name, claimants in self.replacing.items():
+            if name not in self.by_model:
+                return claimants[0].family, name
+        return None
+
+    def path_of(self, family: str) -> Path:
+        return self._where[family][0]
 
 
 def _index(raw: dict) -> _Claims | None:
@@ -224,14 +254,14 @@ def _index_of(declared: list) -> _Claims | None:
     claims = _Claims()
     try:
         for d in declared:
-            claims.add(d, d.names, d.cs_names, d.has_detect_config, Path(d.key))
+            claims.add(d, d.names, d.cs_names, d.has_detect_config, Path(d.key), d.replaces)
     except _Clash:
         return None
-    return claims
+    return None if claims.unknown_replaced() else claims
 
 
 #: version of the index cache file's format (``LazyRegistry(index_cache=…)``)
-INDEX_CACHE_VERSION = 1
+INDEX_CACHE_VERSION = 2
 
 
 def _stamp(files: dict) -> list:
@@ -253,7 +283,8 @@ def _load_index_cache(path: Path, stamp: list) -> tuple | None:
             return None
         names = {name for name, *_ in stamp}
         declared = [_Declared(str(d["key"]), str(d["family"]), tuple(map(str, d["names"])),
-                              tuple(map(str, d["cs_names"])), bool(d["has_detect_config"])) for d in doc["families"]]
+                              tuple(map(str, d["cs_names"])), bool(d["has_detect_config"]),
+                              tuple(map(str, d["replaces"]))) for d in doc["families"]]
         fragments = [str(k) for k in doc["fragments"]]
         if not {d.key for d in declared} | set(fragments) <= names:
             return None
@@ -265,7 +296,8 @@ def _load_index_cache(path: Path, stamp: list) -> tuple | None:
 def _save_index_cache(path: Path, stamp: list, declared: list, fragments: list) -> None:
     """Write the index cache atomically (best effort: a read-only cache directory only costs the next start)."""
     doc = {"version": INDEX_CACHE_VERSION, "stamp": stamp, "fragments": fragments,
-           "families": [{**asdict(d), "names": list(d.names), "cs_names": list(d.cs_names)} for d in declared]}
+           "families": [{**asdict(d), "names": list(d.names), "cs_names": list(d.cs_names),
+                         "replaces": list(d.replaces)} for d in declared]}
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd, tmp = tempfile.mkstemp(prefix=".mappings-index-", dir=path.parent)
@@ -339,8 +371,10 @@ class LazyRegistry:
                     self._fragments = _load_fragments({k: self._parsed(k) for k in self._fragment_keys})
                 path, data = self._parsed(d.key)
                 spec = load_family(path, self._fragments, data)
-                if (spec.family, tuple(spec.names()), tuple(spec.cs_names),
-                        spec.detect.config is not None) != (d.family, d.names, d.cs_names, d.has_detect_config):
+                replaces = tuple(r.model for m in spec.models for r in m.replaces)
+                if (spec.family, tuple(spec.names()), tuple(spec.cs_names), spec.detect.config is not None,
+                        tuple(dict.fromkeys(replaces))) != (d.family, d.names, d.cs_names, d.has_detect_config,
+                                                            tuple(dict.fromkeys(d.replaces))):
                     return self._load_all().families[d.family]  # never expected: trust the full parse
                 self._specs[d.family] = spec
             return spec
@@ -361,6 +395,10 @@ class LazyRegistry:
     @property
     def shared_cs_names(self) -> dict:
         return self._load_all().shared_cs_names
+
+    @property
+    def replacing(self) -> dict:
+        return self._load_all().replacing
 
     def models(self) -> list:
         return self._load_all().models()
@@ -387,6 +425,12 @@ class LazyRegistry:
             return self._full.for_cs_name(name)
         d = Registry.for_cs_name(self._index, name)  # the same lookup over the declarations (same attribute names)
         return self._spec(d) if d is not None else None
+
+    def families_replacing(self, name: str) -> list:
+        """As ``Registry.families_replacing``: only the families declaring such a model are parsed."""
+        if self._full is not None:
+            return self._full.families_replacing(name)
+        return _by_detect_priority([self._spec(d) for d in self._index.replacing.get(name, [])])
 
     def families_for_cs_name(self, name: str) -> list:
         """As ``Registry.families_for_cs_name``."""

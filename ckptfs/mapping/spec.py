@@ -19,8 +19,20 @@ from .pattern import KeyPattern, PatternError, alternatives, fields, template_na
 
 
 @dataclass(frozen=True)
+class Replacement:
+    """A model chosen instead of ``model`` when ``when`` holds on the CS params: HF's class for the configuration
+    the params describe (BERT without NSP -> BertForMaskedLM) or the family their traits show (a RoBERTa whose params
+    say ``name: bert``). ``reason`` is README.txt's line on why."""
+
+    model: str
+    when: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class ModelVariant:
-    """One CLI model name (and its aliases) of a family: which HF class it produces."""
+    """One CLI model name (and its aliases) of a family: which HF class it produces ("" in a family without an HF
+    side)."""
 
     name: str
     hf_class: str
@@ -35,7 +47,7 @@ class ModelVariant:
     # HF -> CS of a multi-component model: params model: entries beside the components' sections
     # ({dotted params path: expression over the components' HF configs, by folder})
     cs: dict = field(default_factory=dict)
-
+    replaces: tuple = ()  # Replacement: models this one is chosen instead of, and when
 
 @dataclass(frozen=True)
 class ComponentSpec:
@@ -148,6 +160,7 @@ class FamilySpec:
     prepare: list
     tensors: list
     lora: "lora_spec.LoraSpec | None" = None  # LoRA folding facts (lora_spec.py); None: LoRA checkpoints not supported
+    no_hf: str | None = None  # why the family has no Hugging Face side (its checkpoints get the other views only)
 
     def variant(self, name: str | None) -> ModelVariant:
         """The model entry for CLI name ``name`` (an alias counts); the first entry when None."""
@@ -176,7 +189,7 @@ class FragmentSpec:
 # -- loading ---------------------------------------------------------------------------------------
 
 _FAMILY_KEYS = {"family", "description", "model_type", "cs_names", "include", "models", "detect", "config",
-                "prepare", "tensors", "lora"}
+                "prepare", "tensors", "lora", "no_hf"}
 _FRAGMENT_KEYS = {"fragment", "description", "config", "prepare", "lora"}
 
 
@@ -210,7 +223,8 @@ def load_family(path: Path, fragments: dict, data: dict | None = None) -> Family
     v = _Validator(path)
     v.keys(data, _FAMILY_KEYS, "top level")
     family = v.string(data.get("family"), "family")
-    models = v.models(data.get("models"))
+    no_hf = None if data.get("no_hf") is None else v.string(data.get("no_hf"), "no_hf")
+    models = v.models(data.get("models"), hf=no_hf is None)
     var_names = set(models[0].vars)
     for m in models:
         if set(m.vars) != var_names:
@@ -220,7 +234,10 @@ def load_family(path: Path, fragments: dict, data: dict | None = None) -> Family
     prepare = v.rules(data.get("prepare") or [], "prepare", var_names, prepare=True)
     tensors = v.rules(data.get("tensors") or [], "tensors", var_names)
     lora = lora_spec.parse(data.get("lora"), v, var_names)
-    own_rules_used = any(not m.components or any(c.self_contained for c in m.components) for m in models)
+    own_rules_used = no_hf is None and any(not m.components or any(c.self_contained for c in m.components)
+                                           for m in models)
+    if no_hf is not None and (tensors or prepare or "config" in data or "lora" in data):
+        v.fail("no_hf: a family without an HF side has no config, prepare, tensors or lora rules")
     if not tensors and own_rules_used:
         v.fail("tensors: a family needs at least one tensor rule (unless every model's components name "
                "another model to map them)")
@@ -241,7 +258,8 @@ def load_family(path: Path, fragments: dict, data: dict | None = None) -> Family
         family=family, path=Path(path), description=str(data.get("description") or ""),
         model_type=(v.string(data.get("model_type"), "model_type") if own_rules_used or "model_type" in data
                     else ""), cs_names=tuple(cs_names), models=models,
-        detect=v.detect(data.get("detect") or {}), config=config, prepare=prepare, tensors=tensors, lora=lora)
+        detect=v.detect(data.get("detect") or {}), config=config, prepare=prepare, tensors=tensors, lora=lora,
+        no_hf=no_hf)
 
 
 def merge_config(base: ConfigSpec, own: ConfigSpec) -> ConfigSpec:
@@ -305,14 +323,17 @@ class _Validator:
                       f"(known: {sorted(known)})")
         return text
 
-    def models(self, items) -> list:
+    def models(self, items, hf: bool = True) -> list:
+        """The ``models:`` list; ``hf`` False for a family without an HF side (no ``hf_class``)."""
         if not isinstance(items, list) or not items:
             self.fail("models: expected a non-empty list of model names")
         out, seen = [], set()
         for n, item in enumerate(items):
             where = f"models[{n}]"
             self.keys(item, {"name", "hf_class", "headless", "aliases", "vars", "notes", "remote_code", "components",
-                             "cs"}, where)
+                             "cs", "replaces"}, where)
+            if not hf and "hf_class" in item:
+                self.fail(f"{where}.hf_class: the family has no HF side (no_hf)")
             aliases = item.get("aliases") or []
             if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
                 self.fail(f"{where}.aliases: must be a list of names")
@@ -320,14 +341,15 @@ class _Validator:
             if not isinstance(vars_, dict):
                 self.fail(f"{where}.vars: must be a mapping")
             m = ModelVariant(self.string(item.get("name"), f"{where}.name"),
-                             self.string(item.get("hf_class"), f"{where}.hf_class"),
+                             self.string(item.get("hf_class"), f"{where}.hf_class") if hf else "",
                              bool(item.get("headless", False)), tuple(aliases), dict(vars_),
                              str(item.get("notes") or ""),
                              None if item.get("remote_code") is None
                              else self.string(item.get("remote_code"), f"{where}.remote_code"),
                              self.components(item["components"], f"{where}.components", set(vars_))
                              if "components" in item else (),
-                             self.expressions(item.get("cs") or {}, f"{where}.cs"))
+                             self.expressions(item.get("cs") or {}, f"{where}.cs"),
+                             self.replacements(item.get("replaces"), f"{where}.replaces"))
             if m.cs and not m.components:
                 self.fail(f"{where}.cs: only a model with components has model-level params entries (a family's "
                           f"own go to config.cs)")
@@ -337,6 +359,21 @@ class _Validator:
                 seen.add(name)
             out.append(m)
         return out
+
+    def replacements(self, items, where) -> tuple:
+        """A model's ``replaces:`` list (see Replacement)."""
+        if items is None:
+            return ()
+        if not isinstance(items, list) or not items:
+            self.fail(f"{where}: expected a non-empty list of {{model, when, reason}}")
+        out = []
+        for n, item in enumerate(items):
+            rw = f"{where}[{n}]"
+            self.keys(item, {"model", "when", "reason"}, rw)
+            out.append(Replacement(self.string(item.get("model"), f"{rw}.model"),
+                                   self.expr(item.get("when"), f"{rw}.when"),
+                                   self.string(item.get("reason"), f"{rw}.reason")))
+        return tuple(out)
 
     _COMPONENT_KEYS = {"folder", "cs_prefix", "cs_rename", "params", "params_bind", "model", "model_from",
                        "hf_class", "model_type", "vars", "config", "tensors", "files", "copy_of"}

@@ -91,6 +91,7 @@ def build(ctx) -> ViewResult:
         files.update({base + name: f for name, f in weights.items()})
     notes = [f"hf: family {hf.family} (model name {hf.model_name}), class {hf.hf_class}"
              + (f", params {hf.params_path}" if hf.params_path else "")]
+    notes += [f"hf: {hf.chosen}"] if hf.chosen else []
     notes += [f"hf: {folder or '(root)'}/ holds {model.description}" for folder, model in hf.folders().items()
               if hf.components]
     notes += [f"hf: {w}" for w in hf.warnings]
