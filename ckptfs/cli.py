@@ -11,7 +11,7 @@ import sys
 
 from .errors import CkptfsError
 
-COMMANDS = ["info", "ls", "models", "mount", "umount", "export", "convert_config", "explain"]
+COMMANDS = ["info", "ls", "models", "mount", "umount", "export", "convert_config", "explain", "diff"]
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:

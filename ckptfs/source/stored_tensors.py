@@ -4,6 +4,8 @@
   box are decompressed. LZ4-only chunked datasets (every Cerebras tensor) are decoded by
   ``lz4chunks.LZ4ChunkReader`` (chunks in parallel, outside HDF5's serial filter pipeline); anything
   else is an h5py hyperslab selection of exactly the box. Its cache blocks are aligned to chunk rows.
+  Its chunks can also be looked at as stored (``stored_layout``, ``stored_chunk``, ``read_stored_chunk``):
+  ``ckptfs diff`` tells equal chunks apart without decoding them.
 * ``FullTensor``: a constant-fill tensor (DeferredFullTensor) with no data on disk.
 * ``FileRegionTensor``: raw little-endian C-order elements at an offset of a plain file
   (a .safetensors data block, a legacy DeferredFileTensor file), read run by run.
@@ -116,6 +118,54 @@ class H5DatasetTensor(VirtualTensor):
                 return None
         return self._chunks or None
 
+    # -- the dataset as stored, without decoding (``ckptfs diff``) ------------------------------------------------
+    def stored_layout(self) -> StoredLayout | None:
+        """The dataset's ``StoredLayout``, or None when it is not chunked (contiguous, compact, 0-d)."""
+        from h5py import h5d
+
+        d = self.dataset()
+        try:
+            dcpl = d.id.get_create_plist()
+            if self.ndim == 0 or dcpl.get_layout() != h5d.CHUNKED:
+                return None
+            filters = tuple((int(code), tuple(int(v) for v in values))
+                            for code, _flags, values, _name in (dcpl.get_filter(i) for i in range(dcpl.get_nfilters())))
+            fill = np.zeros((1,), d.id.dtype)
+            dcpl.get_fill_value(fill)
+            return StoredLayout(tuple(d.shape), tuple(int(c) for c in dcpl.get_chunk()), filters, d.id.dtype.str,
+                                fill.tobytes())
+        except (OSError, RuntimeError, ValueError, TypeError) as e:
+            raise self._fail(f"cannot read the dataset's storage layout: {e}") from e
+
+    def stored_chunk(self, origin: tuple) -> tuple | None:
+        """``(filter mask, file address, stored size)`` of the chunk starting at element ``origin``; None when it is
+        not allocated (it reads as the fill value). One lookup in HDF5's chunk index, no data read."""
+        d = self.dataset()
+        try:
+            info = d.id.get_chunk_info_by_coord(tuple(origin))
+        except (OSError, RuntimeError, ValueError, TypeError, AttributeError) as e:
+            raise self._fail(f"cannot look chunk {tuple(origin)} up: {e}") from e
+        if info.byte_offset is None:
+            return None
+        return int(info.filter_mask), int(info.byte_offset), int(info.size)
+
+    def read_stored_chunk(self, origin: tuple) -> bytes:
+        """The stored (still encoded) bytes of the allocated chunk starting at element ``origin``."""
+        d = self.dataset()
+        what = f"tensor {self.key}"
+        try:
+            _, data = d.id.read_direct_chunk(tuple(origin))
+        except (OSError, RuntimeError, ValueError, TypeError, KeyError) as e:
+            self.store.verify(what)
+            raise self._fail(f"cannot read stored chunk {tuple(origin)}: {e}") from e
+        self.store.verify(what)  # these bytes belong to the version of the file the tensor was planned from
+        return bytes(data)
+
+    def file_identity(self) -> FileIdentity | None:
+        """The version of the file this dataset lives in (None before the file was first opened)."""
+        self.store.file(f"tensor {self.key}")
+        return self.store.identity
+
     def read(self, box: Box) -> np.ndarray:
         shape = box_shape(box)
         st = self.dtype.storage
@@ -139,6 +189,34 @@ class H5DatasetTensor(VirtualTensor):
             raise self._fail(e) from e
         self.store.verify(what)  # these bytes belong to the version of the file the tensor was planned from
         return _to_storage(np.asarray(arr), st).reshape(shape)
+
+
+class StoredLayout:
+    """How a chunked dataset is stored, from its header: two datasets with equal layouts store equal chunks as
+    equal bytes (the same filters with the same parameters, chunk shape, stored type and fill value), so their
+    chunks can be compared as stored, without decoding (``ckptfs diff``)."""
+
+    __slots__ = ("shape", "chunks", "filters", "stored_type", "fill")
+
+    def __init__(self, shape: tuple, chunks: tuple, filters: tuple, stored_type: str, fill: bytes):
+        self.shape, self.chunks, self.filters, self.stored_type, self.fill = shape, chunks, filters, stored_type, fill
+
+    def _key(self) -> tuple:
+        return self.shape, self.chunks, self.filters, self.stored_type, self.fill
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, StoredLayout) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def chunk_origins(self):
+        """The first element of every chunk of the grid, in C order of the grid."""
+        return itertools.product(*(range(0, n, c) for n, c in zip(self.shape, self.chunks)))
+
+    def chunk_box(self, origin: tuple) -> Box:
+        """The elements of the chunk starting at ``origin`` (edge chunks clipped to the shape)."""
+        return tuple((o, min(o + c, n)) for o, c, n in zip(origin, self.chunks, self.shape))
 
 
 def _to_storage(arr: np.ndarray, st: np.dtype) -> np.ndarray:
