@@ -119,3 +119,19 @@ def test_params_without_a_model_name_need_model(tmp_path, capsys):
     assert code == 2 and "pass --model" in err
     code, out, _ = convert([p, "--model", "llama"], capsys)
     assert code == 0 and json.loads(out)["model_type"] == "llama"
+
+
+def test_the_params_choose_the_class_and_a_model_without_hf_side_is_refused(tmp_path, capsys):
+    code, out, err = convert([FIXTURES / "roberta" / "cs" / "params.yaml"], capsys)  # name: bert, RoBERTa's trait
+    assert code == 0 and json.loads(out)["architectures"] == ["RobertaForMaskedLM"]
+    assert "model roberta chosen instead of bert" in err
+    params = yaml.safe_load((FIXTURES / "bert" / "cs" / "params.yaml").read_text())
+    params["model"].update(disable_nsp=True)
+    (tmp_path / "bert.yaml").write_text(yaml.safe_dump(params))
+    code, out, err = convert([tmp_path / "bert.yaml"], capsys)
+    assert code == 0 and json.loads(out)["architectures"] == ["BertForMaskedLM"] and "disable_nsp is true" in err
+    params["model"].update(name="bert/extractive_summarization")
+    (tmp_path / "summarization.yaml").write_text(yaml.safe_dump(params))
+    code, out, err = convert([tmp_path / "summarization.yaml"], capsys)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1
+    assert "model bert/extractive_summarization (family bert-summarization) has no Hugging Face counterpart" in err

@@ -54,8 +54,12 @@ def params_to_hf_configs(params_path, *, model: str | None = None, trainer_index
             raise ConfigError(path, "params have no model.name to tell the model family; pass --model")
         raise ConfigError(path, det.reason)
     spec = registry.family(det.family)
+    if spec.no_hf is not None:
+        raise ConfigError(path, f"model {det.model_name} (family {spec.family}) has no Hugging Face counterpart: "
+                                f"{spec.no_hf}")
     variant = spec.variant(det.model_name)
     out = ParamsConversion(family=spec.family, model_name=det.model_name or variant.name)
+    out.notes += [det.chosen] if det.chosen else []
     cs_name = params.model.get("name")
     if model is not None and isinstance(cs_name, str) and registry.for_cs_name(cs_name) not in (None, spec):
         out.notes.append(f"params name {cs_name!r} overridden by --model {model}")
