@@ -215,7 +215,7 @@ def _diff_checkpoints(a: Path, b: Path, args, options, show) -> tuple:
     from ..source import open_checkpoint
     from ..source.compare import diff_checkpoints
 
-    if any(getattr(args, n, None) is not None for n in VIEW_OPTIONS if n not in ("overlay",)) or args.overlay:
+    if any(getattr(args, n, None) is not None for n in VIEW_OPTIONS):
         raise UsageError(None, "options that shape a view's files (--config, --model, --max-shard-size…) need --view")
     max_elements = max(1024, options.cache_size // 64)  # two boxes and their float64 values fit the cache
     with open_checkpoint(a, allow_partial=options.allow_partial, allow_external=options.allow_external) as ca, \

@@ -236,7 +236,7 @@ def _check_guard(g: Guard, cs: ConfigScope, scope: Scope, variant: ModelVariant,
         return f"{head} cannot be converted to HF {variant.hf_class} (supported: {allowed}){why}"
     if ev(g.check, g.where.split(": ", 1)[-1]):
         return None
-    message = _format_message(g.message, scope)
+    message = format_message(g.message, scope)
     return f"HF {variant.hf_class}: {message}" if g.warn else f"cannot convert to HF {variant.hf_class}: {message}"
 
 
@@ -252,7 +252,8 @@ class _Lenient(dict):
             return "{" + key + "}"
 
 
-def _format_message(message: str, scope: Scope) -> str:
+def format_message(message: str, scope: Scope) -> str:
+    """``message`` with each ``{name}`` replaced by its value in ``scope`` (left as written when it has none)."""
     try:
         return message.format_map(_Lenient(scope))
     except (ValueError, IndexError, AttributeError):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..errors import CkptfsError, ConfigError
 from typing import TYPE_CHECKING
-from .config import ConfigScope, config_functions
+from .config import ConfigScope, config_functions, format_message
 from .expr import ExprError, MissingName, evaluate
 from .params import CSParams, find_params
 from .registry import Registry, default_registry
@@ -91,7 +91,7 @@ def replacement(registry: Registry, spec, model_name: str, params: CSParams | No
         if hit is None:
             return found
         spec, model_name, why = hit
-        why = _with_values(why, {**spec.config.defaults, **params.model})
+        why = format_message(why, ConfigScope({**spec.config.defaults, **params.model}))
         seen.add(model_name)
         found = (spec, model_name, why if found is None else f"{found[2]}; {why}")
     return None
@@ -158,21 +158,6 @@ def detect_family(checkpoint: Checkpoint, config=None, model: str | None = None,
     return _replaced(registry, FamilyDetection(spec.family, spec.models[0].name,
                                                f"inferred from the CS tensor names ({how})", params_path),
                      spec, params, other_families=True)
-
-
-class _Values(dict):
-    """Params values for ``str.format_map``; a name the params lack stays ``{name}``."""
-
-    def __missing__(self, key):
-        return "{" + key + "}"
-
-
-def _with_values(text: str, model: dict) -> str:
-    """``text`` with ``{key}`` replaced by ``model``'s value of ``key`` (the params over the family's defaults)."""
-    try:
-        return text.format_map(_Values({k: v for k, v in model.items() if isinstance(k, str)}))
-    except (ValueError, IndexError, AttributeError, KeyError):
-        return text
 
 
 def _replaced(registry: Registry, det: FamilyDetection, spec, params: CSParams | None, *,
