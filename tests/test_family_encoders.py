@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 import yaml
+
+import ckptfs
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -210,6 +212,12 @@ def test_roberta_params_name_bert_is_read_as_roberta_and_model_bert_overrides():
         bert = to_hf(ck, model="bert")
         assert (bert.family, bert.model_name, bert.hf_class) == ("bert", "bert-mlm", "BertForMaskedLM")
         assert any("mask_padding_in_positional_embed=True" in w and "converted anyway" in w for w in bert.warnings)
+    tree = ckptfs.open(FIXTURES / "roberta" / "cs" / "checkpoint.mdl", views="hf")
+    try:
+        readme = tree.read("README.txt", 0, 1 << 20).decode()
+    finally:
+        tree.close()
+    assert f"  hf: {hf.chosen}\n" in readme and "family:         roberta (RobertaForMaskedLM)" in readme
 
 
 def test_bert_with_an_nsp_head_stays_bert_for_pretraining_and_bert_mlm_says_what_it_drops(tmp_path):
