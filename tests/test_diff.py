@@ -210,6 +210,9 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys):
     assert code == 2 and err.count("\n") == 1
     assert str(broken) in err and Q in err and "corrupt LZ4 chunk" in err
     assert f"? {Q}  unreadable:" in out
+    graph = FIXTURES / "cstorch_edge_cases" / "graph.mdl"  # a TorchScript graph tensor: ckptfs never runs one
+    code, out, err = diff_text(capsys, graph, graph)
+    assert code == 2 and err.startswith(f"ckptfs: error: {graph}: ") and "TorchScript" in err and err.count("\n") == 1
 
 
 # -- what two mounts would serve -------------------------------------------------------------------------------

@@ -270,13 +270,13 @@ def _numeric(dtype: DType) -> bool:
     return dtype.name != "bool"
 
 
-def compare_leaves(key: str, la, lb, *, tolerance: float, max_elements: int) -> KeyDiff:
-    """What changed between two leaves held under ``key``."""
+def compare_leaves(key: str, la, lb, *, tolerance: float, max_elements: int, paths=("A", "B")) -> KeyDiff:
+    """What changed between two leaves held under ``key`` (``paths``: their checkpoints, for messages)."""
     da, db = describe(la), describe(lb)
     out = KeyDiff(key, EQUAL, da, db)
-    for leaf in (la, lb):
+    for leaf, path in zip((la, lb), paths):
         if isinstance(leaf, UnreadableLeaf):
-            out.status, out.problem = UNREADABLE, leaf.reason
+            out.status, out.problem = UNREADABLE, f"{path}: {key}: {leaf.reason}"
             return out
     if type(la) is not type(lb):
         out.status = KIND
@@ -321,7 +321,7 @@ def diff_checkpoints(a: Checkpoint, b: Checkpoint, *, tolerance: float = 0.0, ma
         seen = done.get((id(la), id(lb)))
         if seen is None:
             seen = done[(id(la), id(lb))] = compare_leaves(key, la, lb, tolerance=tolerance,
-                                                           max_elements=max_elements)
+                                                           max_elements=max_elements, paths=(a.path, b.path))
             emit(seen)
         else:
             emit(KeyDiff(key, seen.status, seen.a, seen.b, seen.values, seen.problem))
