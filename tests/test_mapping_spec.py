@@ -162,3 +162,23 @@ def test_a_new_family_needs_only_yaml(tmp_path):
     params.write_text(yaml.safe_dump({"model": {"name": "toy", "hidden_size": 2, "norm": "layer", "act": "swiglu"}}))
     with pytest.raises(ConfigError, match="norm='layer' cannot be converted"):
         to_hf(checkpoint_from_model(tmp_path / "c.mdl", t), config=params, registry=reg)
+
+
+def test_a_replacement_may_name_a_model_by_an_alias_and_applies_to_every_name_of_it(tmp_path):
+    """`replaces: {model: old-alias}` is chosen for params naming the model by its name or by any alias."""
+    from ckptfs.mapping.detect import detect_family
+
+    (tmp_path / "toy.yaml").write_text(yaml.safe_dump(toy_family(models=[
+        {"name": "toy", "hf_class": "GPT2Model", "aliases": ["toy-alias"]},
+        {"name": "toy-big", "hf_class": "GPT2LMHeadModel",
+         "replaces": [{"model": "toy-alias", "when": "get('big', False)", "reason": "big is {big}"}]}])))
+    reg = Registry([tmp_path])
+    for name in ("toy", "toy-alias"):
+        (tmp_path / "params.yaml").write_text(yaml.safe_dump({"model": {"name": name, "big": True}}))
+        ck = checkpoint_from_model(tmp_path / "checkpoint.mdl", {})
+        det = detect_family(ck, tmp_path / "params.yaml", registry=reg)
+        assert (det.model_name, det.chosen) == ("toy-big", f"model toy-big chosen instead of {name}: big is True")
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"model": {"name": "toy", "big": False}}))
+    det = detect_family(checkpoint_from_model(tmp_path / "checkpoint.mdl", {}), tmp_path / "params.yaml",
+                        registry=reg)
+    assert (det.model_name, det.chosen) == ("toy", None)

@@ -83,11 +83,12 @@ def replacement(registry: Registry, spec, model_name: str, params: CSParams | No
     only considered with ``other_families`` (no ``--model`` fixed the family)."""
     found, seen = None, {model_name}
     while params is not None:
-        base = spec.variant(model_name).name
-        families = registry.families_replacing(base)
+        current = spec.variant(model_name)
+        names = (current.name, *current.aliases)  # a replacement may name the model by any of its names
+        families = list({id(s): s for n in names for s in registry.families_replacing(n)}.values())
         order = [s for s in families if s is not spec and other_families] + [s for s in families if s is spec]
         hit = next(((s, m.name, r.reason) for s in order for m in s.models for r in m.replaces
-                    if r.model == base and m.name not in seen and _holds(r.when, s, params)), None)
+                    if r.model in names and m.name not in seen and _holds(r.when, s, params)), None)
         if hit is None:
             return found
         spec, model_name, why = hit
