@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import ckptfs
-from casehelp import PARAMS, case_model, expected_folders, original_tensors, torch_bytes
+from casehelp import (PARAMS, case_checkpoint, case_dir, case_options, expected_folders, original_tensors,
+                      torch_bytes)
 from ckptfs.views.registry import names
 from conftest import FIXTURES
 
@@ -41,7 +42,7 @@ def test_every_registered_view_has_a_conformance_test_over_fixtures():
         params = [m for m in getattr(test, "pytestmark", []) if m.name == "parametrize"]
         assert params, f"{view}: {module}.{func} is not parametrized over fixtures"
         cases = [str(getattr(c, "values", [c])[0]) for c in params[0].args[1]]
-        assert cases and all(str(FIXTURES) in c or (FIXTURES / c).is_dir() for c in cases), view
+        assert cases and all(str(FIXTURES) in c or case_dir(c).is_dir() for c in cases), view
 
 
 # -- hf: the served files against the converter ------------------------------------------------------------------
@@ -55,11 +56,11 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
 def test_hf_files_hold_the_converters_tensors(case):
     from safetensors.torch import load as load_safetensors
 
-    tree = ckptfs.open(FIXTURES / case / "cs" / "checkpoint.mdl", model=case_model(case), views="hf")
+    tree = ckptfs.open(case_checkpoint(case), views="hf", **case_options(case))
     try:
         for folder in expected_folders(case):
             base = f"{folder}/" if folder else ""
-            expected = json.loads((FIXTURES / case / "expected_hf" / folder / "keys.json").read_text())["tensors"]
+            expected = json.loads((case_dir(case) / "expected_hf" / folder / "keys.json").read_text())["tensors"]
             original = original_tensors(case, folder) or {}
             by_format = {}
             for fmt, suffix in (("safetensors", ".safetensors"), ("bin", ".bin")):
