@@ -248,3 +248,28 @@ def test_esm2_readme_warnings_name_the_contact_head_and_model_type():
     text = "\n".join(hf.warnings)
     assert "esm.contact_head.regression" in text and "model_type esm" in text
     assert hf.config["model_type"] == "esm" and hf.generation_config is None
+
+
+def test_bert_for_masked_lm_goes_to_a_bert_without_nsp_and_back(tmp_path):
+    """HF -> CS: a BertForMaskedLM folder is a CS BERT with disable_nsp (its segment table named by num_segments),
+    without NSP head or pooler; mounted back, the params choose BertForMaskedLM and every tensor is the original's."""
+    from transformers import BertForMaskedLM
+
+    from ckptfs.mapping.tocs import to_cs
+    from ckptfs.source.hf_folder import open_hf_model
+
+    BertForMaskedLM.from_pretrained(FIXTURES / "bert" / "hf").save_pretrained(tmp_path / "hf")
+    hf_model = open_hf_model(tmp_path / "hf")
+    plan = to_cs({f: (c.config, c.tensors) for f, c in hf_model.components.items()})
+    params = plan.params["model"]
+    assert (params["name"], params["disable_nsp"], params["num_segments"]) == ("bert", True, 2)
+    keys = [k for k, _ in plan.tensors]
+    assert not any(k.startswith(("bert_cls_head.", "bert_encoder.pooler.")) for k in keys)
+    config = write_yaml(tmp_path / "cs" / "params.yaml", plan.params)
+    back = to_hf(checkpoint_from_model(tmp_path / "cs" / "checkpoint.mdl", dict(plan.tensors)), config=config)
+    assert (back.model_name, back.hf_class) == ("bert-mlm", "BertForMaskedLM")
+    original = original_state("bert")
+    assert {n for n, _ in back.tensors} == {n for n in original if not n.startswith(("cls.seq_relationship.",
+                                                                                     "bert.pooler."))}
+    for name, t in back.tensors:
+        assert torch.equal(to_torch(t), original[name]), name
