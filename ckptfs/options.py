@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 from .cache import DEFAULT_CACHE_BYTES
 from .units import format_size, parse_size
+from .views import hf_formats
 
 
 # ---- kinds of values ------------------------------------------------------------------------------------------
@@ -77,13 +78,17 @@ def parse_views(text: str) -> tuple:
     return tuple(names)
 
 
-def choice(*values: str) -> Kind:
+def choice(*values) -> Kind:
+    """One of ``values``; or, given one function, one of what it returns when a value is parsed (a table such as
+    ``views.hf_formats``, which may gain rows after this module is imported)."""
+    allowed = values[0] if len(values) == 1 and callable(values[0]) else (lambda: values)
+
     def parse(text: str) -> str:
-        if text not in values:
-            raise ValueError(f"invalid choice {text!r} (choose from {', '.join(values)})")
+        if text not in allowed():
+            raise ValueError(f"invalid choice {text!r} (choose from {', '.join(allowed())})")
         return text
 
-    return Kind(parse, metavar="{" + ",".join(values) + "}")
+    return Kind(parse, metavar="{" + ",".join(allowed()) + "}")
 
 
 def _directory(text: str) -> Path:
@@ -174,9 +179,8 @@ class MountOptions:
     views: tuple = option(None, "--views", VIEWS, factory=_all_views, help="comma-separated views to generate")
     max_shard_size: int = option(5 * 10**9, "--max-shard-size", SIZE, content=True,
                                  help="largest HF weight shard, e.g. 5GB, 500MB, 2GiB")
-    hf_format: str = option("both", "--hf-format", choice("safetensors", "bin", "both"), content=True,
-                            help="HF weight files: safetensors (model*.safetensors), bin (pytorch_model*.bin) or both "
-                                 "(safetensors in each HF folder, the .bin files in its complete HF folder bin/)")
+    hf_format: str = option(hf_formats.ALL, "--hf-format", choice(hf_formats.choices), content=True,
+                            help=hf_formats.option_help())
     overlay: tuple = option((), "--overlay", DIRECTORY, repeat=True, content=True,
                             help="a directory whose files appear in the HF view (tokenizer, chat template, "
                                  "generation_config.json, model card…), replacing generated files of the same name "

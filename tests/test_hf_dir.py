@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 import ckptfs
+from ckptfs.layouts.pieces import PiecedFile, TensorBytes
 from ckptfs.views.overlay import OverlayError
 from conftest import FIXTURES
 from tokhelp import make_tokenizer
@@ -107,6 +108,40 @@ def test_every_component_folder_gets_its_own_bin_folder():
             assert own - {"bin", "model.safetensors"} == sub - {"pytorch_model.bin"}, folder  # same small files
     finally:
         tree.close()
+
+
+class RawLayout(PiecedFile):
+    """A made-up weight format for the test below: every tensor's bytes one after the other."""
+
+    def __init__(self, named, name, *, cache=None, **_):
+        super().__init__([TensorBytes(t, n) for n, t in named], name=name, cache=cache)
+
+
+def test_a_new_weight_format_is_one_layout_and_one_row_of_the_table(monkeypatch):
+    """The HF view, its folders and the --hf-format choices follow ``hf_formats.FORMATS``: a row naming a layout is
+    served on its own, in its own complete HF folder beside the safetensors, and with an index when sharded."""
+    from ckptfs import options
+    from ckptfs.views import hf_formats
+
+    assert options.by_name("hf_format").kind.metavar == "{" + ",".join(hf_formats.choices()) + "}"
+    raw = hf_formats.WeightFormat("raw", "weights", ".raw", "raw", "raw tensor bytes", RawLayout)
+    monkeypatch.setattr(hf_formats, "FORMATS", hf_formats.FORMATS + (raw,))
+    only = opened(GPT2, hf_format="raw")
+    both = opened(GPT2)
+    sharded = opened(GPT2, hf_format="raw", max_shard_size="20KB")
+    try:
+        assert names(only) == {"README.txt", "config.json", "generation_config.json", "weights.raw"}
+        st = both.read("model.safetensors", 0, 8)
+        header = json.loads(both.read("model.safetensors", 8, int.from_bytes(st, "little")))
+        first = min((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+        assert names(both, "raw") == {"config.json", "generation_config.json", "weights.raw"}
+        assert "raw/: the same model as raw tensor bytes" in text(both, "README.txt")
+        assert set(names(both)) >= {"model.safetensors", "bin", "raw"}
+        index = json.loads(text(sharded, "weights.raw.index.json"))
+        assert len(set(index["weight_map"].values())) > 1 and first in index["weight_map"]
+    finally:
+        for t in (only, both, sharded):
+            t.close()
 
 
 # -- overlay -----------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""The Hugging Face view: config.json, generation_config.json, safetensors and pytorch_model.bin weights with
-their index files, all computed from the mapping core's virtual tensors (nothing read until a byte is asked for);
-``hf_dir.arrange`` then lays them out for loaders (--hf-format, --overlay / tokenizer files, token ids)."""
+"""The Hugging Face view: config.json, generation_config.json, the weights in every format of ``hf_formats``
+(safetensors, pytorch_model.bin) with their index files, all computed from the mapping core's virtual tensors (nothing
+read until a byte is asked for); ``hf_dir.arrange`` then lays them out for loaders (--hf-format, --overlay /
+tokenizer files, token ids)."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,7 @@ import json
 from ..errors import CkptfsError
 from ..mapping.ops import Alias
 from .base import BytesFile, ViewResult
+from . import hf_formats
 
 
 def _json_file(obj) -> BytesFile:
@@ -28,28 +30,18 @@ def _untie(named: list) -> list:
 
 def weight_files(named: list, *, max_shard_size: int, zip_crc: str, crc_store=None, identity: str | None = None,
                  cache=None) -> dict:
-    """Both HF weight formats for ``named`` [(hf name, tensor)]: {relative path: VFile}, reading through ``cache``
-    (the mount's block cache; both formats share its blocks)."""
-    from ..layouts.safetensors import SafetensorsLayout
+    """Every HF weight format's files (``hf_formats.FORMATS``) for ``named`` [(hf name, tensor)]: {relative path:
+    file}, reading through ``cache`` (the mount's block cache; all formats share its blocks)."""
     from ..layouts.shards import index_json, plan_shards, shard_filenames
-    from ..layouts.torchzip import TorchZipLayout
-    from collections import OrderedDict
 
     files: dict = {}
-    st_named = _untie(named)
-    shards = plan_shards(st_named, max_shard_size)
-    names = shard_filenames("model", ".safetensors", len(shards))
-    for fname, shard in zip(names, shards):
-        files[fname] = SafetensorsLayout(shard, metadata={"format": "pt"}, cache=cache, name=fname)
-    files["model.safetensors.index.json"] = BytesFile(index_json(shards, names))
-
-    shards = plan_shards(named, max_shard_size)
-    names = shard_filenames("pytorch_model", ".bin", len(shards))
-    for fname, shard in zip(names, shards):
-        ident = f"{identity}:{fname}" if identity else None
-        files[fname] = TorchZipLayout(OrderedDict(shard), fname.rsplit(".", 1)[0], crc=zip_crc,
-                                      crc_store=crc_store, identity=ident, cache=cache)
-    files["pytorch_model.bin.index.json"] = BytesFile(index_json(shards, names))
+    for fmt in hf_formats.FORMATS:
+        shards = plan_shards(_untie(named) if fmt.untie else named, max_shard_size)
+        names = shard_filenames(fmt.stem, fmt.suffix, len(shards))
+        for fname, shard in zip(names, shards):
+            files[fname] = fmt.layout(shard, fname, cache=cache, zip_crc=zip_crc, crc_store=crc_store,
+                                      identity=identity)
+        files[fmt.index] = BytesFile(index_json(shards, names))
     return files
 
 

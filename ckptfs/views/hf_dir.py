@@ -4,9 +4,10 @@
 ``generation_config.json``, extra JSON files, both weight formats with their indexes, as ``views/hf.py`` builds
 them) and returns the view's final files and README.txt lines:
 
-* ``--hf-format``: ``safetensors`` keeps ``model*.safetensors``, ``bin`` keeps ``pytorch_model*.bin``; ``both`` (the
-  default) keeps the safetensors in the folder and puts the ``.bin`` files in its sub-folder ``bin/``, a complete
-  HF folder of its own (config.json, generation_config.json, tokenizer…). One folder then has one weight format
+* ``--hf-format`` (the formats are rows of ``hf_formats.FORMATS``): ``safetensors`` keeps ``model*.safetensors``,
+  ``bin`` keeps ``pytorch_model*.bin``; ``both`` (the default) keeps the safetensors in the folder and puts the
+  ``.bin`` files in its sub-folder ``bin/``, a complete HF folder of its own (config.json, generation_config.json,
+  tokenizer…). One folder then has one weight format
   and at most one ``*.index.json``, which is what loaders that choose between formats need (accelerate's
   ``load_checkpoint_and_dispatch`` takes ``pytorch_model.bin`` over ``model.safetensors`` and refuses a folder with
   two index files). An index file is written only for a sharded format, as ``save_pretrained`` does.
@@ -20,25 +21,15 @@ from __future__ import annotations
 
 import json
 import posixpath
-import re
 
 from .base import README_NAME, BytesFile
+from . import hf_formats
 from .overlay import collect_overlays, discover_tokenizer
 from .registry import folder_of
 from .special_tokens import token_ids
 
-BIN_FOLDER = "bin"
-_SAFETENSORS = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
-_BIN = re.compile(r"^pytorch_model(-\d{5}-of-\d{5})?\.bin$")
-_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-
-
 def json_file(obj) -> BytesFile:
     return BytesFile(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-
-
-def _weights(names: list, kind) -> list:
-    return [n for n in names if kind.match(n)]
 
 
 def folder_files(files: dict, folder: str) -> dict:
@@ -47,21 +38,21 @@ def folder_files(files: dict, folder: str) -> dict:
 
 
 def arrange_weights(own: dict, fmt: str) -> tuple:
-    """(files kept in the folder, files for its ``bin/`` folder) of one model folder's generated files ``own``."""
+    """(files kept in the folder, {sub-folder: its files}) of one model folder's generated files ``own`` under
+    ``--hf-format fmt``: a format's files (and its index, when sharded) where its row says."""
     names = sorted(own)
-    st, binf = _weights(names, _SAFETENSORS), _weights(names, _BIN)
-    small = {n: f for n, f in own.items() if n not in st and n not in binf and n not in _INDEXES}
+    shards = {f.name: [n for n in names if f.is_shard(n)] for f in hf_formats.FORMATS}
+    weights = {n for found in shards.values() for n in found} | {f.index for f in hf_formats.FORMATS}
+    small = {n: f for n, f in own.items() if n not in weights}
     keep, sub = dict(small), {}
-    for fmt_name, shards, index in (("safetensors", st, "model.safetensors.index.json"),
-                                    ("bin", binf, "pytorch_model.bin.index.json")):
-        chosen = {n: own[n] for n in shards}
-        if len(shards) > 1 and index in own:
-            chosen[index] = own[index]
-        if fmt == fmt_name or (fmt == "both" and fmt_name == "safetensors"):
+    for f in hf_formats.FORMATS:
+        chosen = {n: own[n] for n in shards[f.name]}
+        if len(shards[f.name]) > 1 and f.index in own:
+            chosen[f.index] = own[f.index]
+        if fmt == f.name or (fmt == hf_formats.ALL and not f.folder):
             keep.update(chosen)
-        elif fmt == "both":
-            sub.update(small)
-            sub.update(chosen)
+        elif fmt == hf_formats.ALL:
+            sub.setdefault(f.folder, dict(small)).update(chosen)
     return keep, sub
 
 
@@ -127,14 +118,17 @@ def arrange(files: dict, hf, ctx) -> tuple:
         notes += [f"{base}{p}" for p in tok.problems]
         keep, sub = arrange_weights(own, opts.hf_format)
         out.update({base + n: f for n, f in keep.items()})
-        if sub:
-            sub_base = base + BIN_FOLDER + "/"
-            out.update({sub_base + n: f for n, f in sub.items()})
+        for fmt in hf_formats.FORMATS:
+            if fmt.folder not in sub:
+                continue
+            sub_base = base + fmt.folder + "/"
+            out.update({sub_base + n: f for n, f in sub[fmt.folder].items()})
             out.update({sub_base + n: f for n, f in per_folder_extra[folder].items()
-                        if base + BIN_FOLDER + "/" + n not in overlay_files})
-            notes.append(f"{sub_base}: the same model as pytorch_model .bin files, a complete HF folder "
-                         f"(from_pretrained(MOUNT/{sub_base.rstrip('/')})) beside the safetensors-only "
-                         f"{base or '(root)/'} (--hf-format safetensors|bin|both)")
+                        if sub_base + n not in overlay_files})
+            alone = hf_formats.primary().name
+            notes.append(f"{sub_base}: the same model as {fmt.about}, a complete HF folder "
+                         f"(from_pretrained(MOUNT/{sub_base.rstrip('/')})) beside the {alone}-only "
+                         f"{base or '(root)/'} (--hf-format {'|'.join(hf_formats.choices())})")
     notes += _lay_over(out, overlay_files, ctx)
     return out, notes
 
