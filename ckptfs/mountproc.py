@@ -56,7 +56,7 @@ def stale_fix(mountpoint) -> str:
     return f"clear it with `ckptfs umount {mountpoint}` (or `fusermount3 -u -z {mountpoint}`)"
 
 
-def _proc_mounts() -> list:
+def proc_mounts() -> list:
     """``(mountpoint, fstype)`` of every mount, from /proc/self/mounts (does not touch the mounts themselves)."""
     from .fusefs import unescape_mount_path
 
@@ -81,7 +81,7 @@ def mount_state(mountpoint) -> str:
         if e.errno in _STALE_ERRNOS:
             return "stale"
         return "none"
-    listed = {m for m, _ in _proc_mounts()}
+    listed = {m for m, _ in proc_mounts()}
     if not (p in listed or os.path.realpath(p) in listed or os.path.ismount(p)):
         return "none"
     try:  # the kernel may still answer stat from its attribute cache; listing reaches the (dead?) server

@@ -27,10 +27,11 @@ class VirtualFile(ABC):
 
     def read(self, offset: int, n: int) -> bytes:
         """Bytes ``[offset, offset + n)``, fewer at the file's end."""
+        where = getattr(self, "name", None) or type(self).__name__
         if offset < 0 or n < 0:
-            raise ValueError(f"{getattr(self, 'name', None) or type(self).__name__}: invalid read of {n} bytes at offset {offset}")
+            raise ValueError(f"{where}: invalid read of {n} bytes at offset {offset}")
         buf = bytearray(max(0, min(n, self.size - offset)))
-        fill(self, offset, memoryview(buf), getattr(self, "name", None) or type(self).__name__)
+        fill(self, offset, memoryview(buf), where)
         return bytes(buf)
 
 

@@ -180,3 +180,13 @@ def model_outputs(model, inputs, ignore=()) -> list:
     return [v for k, v in items if isinstance(v, torch.Tensor) and k not in ignore]
 
 
+def state_dicts_equal(a: dict, b: dict, where: str = "", atol: float | None = None, absent=()) -> None:
+    """Equal state dicts (same keys, dtypes and values; within ``atol`` when given), but for tensors the checkpoint
+    cannot hold (``absent``: initialised by the loader)."""
+    assert a.keys() == b.keys(), where
+    for k, v in b.items():
+        if k in absent:
+            continue
+        assert a[k].dtype == v.dtype, f"{where}: {k}"
+        same = torch.allclose(a[k], v, rtol=0, atol=atol) if atol else torch.equal(a[k], v)
+        assert same, f"{where}: {k}"

@@ -55,6 +55,11 @@ def run_ckptfs(*args, env=None, cwd=None, text: bool = False, timeout: float = 3
     return r
 
 
+def read_all(vf, step: int = 1 << 20) -> bytes:
+    """A whole virtual file, read ``step`` bytes at a time in order."""
+    return b"".join(vf.read(o, step) for o in range(0, vf.size, step))
+
+
 def fuse_unusable_reason() -> str | None:
     """Why a FUSE mount cannot work here (None when it can)."""
     if not shutil.which("fusermount3") and not shutil.which("fusermount"):

@@ -20,10 +20,6 @@ from conftest import FIXTURES  # noqa: F401 - re-exported to the tests
 
 
 
-def read_all(vf, chunk: int = 1 << 20) -> bytes:
-    return b"".join(vf.read(o, chunk) for o in range(0, vf.size, chunk))
-
-
 def write_out(vf, path: Path, chunk: int = 1 << 20) -> Path:
     with open(path, "wb") as f:
         for o in range(0, vf.size, chunk):

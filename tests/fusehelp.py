@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptfs.errors import CheckpointError, TensorReadError
+from ckptfs.mountproc import fusermount, proc_mounts
 from ckptfs.views.base import BytesFile, ViewResult
 from ckptfs.virtual_file import VirtualFile
 from conftest import FIXTURES, ckptfs_argv, real_env
@@ -112,15 +112,9 @@ def fake_tree(ckpt="fake.mdl", **options):
 # ---- running ckptfs ---------------------------------------------------------------------------------
 
 
-def _fusermount() -> str:
-    return shutil.which("fusermount3") or shutil.which("fusermount") or "fusermount3"
-
-
 def is_mounted(mnt) -> bool:
     """Listed in /proc/self/mounts (true for a stale mount too)."""
-    target = os.path.abspath(str(mnt)).replace(" ", "\\040")
-    with open("/proc/self/mounts") as f:
-        return any(line.split()[1] == target for line in f if len(line.split()) > 1)
+    return any(m == os.path.abspath(str(mnt)) for m, _ in proc_mounts())
 
 
 def process_gone(pid: int, timeout: float = 20) -> bool:
@@ -141,7 +135,7 @@ def force_unmount(mnt) -> None:
     for args in (["-u"], ["-u", "-z"]):
         if not is_mounted(mnt):
             return
-        subprocess.run([_fusermount(), *args, str(mnt)], capture_output=True, timeout=30)
+        subprocess.run([fusermount(), *args, str(mnt)], capture_output=True, timeout=30)
 
 
 def reap(proc: subprocess.Popen, timeout: float = 15) -> int:
@@ -205,11 +199,11 @@ def mounted_server(ckpt, *args, env=None, timeout: float = 60, fake: str | None 
         yield srv
     finally:
         if srv.proc.poll() is None and is_mounted(mnt):
-            r = subprocess.run([_fusermount(), "-u", str(mnt)], capture_output=True, timeout=30)
+            r = subprocess.run([fusermount(), "-u", str(mnt)], capture_output=True, timeout=30)
             if r.returncode != 0 and is_mounted(mnt):
                 # busy: the test still maps a file of the mount (a model loaded with mmap); detach the mount
                 # and stop the server now instead of waiting for the mapping to go away
-                subprocess.run([_fusermount(), "-u", "-z", str(mnt)], capture_output=True, timeout=30)
+                subprocess.run([fusermount(), "-u", "-z", str(mnt)], capture_output=True, timeout=30)
                 srv.proc.terminate()
         try:
             srv.proc.wait(15)

@@ -5,12 +5,35 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 from ckptfs.source import open_checkpoint
 from ckptfs.source.catalog import Checkpoint, Container, TensorLeaf
 from ckptfs.virtual_tensor import ArrayTensor, Box, VirtualTensor, box_shape
 from conftest import FIXTURES  # noqa: F401 - re-exported to the mapping tests
 
+
+
+def params_of(case) -> dict:
+    """A fixture's params YAML."""
+    return yaml.safe_load((FIXTURES / case / "cs" / "params.yaml").read_text())
+
+
+def write_yaml(path, doc) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def to_torch(t):
+    """A virtual tensor's bytes as a torch tensor of its real dtype."""
+    import torch
+
+    raw = t.read_all()
+    dtype = getattr(torch, t.dtype.name)
+    if raw.size == 0:
+        return torch.empty(t.shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw.tobytes()), dtype=dtype).reshape(t.shape).clone()
 
 
 def open_fixture(case: str) -> Checkpoint:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from casehelp import (CASES, case_checkpoint, case_dir, case_facts, case_model, case_options, converted, has_hf,
-                      model_inputs, model_outputs, transformers_class)
+                      model_inputs, model_outputs, state_dicts_equal, transformers_class)
 from ckptfs.mapping.registry import default_registry
 from conftest import needs_fuse, real_env
 from fusehelp import mounted
@@ -38,17 +38,6 @@ def family_cases() -> list:
 
 def spec_has_components(case: str) -> bool:
     return any(folder for folder in converted(case).folders())
-
-
-def state_dicts_equal(a: dict, b: dict, where: str, atol: float | None = None, absent=()) -> None:
-    """Equal state dicts, but for tensors the checkpoint cannot hold (``absent``: initialised by the loader)."""
-    assert a.keys() == b.keys(), where
-    for k, v in b.items():
-        if k in absent:
-            continue
-        assert a[k].dtype == v.dtype, f"{where}: {k}"
-        same = torch.allclose(a[k], v, rtol=0, atol=atol) if atol else torch.equal(a[k], v)
-        assert same, f"{where}: {k}"
 
 
 def compare_through_the_mount(case: str, mnt, folder: str, cls) -> None:

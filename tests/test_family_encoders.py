@@ -8,7 +8,6 @@ import shutil
 import numpy as np
 import pytest
 import torch
-import yaml
 
 import ckptfs
 from safetensors import safe_open
@@ -18,29 +17,15 @@ from ckptfs.errors import ConfigError
 from ckptfs.mapping.convert import to_hf
 from ckptfs.mapping.detect import detect_family
 from ckptfs.virtual_tensor import ArrayTensor
-from mappinghelp import FIXTURES, checkpoint_from_model, model_tensors, open_fixture, open_path
+from mappinghelp import (FIXTURES, checkpoint_from_model, model_tensors, open_fixture, open_path, params_of, to_torch,
+                         write_yaml)
 
 NUM_LABELS = 3
-
-
-def params_of(case) -> dict:
-    return yaml.safe_load((FIXTURES / case / "cs" / "params.yaml").read_text())
-
-
-def write_yaml(path, doc):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(doc))
-    return path
 
 
 def original_state(case) -> dict:
     with safe_open(str(FIXTURES / case / "hf" / "model.safetensors"), "pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}
-
-
-def to_torch(t) -> torch.Tensor:
-    raw = t.read_all()
-    return torch.from_numpy(np.ascontiguousarray(raw).copy()).view(getattr(torch, t.dtype.name)).reshape(t.shape)
 
 
 def save_hf(hf, folder):

@@ -15,7 +15,8 @@ import pytest
 import torch.utils._pytree as pytree
 from hypothesis import given, settings, strategies as st
 
-from cshelp import RampTensor, h5_bytes_file, read_all
+from conftest import read_all
+from cshelp import RampTensor, h5_bytes_file
 from ckptfs.dtypes import BFLOAT16, FLOAT16
 from ckptfs.errors import CheckpointError
 from ckptfs.layouts import hdf5_spec
@@ -180,7 +181,7 @@ def test_any_byte_range_equals_the_whole_file(data):
 
 
 _LAYOUT = Hdf5Layout(_tree())
-_WHOLE = read_all(_LAYOUT, chunk=7919)
+_WHOLE = read_all(_LAYOUT, 7919)
 
 
 def test_bytes_are_stable_across_builds():
@@ -225,7 +226,7 @@ def test_skeleton_holds_no_tensor_data():
     lay = Hdf5Layout(big)
     assert lay.size > 64 << 20
     assert lay.metadata_bytes < 64 << 10
-    f = h5_bytes_file(read_all(lay, chunk=4 << 20))
+    f = h5_bytes_file(read_all(lay, 4 << 20))
     assert f["b"][(8 << 20) - 1] == (8 << 20) + 4 and f["a"][123] == 123
 
 

@@ -9,7 +9,7 @@ import textwrap
 import threading
 from pathlib import Path
 
-from cshelp import read_all
+from conftest import read_all
 from ckptfs.layouts.hdf5 import Hdf5Layout
 from test_layout_hdf5 import _tree
 
@@ -25,7 +25,7 @@ def _run(code: str) -> str:
 
 PRELUDE = """
     import gc, os, threading
-    from cshelp import read_all
+    from conftest import read_all
     from ckptfs.layouts import hdf5
     from ckptfs.layouts.hdf5 import Hdf5Layout
     from test_layout_hdf5 import _tree
@@ -80,7 +80,7 @@ def test_an_unused_child_is_killed_and_reaped_with_its_layout():
 def test_cs_view_of_a_forking_mount_has_the_same_bytes():
     out = _run("""
     import hashlib, os
-    from cshelp import read_all
+    from conftest import read_all
     from conftest import FIXTURES
     from ckptfs.tree.assemble import build_tree
     from ckptfs.options import MountOptions

@@ -19,16 +19,13 @@ from ckptfs.layouts.pieces import PackedBytes
 from ckptfs.layouts.safetensors import SafetensorsLayout
 from ckptfs.layouts.torchzip import TorchZipLayout
 from ckptfs.virtual_tensor import ArrayTensor
+from conftest import read_all
 
 
 def state(n: int = 300) -> OrderedDict:
     rng = np.random.default_rng(0)
     return OrderedDict((f"model.layers.{i // 7}.mlp.w{i % 7}.weight", ArrayTensor(rng.random((3, 1 + i % 5), "f4")))
                        for i in range(n))
-
-
-def read_all(f, step: int) -> bytes:
-    return b"".join(f.read(o, step) for o in range(0, f.size, step))
 
 
 def test_packed_bytes_slice_like_the_bytes(monkeypatch):

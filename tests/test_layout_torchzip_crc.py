@@ -18,6 +18,7 @@ from ckptfs.dtypes import BY_NAME, UINT8
 from ckptfs.virtual_tensor import BLOCK_BYTES, VirtualTensor, box_shape
 from ckptfs.layouts.crc import CrcStore, crc32, default_crc_dir
 from ckptfs.layouts.torchzip import TorchZipLayout
+from conftest import read_all
 
 
 class Pattern(VirtualTensor):
@@ -69,8 +70,8 @@ def one_block_cache():
     return BlockCache(BLOCK_BYTES + 1024)
 
 
-def read_all(layout, chunk=128 << 10) -> bytes:
-    return b"".join(layout.read(o, chunk) for o in range(0, layout.size, chunk))
+#: reads of 128 KiB: CRCs are folded in over many reads of each record
+STEP = 128 << 10
 
 
 def zip_is_valid(data: bytes) -> bool:
@@ -80,7 +81,7 @@ def zip_is_valid(data: bytes) -> bool:
 def test_sequential_copy_hashes_nothing_twice(one_block_cache):
     obj = make_obj()
     layout = TorchZipLayout(obj, "m", cache=one_block_cache)
-    data = read_all(layout)
+    data = read_all(layout, STEP)
     for t in storages(obj):
         assert t.elems == t.numel, t.describe()
     assert zip_is_valid(data)
@@ -99,7 +100,7 @@ def test_central_directory_first_hashes_once(one_block_cache, tmp_path):
     for t in storages(obj):
         assert t.elems == t.numel  # no new hashing
     before = {id(t): t.elems for t in storages(obj)}
-    data = read_all(layout)
+    data = read_all(layout, STEP)
     for t in storages(obj):
         assert t.elems - before[id(t)] == t.numel  # only the data itself, no re-hash
     assert zip_is_valid(data)
@@ -131,7 +132,7 @@ def test_descriptor_after_partial_sequential_read_hashes_only_the_rest(one_block
     layout.read(0, ent.data_offset + (5 << 20))  # first 5 MiB of the data, in order (block 0 then evicted)
     layout.read(ent.data_offset + ent.size, 16)  # the data descriptor needs the CRC now
     assert obj["a"].elems == obj["a"].numel  # the 5 MiB already folded in are not read again
-    assert zip_is_valid(read_all(layout))
+    assert zip_is_valid(read_all(layout, STEP))
 
 
 def test_unwritable_store_still_serves_right_crcs(tmp_path, one_block_cache):
@@ -140,7 +141,7 @@ def test_unwritable_store_still_serves_right_crcs(tmp_path, one_block_cache):
     obj = make_obj()
     layout = TorchZipLayout(obj, "m", crc_store=store, identity="x", cache=one_block_cache)
     layout.read(layout.cd_offset, 100)
-    assert zip_is_valid(read_all(layout))
+    assert zip_is_valid(read_all(layout, STEP))
     assert store.save("k", {"a": 1}) is False
     assert store.load("k") == {}
 
@@ -148,7 +149,7 @@ def test_unwritable_store_still_serves_right_crcs(tmp_path, one_block_cache):
 def test_concurrent_random_reads_give_valid_crcs():
     obj = make_obj()
     layout = TorchZipLayout(obj, "m")
-    ref = read_all(TorchZipLayout(make_obj(), "m"))
+    ref = read_all(TorchZipLayout(make_obj(), "m"), STEP)
     errors = []
 
     def worker(seed):
@@ -168,7 +169,7 @@ def test_concurrent_random_reads_give_valid_crcs():
     for t in threads:
         t.join()
     assert not errors
-    assert read_all(layout) == ref and zip_is_valid(ref)
+    assert read_all(layout, STEP) == ref and zip_is_valid(ref)
 
 
 # -- CrcStore --------------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 
-from conftest import FIXTURES
-from conftest import needs_fuse, real_env
+from casehelp import state_dicts_equal
+from conftest import FIXTURES, needs_fuse, real_env
 from fusehelp import mounted
 from tokhelp import make_tokenizer, prompts
 
@@ -38,12 +38,6 @@ def prompt_ids(n: int = 8) -> torch.Tensor:
 def generate_each(model, ids: torch.Tensor) -> list:
     with torch.no_grad():
         return [model.generate(ids[i:i + 1], **GREEDY)[0].tolist() for i in range(len(ids))]
-
-
-def state_dicts_equal(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k, v in b.items():
-        assert torch.equal(a[k], v), k
 
 
 # -- generation ------------------------------------------------------------------------------------------------

@@ -8,31 +8,20 @@ import shutil
 import numpy as np
 import pytest
 import torch
-import yaml
 
 from ckptfs.errors import ConfigError, MappingError
 from ckptfs.mapping.config import convert_config
 from ckptfs.mapping.convert import to_hf
 from ckptfs.mapping.detect import detect_family
 from ckptfs.mapping.registry import default_registry
-from mappinghelp import (FIXTURES, RecordingTensor, checkpoint_from_model, model_tensors, open_fixture,
-                                  open_path)
-
-
-def params_of(case) -> dict:
-    return yaml.safe_load((FIXTURES / case / "cs" / "params.yaml").read_text())
+from mappinghelp import (FIXTURES, RecordingTensor, checkpoint_from_model, model_tensors, open_fixture, open_path,
+                         params_of, write_yaml)
 
 
 def copy_ckpt(case, dest):
     dest.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy(FIXTURES / case / "cs" / "checkpoint.mdl", dest)
     return dest
-
-
-def write_yaml(path, doc):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(doc))
-    return path
 
 
 def hf_config(case, model_changes=None, drop=(), **kw):

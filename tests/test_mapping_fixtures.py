@@ -8,18 +8,9 @@ import pytest
 import torch
 
 from ckptfs.mapping.convert import to_hf
-from mappinghelp import FIXTURES, open_fixture
+from mappinghelp import FIXTURES, open_fixture, to_torch
 
 CASES = ["gpt2", "llama", "mistral", "mixtral", "gemma2", "bf16_llama", "train_gpt2"]
-
-
-def to_torch(t) -> torch.Tensor:
-    """A virtual tensor's bytes as a torch tensor of its real dtype."""
-    raw = t.read_all()
-    dtype = getattr(torch, t.dtype.name)
-    if raw.size == 0:
-        return torch.empty(t.shape, dtype=dtype)
-    return torch.frombuffer(bytearray(raw.tobytes()), dtype=dtype).reshape(t.shape).clone()
 
 
 @pytest.fixture(scope="module", params=CASES)

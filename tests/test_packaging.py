@@ -38,3 +38,12 @@ def test_wheel_installed_outside_the_repo_finds_its_mappings(tmp_path):
     assert r.returncode == 0 and "llama" in r.stdout, r.stderr
     r = run_ckptfs("export", ckpt, "config.json", "-", text=True, cwd=tmp_path, env=env)
     assert r.returncode == 0 and '"LlamaForCausalLM"' in r.stdout, r.stderr
+
+
+def test_every_package_of_the_source_tree_is_packaged():
+    """pyproject.toml lists its packages by name: a new folder of ckptfs/ (a layer, a backend) must be listed too."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    here = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "ckptfs").rglob("__init__.py")}
+    assert here - listed == set()

@@ -22,7 +22,7 @@ from ckptfs.virtual_tensor import ArrayTensor, VirtualTensor, box_shape
 from ckptfs.virtual_file import VirtualFile, fill
 from ckptfs.views.hf import weight_files
 
-from conftest import FIXTURES
+from conftest import FIXTURES, read_all
 
 
 class ChunkedTensor(VirtualTensor):
@@ -43,10 +43,6 @@ class ChunkedTensor(VirtualTensor):
         per_dim = [(-(-b // c) - a // c) * c for (a, b), c in zip(box, self.chunks)]
         self.decoded += math.prod(per_dim) if all(b > a for a, b in box) else 0
         return np.ascontiguousarray(self.array[tuple(slice(a, b) for a, b in box)])
-
-
-def read_all(f, step: int = 1 << 20) -> bytes:
-    return b"".join(f.read(o, step) for o in range(0, f.size, step))
 
 
 # -- the engine -------------------------------------------------------------------------------------------------

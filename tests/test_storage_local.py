@@ -294,7 +294,8 @@ def test_a_local_folder_lists_stats_opens_and_reads_its_entries(tmp_path):
     assert entries["link.mdl"].is_file and entries["link.mdl"].size == 10  # links are followed
     assert not entries["sub"].is_file
     assert entries["link.mdl"].version == entries["checkpoint_1.mdl"].version
-    assert sorted(e.name for e in folder.entries(match=lambda n: n.endswith(".mdl"))) == ["checkpoint_1.mdl", "link.mdl"]
+    mdl = folder.entries(match=lambda n: n.endswith(".mdl"))
+    assert sorted(e.name for e in mdl) == ["checkpoint_1.mdl", "link.mdl"]
     assert folder.stat("nope") is None and folder.stat("notes.txt").size == 7
     assert folder.read_text("notes.txt") == "latest\n" and folder.read_text("notes.txt", limit=3) == "lat"
     blob = folder.open("checkpoint_1.mdl")

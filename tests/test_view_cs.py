@@ -11,8 +11,9 @@ import hdf5plugin  # noqa: F401  (the fixtures' datasets are LZ4-filtered)
 import pytest
 import yaml
 
-from cshelp import (FIXTURES, RampTensor, copy_view_file_in_subprocess, h5_bytes_file, link_groups, read_all,
-                    renamed_legacy_copy, tree_sig, write_out)
+from conftest import read_all
+from cshelp import (FIXTURES, RampTensor, copy_view_file_in_subprocess, h5_bytes_file, link_groups, renamed_legacy_copy,
+                    tree_sig, write_out)
 from ckptfs.layouts.hdf5 import Hdf5Layout, TensorEntry
 from ckptfs.source import open_checkpoint
 from ckptfs.source.catalog import Container

@@ -100,7 +100,7 @@ class VirtualTree(Tree):
         self.cache = cache  # the block cache every file of this tree reads through (build_tree sizes it)
         self._closers = list(closers)
         self._warmers: list = []
-        items = []  # (parts, VirtualFile, size, raw path) of each file; (parts, None, 0, raw) of each declared directory
+        items = []  # (parts, file, size, raw path) of each file; (parts, None, 0, raw) of each declared directory
         same: dict = {}  # one string per distinct name: "weight.npy" is one object for every layer
         for raw, vf in files.items():
             parts = _checked_parts(raw, same)
