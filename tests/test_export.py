@@ -80,6 +80,7 @@ def test_bad_checkpoint_is_one_line_exit_2(tmp_path):
     assert not (tmp_path / "r.txt").exists()
 
 
+@pytest.mark.slow  # one ckptfs process per file
 def test_real_checkpoint_export_matches_the_tree(tmp_path):
     from ckptfs.tree.assemble import build_tree
 

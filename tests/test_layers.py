@@ -158,3 +158,13 @@ def test_the_check_sees_an_upward_import_inside_a_function_and_a_circle(table, t
     problems = upward_imports(table, fake)
     assert any("ckptfs.storage.probe (storage) imports ckptfs.tree.base (tree)" in p for p in problems), problems
     assert ["ckptfs.storage.probe", "ckptfs.storage.probe2"] in circles(fake)
+
+
+def test_the_files_the_code_names_exist():
+    """A docstring or comment that sends the reader to a document or test of the repository names one that exists."""
+    named = set()
+    for path in PACKAGE.rglob("*.py"):
+        named |= {m.rstrip(".") for m in re.findall(r"\b(?:docs|tests|scripts|mappings|examples)/[\w./-]+",
+                                                     path.read_text())}
+    missing = sorted(n for n in named if not list(ROOT.glob(n)))
+    assert named and missing == []

@@ -9,11 +9,14 @@ import textwrap
 import threading
 from pathlib import Path
 
+import pytest
+
 from conftest import read_all
 from ckptfs.layouts.hdf5 import Hdf5Layout
 from test_layout_hdf5 import _tree
 
 TESTS = Path(__file__).resolve().parent
+pytestmark = pytest.mark.slow  # each test a Python process that forks
 
 
 def _run(code: str) -> str:

@@ -221,6 +221,7 @@ def test_tied_and_views_of_every_dtype_identical(tmp_path):
     assert masked(got, 0, mask) == masked(ref, 0, mask)
 
 
+@pytest.mark.slow  # 65,600 records
 @pytest.mark.parametrize("kind", [OrderedDict, dict])
 def test_many_entries_zip64_counts_and_long_memo(kind):
     """More than 65535 records (16-bit counts saturate) and memo indices past 255 (LONG_BINPUT)."""

@@ -146,6 +146,7 @@ def test_unwritable_store_still_serves_right_crcs(tmp_path, one_block_cache):
     assert store.load("k") == {}
 
 
+@pytest.mark.slow  # many threads reading at random
 def test_concurrent_random_reads_give_valid_crcs():
     obj = make_obj()
     layout = TorchZipLayout(obj, "m")

@@ -14,6 +14,7 @@ from conftest import FIXTURES, run_ckptfs
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # builds and installs a wheel
 @pytest.mark.timeout(300)
 def test_wheel_installed_outside_the_repo_finds_its_mappings(tmp_path):
     wheels = tmp_path / "wheels"
