@@ -25,7 +25,7 @@ from ..views.registry import folder_of, names, view
 from .base import split_path
 from .virtual import VirtualTree
 
-log = logging.getLogger("ckptfs.vfs")
+log = logging.getLogger("ckptfs.tree")
 
 # ---- assembling the views -------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from ..errors import CkptfsError
 from ..virtual_file import VirtualFile
 from .base import DIR_MODE, FILE_MODE, NAME_MAX, Attr, Tree, VirtualPathError, split_path
 
-log = logging.getLogger("ckptfs.vfs")
+log = logging.getLogger("ckptfs.tree")
 
 
 class Entry:
