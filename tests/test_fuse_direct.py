@@ -1,7 +1,7 @@
 """Through a real mount: a checkpoint that is not in the page cache is read straight from the disk (issue 14's direct
 reads, ``ckptfs.storage.local``): ``cp`` gives the tree's bytes and leaves the checkpoint out of the page cache,
 which a buffered read (``CKPTFS_DIRECT_IO=0``, the control) fills; peeks at every tensor of a cold mount (read as
-only the rows asked for, ``lz4chunks._read_rows``) give the file's bytes."""
+only the rows asked for, ``lz4chunks.reader``) give the file's bytes."""
 from __future__ import annotations
 
 import os

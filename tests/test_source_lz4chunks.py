@@ -1,7 +1,8 @@
-"""The chunk-parallel LZ4 reader (ckptfs/source/lz4chunks.py) returns exactly h5py's bytes for every box, raises
+"""The chunk-parallel LZ4 reader (ckptfs/source/lz4chunks/) returns exactly h5py's bytes for every box, raises
 TensorReadError on a chunk that does not decode, and leaves everything else to the plain h5py read. No timing."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -15,26 +16,34 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ckptfs import env
 from ckptfs.cache import BlockCache
 from ckptfs.dtypes import BFLOAT16, BOOL, from_numpy
 from ckptfs.errors import TensorReadError
 from ckptfs.source import lz4chunks
-from ckptfs.storage import local
 from ckptfs.source.h5store import H5Store
-from ckptfs.source.stored_tensors import H5DatasetTensor, _to_storage
-from ckptfs.virtual_tensor import BLOCK_BYTES
+from ckptfs.source.lz4chunks import batch, frame, index, reader
+from ckptfs.source.lz4chunks.batch import BatchRead
+from ckptfs.source.lz4chunks.grid import ChunkGrid
+from ckptfs.source.lz4filter import LZ4_FILTER_ID
+from ckptfs.source.stored_tensors import H5DatasetTensor
+from ckptfs.storage import local
+from ckptfs.virtual_tensor import BLOCK_BYTES, aligned_block_elems
 
 DTYPES = ["<f4", "<f8", "<i2", "<u2", "<f2", "|u1", "|b1", "<i8", ">f4", ">i2"]
 
 
 @pytest.fixture(autouse=True)
-def _threads():
-    small, batch = lz4chunks._MIN_PARALLEL_BYTES, lz4chunks._BATCH_BYTES
-    lz4chunks._MIN_PARALLEL_BYTES = 0  # split even tiny reads over threads, so the tests exercise it
-    lz4chunks._BATCH_BYTES = 5000  # and over several fetch batches
+def _threads(monkeypatch):
+    monkeypatch.setattr(reader, "MIN_PARALLEL_BYTES", 0)  # split even tiny reads over threads, so the tests exercise it
+    monkeypatch.setattr(batch, "BATCH_BYTES", 5000)  # and over several fetch batches
     yield
-    lz4chunks._MIN_PARALLEL_BYTES, lz4chunks._BATCH_BYTES = small, batch
     lz4chunks.set_decode_threads(None)
+
+
+def _no_file(dset, coords, offset, size):
+    """An ``OpenChunkFile`` that has no file: every chunk comes through HDF5's ``read_direct_chunk``."""
+    return None
 
 
 def _data(rng, shape, dtype, kind):
@@ -58,14 +67,12 @@ def _reader_read(d, box, threads, fetch="direct"):
     """Read ``box`` with a fresh reader; ``fetch="chunks"`` forces read_direct_chunk instead of direct file reads,
     ``fetch="disk"`` makes the page cache look empty, so the file reads bypass it (``O_DIRECT``)."""
     lz4chunks.set_decode_threads(threads)
-    r = lz4chunks.plan(d)
+    r = lz4chunks.plan(d, open_file=_no_file) if fetch == "chunks" else lz4chunks.plan(d)
     assert r is not None, lz4chunks.why_not(d)
-    if fetch == "chunks":
-        r._raw = False
     if fetch == "disk":
         assert local.page_cache.works, "this kernel has no cachestat"
         reads = []
-        lz4chunks._raw_files.clear()  # a handle opened here, with the file taken as on a local disk
+        lz4chunks.local_chunk_files.clear()  # a handle opened here, with the file taken as on a local disk
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(local, "file_system_type", lambda dev: "ext4")
             mp.setattr(local, "DIRECT_MIN_BYTES", 1)
@@ -73,11 +80,11 @@ def _reader_read(d, box, threads, fetch="direct"):
             mp.setattr(local.LocalFile, "read_into", _recording(local.LocalFile.read_into, reads))
             out = r.read(box)
         if out is not None and out.size and _stored_under(r, box):
-            assert r._raw and reads and all(direct for _, direct in reads), "the disk reads were not direct"
+            assert r.file and reads and all(direct for _, direct in reads), "the disk reads were not direct"
         return out
     out = r.read(box)
     if fetch == "direct" and out is not None and out.size and _stored_under(r, box):
-        assert r._raw, "direct file reads were not used"
+        assert r.file, "direct file reads were not used"
     return out
 
 
@@ -91,8 +98,8 @@ def _recording(fn, log: list):
 
 def _stored_under(r, box) -> bool:
     """Whether ``box`` covers a stored (allocated) chunk: the read then fetched it, with the direct handle."""
-    ranges = [range(a // c, (b - 1) // c + 1) for (a, b), c in zip(box, r.chunks)]
-    return any(r._lookup(idx, r.index())[1] >= 0 for idx in itertools.product(*ranges))
+    sizes = r.index.arrays()[1]
+    return any(sizes[np.ravel_multi_index(idx, r.grid.counts)] >= 0 for idx in itertools.product(*r.grid.ranges(box)))
 
 
 @st.composite
@@ -141,6 +148,21 @@ def test_random_boxes_match_h5py(case):
                     assert got.tobytes() == want.tobytes(), (box, threads, fetch)
 
 
+def _as_storage(arr: np.ndarray, storage: np.dtype) -> np.ndarray:
+    """``arr``'s values, little-endian, seen as the tensor's storage type (the same bits: bf16 as int16 bits)."""
+    arr = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
+    return arr if arr.dtype == storage else arr.view(storage)
+
+
+@contextlib.contextmanager
+def _counting_reads():
+    """Counts ``LZ4ChunkReader.read`` calls (a box read by the chunk reader rather than by h5py alone)."""
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lz4chunks.LZ4ChunkReader, "read", _recording(lz4chunks.LZ4ChunkReader.read, calls))
+        yield calls
+
+
 @pytest.mark.parametrize("dtype,ddt", [(BFLOAT16, "<i2"), (BOOL, "|b1"), (from_numpy("<u2"), "<i2")])
 def test_tensor_views_stay_exact(tmp_path, dtype, ddt):
     """bf16 as int16 bits, bool enums and same-size integer views: identical to the plain h5py path."""
@@ -151,12 +173,13 @@ def test_tensor_views_stay_exact(tmp_path, dtype, ddt):
         f.create_dataset("w", data=data, chunks=(32, 16), **hdf5plugin.LZ4())
     with h5py.File(path, "r") as f:
         t = H5DatasetTensor(H5Store(path, path, file=f), "w", "model.w", data.shape, dtype)
-        assert t._chunk_reader(t.dataset()) is not None
         for box in (((0, 300), (0, 70)), ((5, 77), (3, 69)), ((299, 300), (69, 70))):
-            want = _to_storage(f["w"][tuple(slice(a, b) for a, b in box)], dtype.storage)
-            got = t.read(box)
+            want = _as_storage(f["w"][tuple(slice(a, b) for a, b in box)], dtype.storage)
+            with _counting_reads() as reads:
+                got = t.read(box)
+            assert reads, "the tensor did not read through the chunk reader"
             assert got.dtype == dtype.storage and got.tobytes() == want.tobytes()
-        assert t.read_bytes(0, t.nbytes, cache=BlockCache(1 << 30)) == _to_storage(data, dtype.storage).tobytes()
+        assert t.read_bytes(0, t.nbytes, cache=BlockCache(1 << 30)) == _as_storage(data, dtype.storage).tobytes()
 
 
 def test_unfiltered_chunks_and_user_fill_value(tmp_path):
@@ -201,7 +224,7 @@ def test_fill_time_never_falls_back_for_unallocated_chunks(tmp_path):
         dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
         dcpl.set_chunk((4,))
         dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
-        dcpl.set_filter(lz4chunks.LZ4_FILTER_ID, 1, (0,))
+        dcpl.set_filter(LZ4_FILTER_ID, 1, (0,))
         sid = h5py.h5s.create_simple((16,))
         h5py.h5d.create(f.id, b"x", h5py.h5t.NATIVE_FLOAT, sid, dcpl=dcpl)
         f["x"][0:4] = 3.0
@@ -259,8 +282,9 @@ def test_gzip_and_contiguous_datasets_use_h5py(tmp_path):
         assert lz4chunks.why_not(f["plain"]) == lz4chunks.why_not(f["scalar"]) == "not chunked"
         for name in ("gz", "lz4_shuffle", "plain"):
             t = H5DatasetTensor(H5Store(path, path, file=f), name, name, data.shape, from_numpy("<f4"))
-            assert t._chunk_reader(t.dataset()) is None
-            assert t.read(((3, 17), (2, 19))).tobytes() == data[3:17, 2:19].tobytes()
+            with _counting_reads() as reads:
+                assert t.read(((3, 17), (2, 19))).tobytes() == data[3:17, 2:19].tobytes()
+            assert not reads
 
 
 def test_library_unavailable_falls_back(tmp_path, monkeypatch):
@@ -268,7 +292,7 @@ def test_library_unavailable_falls_back(tmp_path, monkeypatch):
     data = np.arange(100, dtype="<i8")
     with h5py.File(path, "w") as f:
         f.create_dataset("x", data=data, chunks=(9,), **hdf5plugin.LZ4())
-    monkeypatch.setattr(lz4chunks, "_lib_state", [None])
+    monkeypatch.setattr(frame, "lz4_decompress_safe", lambda: None)
     with h5py.File(path, "r") as f:
         assert lz4chunks.why_not(f["x"]) == "LZ4 library unavailable"
         t = H5DatasetTensor(H5Store(path, path, file=f), "x", "x", data.shape, from_numpy("<i8"))
@@ -276,11 +300,11 @@ def test_library_unavailable_falls_back(tmp_path, monkeypatch):
 
 
 def test_threads_env_and_setting(monkeypatch):
-    monkeypatch.setenv(lz4chunks.ENV_THREADS, "3")
+    monkeypatch.setenv(env.DECODE_THREADS, "3")
     assert lz4chunks.decode_threads() == 3
-    monkeypatch.setenv(lz4chunks.ENV_THREADS, "0")
+    monkeypatch.setenv(env.DECODE_THREADS, "0")
     assert lz4chunks.decode_threads() == 1
-    monkeypatch.setenv(lz4chunks.ENV_THREADS, "x")
+    monkeypatch.setenv(env.DECODE_THREADS, "x")
     assert lz4chunks.decode_threads() == (os.cpu_count() or 1)
     lz4chunks.set_decode_threads(5)
     assert lz4chunks.decode_threads() == 5
@@ -309,12 +333,12 @@ def test_index_budget_drops_and_rebuilds(tmp_path, monkeypatch):
     with h5py.File(path, "w") as f:
         for k in "abc":
             f.create_dataset(k, data=np.arange(100, dtype="<f4"), chunks=(10,), **hdf5plugin.LZ4())
-    monkeypatch.setattr(lz4chunks, "_indexes", lz4chunks._IndexLRU(25))
+    monkeypatch.setattr(index.indexes, "budget", 25)
     with h5py.File(path, "r") as f:
         rs = [lz4chunks.plan(f[k]) for k in "abc"]
         for r in rs + rs:
             assert r.read(((3, 97),)).tobytes() == np.arange(3, 97, dtype="<f4").tobytes()
-        assert rs[0]._index is None and rs[2]._index is not None
+        assert not rs[0].index.indexed and rs[2].index.indexed
 
 
 def test_out_of_range_box_is_left_to_h5py(tmp_path):
@@ -332,17 +356,17 @@ def test_aligned_block_elems():
     base = block_bytes // 4
     cap = 4 * block_bytes
     # 4096x4096 fp32, chunks 128 rows: the default 256 rows is already 2 chunk rows
-    assert lz4chunks.aligned_block_elems((4096, 4096), (128, 128), 4, base, cap) == base
+    assert aligned_block_elems((4096, 4096), (128, 128), 4, base, cap) == base
     # 11008x4096 bf16, chunks (344, 128): default 512 rows -> 344 rows (one chunk row, not above 4 MiB)
-    assert lz4chunks.aligned_block_elems((11008, 4096), (344, 128), 2, block_bytes // 2, cap) == 344 * 4096
+    assert aligned_block_elems((11008, 4096), (344, 128), 2, block_bytes // 2, cap) == 344 * 4096
     # 1-d: whole chunks
-    assert lz4chunks.aligned_block_elems((3_000_017,), (7813,), 4, base, cap) == (base // 7813) * 7813
+    assert aligned_block_elems((3_000_017,), (7813,), 4, base, cap) == (base // 7813) * 7813
     # one chunk row bigger than the base but under the cap: one chunk row per block
-    assert lz4chunks.aligned_block_elems((8192, 8192), (256, 64), 4, base, cap) == 256 * 8192
+    assert aligned_block_elems((8192, 8192), (256, 64), 4, base, cap) == 256 * 8192
     # one chunk row above the cap, small tensors and chunkless tensors keep the default
-    assert lz4chunks.aligned_block_elems((100_000, 65536), (100, 8), 4, base, cap) == base
-    assert lz4chunks.aligned_block_elems((10, 10), (3, 3), 4, base, cap) == base
-    assert lz4chunks.aligned_block_elems((10, 10), None, 4, base, cap) == base
+    assert aligned_block_elems((100_000, 65536), (100, 8), 4, base, cap) == base
+    assert aligned_block_elems((10, 10), (3, 3), 4, base, cap) == base
+    assert aligned_block_elems((10, 10), None, 4, base, cap) == base
 
 
 def test_tensor_blocks_fall_on_chunk_rows_and_bytes_are_exact(tmp_path):
@@ -418,55 +442,69 @@ def test_peek_by_chunk_lookup_equals_whole_read(tmp_path, monkeypatch, shape, ch
                  tuple((0, 1) for n in shape[:-1]) + ((0, shape[-1]),),  # a first row: a run of raw chunks
                  tuple((0, 1) for n in shape[:-1]) + ((chunks[-1] // 2, shape[-1] - 1),)]  # cut at both ends
         runs = []
-        real_run = lz4chunks._Job.place_run
-        monkeypatch.setattr(lz4chunks._Job, "place_run", lambda job, *a: runs.append(a[-1]) or real_run(job, *a))
+        real_run = ChunkGrid.place_run
+        monkeypatch.setattr(ChunkGrid, "place_run", lambda grid, *a: runs.append(a[-1]) or real_run(grid, *a))
         for box in boxes:
             for fetch in ("direct", "chunks"):
-                r = lz4chunks.plan(d)
+                r = lz4chunks.plan(d, open_file=_no_file) if fetch == "chunks" else lz4chunks.plan(d)
                 assert r is not None
-                if fetch == "chunks":
-                    r._raw = False
                 got = r.read(box)
                 n = math.prod((b - 1) // c - a // c + 1 for (a, b), c in zip(box, chunks))
-                assert (r._index is None) == (2 * n <= r.nchunks), "small reads look up, larger ones index"
+                assert (not r.index.indexed) == (2 * n <= r.grid.nchunks), "small reads look up, larger ones index"
                 assert got.tobytes() == want[tuple(slice(a, b) for a, b in box)].tobytes(), (box, fetch)
                 if fetch == "direct":
-                    assert r._raw, "direct file reads were not used"
+                    assert r.file, "direct file reads were not used"
         if kind == "random" and shape[-1] >= 3 * chunks[-1]:
             assert max(runs) >= 2, "neighbouring raw chunks were not placed as a run"
 
 
+class _CountingLookups:
+    """A dataset whose chunk lookups in HDF5 (``get_chunk_info_by_coord``) are counted; the rest is ``dset``'s."""
+
+    def __init__(self, dset, calls: list):
+        self._dset = dset
+        self.id = _CountingLookups._Id(dset.id, calls)
+
+    def __getattr__(self, name):
+        return getattr(self._dset, name)
+
+    class _Id:
+        def __init__(self, did, calls):
+            self._did, self._calls = did, calls
+
+        def __getattr__(self, name):
+            return getattr(self._did, name)
+
+        def get_chunk_info_by_coord(self, coords):
+            self._calls.append(coords)
+            return self._did.get_chunk_info_by_coord(coords)
+
+
 def test_chunks_looked_up_are_remembered_until_indexing_is_cheaper(tmp_path, monkeypatch):
-    """Row-by-row small reads look each chunk up once; past ``_LOOKUP_CHUNKS`` looked up the dataset is indexed
+    """Row-by-row small reads look each chunk up once; past ``LOOKUP_CHUNKS`` looked up the dataset is indexed
     (and the lookups dropped); every read gives h5py's bytes."""
-    monkeypatch.setattr(lz4chunks, "_LOOKUP_CHUNKS", 12)
+    monkeypatch.setattr(index, "LOOKUP_CHUNKS", 12)
     data = _data(np.random.default_rng(5), (60, 40), "<f4", "mixed")
     path = tmp_path / "l.h5"
     with h5py.File(path, "w") as f:
         f.create_dataset("x", data=data, chunks=(6, 10), **hdf5plugin.LZ4())  # 10 x 4 chunks
     with h5py.File(path, "r") as f:
-        r = lz4chunks.plan(f["x"])
         first = f["x"].id.get_chunk_info_by_coord((0, 0))
-        r._raw = lz4chunks._raw_file(f["x"], (0, 0), first.byte_offset, first.size)  # checked before the spy
-        assert r._raw
+        file = lz4chunks.local_chunk_files.open(f["x"], (0, 0), first.byte_offset, first.size)  # the real dataset
+        assert file
         calls = []
-        real = r.dset.id.get_chunk_info_by_coord
-        r.dset = type("Spy", (), {"id": type("SpyId", (), {})()})()  # count HDF5 lookups, delegate the rest
-        for name in ("get_chunk_info_by_coord", "read_direct_chunk", "valid", "chunk_iter", "get_chunk_info",
-                     "get_num_chunks"):
-            setattr(r.dset.id, name, getattr(f["x"].id, name))
-        r.dset.id.get_chunk_info_by_coord = lambda c: calls.append(c) or real(c)
+        r = lz4chunks.LZ4ChunkReader(_CountingLookups(f["x"], calls), open_file=lambda *a: file)
         for row in range(6):  # rows of chunk row 0: its 4 chunks looked up once
             assert r.read(((row, row + 1), (0, 40))).tobytes() == data[row:row + 1].tobytes()
-        assert len(calls) == 4 and r._index is None
+        assert len(calls) == 4 and not r.index.indexed
         assert r.read(((6, 14), (0, 40))).tobytes() == data[6:14].tobytes()  # 8 more: 12 looked up
-        assert len(calls) == 12 and r._index is None and len(r._looked_up) == 12
+        assert len(calls) == 12 and not r.index.indexed and r.index.looked_up == 12
         assert r.read(((20, 21), (0, 40))).tobytes() == data[20:21].tobytes()  # 4 more, past the cap: indexed
-        assert len(calls) == 12 and r._index is not None and r._looked_up is None
+        assert len(calls) == 12 and r.index.indexed and r.index.looked_up == 0
         assert r.read(((0, 60), (0, 40))).tobytes() == data.tobytes()
 
 
-@pytest.mark.parametrize("rows", [1024, 2048])  # 64 chunks: read chunk by chunk (_FEW_RAW_CHUNKS); 128: batched
+@pytest.mark.parametrize("rows", [1024, 2048])  # 64 chunks: read chunk by chunk (FEW_RAW_CHUNKS); 128: batched
 def test_block_reads_hint_the_next_bytes_of_the_file_and_peeks_do_not(tmp_path, monkeypatch, rows):
     """A fetch of a cache block's worth of stored bytes from the page cache asks the kernel for the file bytes after
     it (WILLNEED); a small read does not (a peek must not read megabytes ahead), nor does a block read straight from
@@ -477,9 +515,8 @@ def test_block_reads_hint_the_next_bytes_of_the_file_and_peeks_do_not(tmp_path, 
     with h5py.File(path, "w") as f:
         f.create_dataset("a", data=a, chunks=(64, 128), **hdf5plugin.LZ4())
     calls = []
-    monkeypatch.setattr(lz4chunks.os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n, advice)),
-                        raising=False)
-    monkeypatch.setattr(lz4chunks, "_BATCH_BYTES", 8 << 20)  # one batch
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n, advice)), raising=False)
+    monkeypatch.setattr(batch, "BATCH_BYTES", 8 << 20)  # one batch
     with h5py.File(path, "r") as f:
         d = f["a"]
         stored_end = max(i.byte_offset + i.size for i in [d.id.get_chunk_info(k) for k in range(d.id.get_num_chunks())])
@@ -491,7 +528,7 @@ def test_block_reads_hint_the_next_bytes_of_the_file_and_peeks_do_not(tmp_path, 
             whole = _reader_read(d, ((0, rows), (0, 512)), 1)
         assert whole.tobytes() == a.tobytes()
         assert calls == [(stored_end, local.HINT_AHEAD, os.POSIX_FADV_WILLNEED)]
-        lz4chunks._raw_files.clear()  # a fresh handle: its hint window starts empty
+        lz4chunks.local_chunk_files.clear()  # a fresh handle: its hint window starts empty
         cold = _reader_read(d, ((0, rows), (0, 512)), 1, "disk")
         assert cold.tobytes() == a.tobytes()
         assert calls == [(stored_end, local.HINT_AHEAD, os.POSIX_FADV_WILLNEED)]
@@ -509,10 +546,10 @@ def test_a_block_of_raw_chunks_is_read_chunk_by_chunk_and_compressed_ones_in_a_b
     with h5py.File(path, "w") as f:
         f.create_dataset("a", data=a, chunks=(500, 64), **hdf5plugin.LZ4())  # cstorch's bf16 chunk shape
     batches = []
-    monkeypatch.setattr(lz4chunks._Job, "_batch", _recording(lz4chunks._Job._batch, batches))
+    monkeypatch.setattr(BatchRead, "run", _recording(BatchRead.run, batches))
     with h5py.File(path, "r") as f:
         r = lz4chunks.plan(f["a"])
-        r.index()
+        r.index.arrays()
         block = r.read(((0, 500), (0, 2048)))  # one chunk row: 32 chunks
         assert block.tobytes() == a[:500].tobytes()
         assert bool(batches) is batched
@@ -602,10 +639,10 @@ def test_a_peek_at_rows_past_the_end_of_a_truncated_file_names_the_chunk(tmp_pat
         f.create_dataset("a", data=a, chunks=(500, 64), **hdf5plugin.LZ4())
     with h5py.File(path, "r") as f:
         r = lz4chunks.plan(f["a"])
-        r.index()
-        last = max(r.index()[0])  # the chunk stored last in the file
-        k = int(np.flatnonzero(r.index()[0] == last)[0])
-        coords = tuple(i * c for i, c in zip(r._chunk_idx(k), r.chunks))
+        offs = r.index.arrays()[0]
+        last = max(offs)  # the chunk stored last in the file
+        k = int(np.flatnonzero(offs == last)[0])
+        coords = r.grid.coords(r.grid.chunk_idx(k))
         assert r.read(((0, 1), (0, 2048))).tobytes() == a[:1].tobytes()  # the direct handle is checked and kept
         os.truncate(path, int(last) + 1000)
         assert coords[1] >= 64
