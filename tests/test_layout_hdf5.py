@@ -20,9 +20,10 @@ from cshelp import RampTensor, h5_bytes_file
 from ckptfs.dtypes import BFLOAT16, FLOAT16
 from ckptfs.errors import CheckpointError
 from ckptfs.layouts import hdf5_spec
-from ckptfs.layouts import hdf5
-from ckptfs.layouts.hdf5 import (BytesEntry, FullEntry, Hdf5Layout, LinkEntry, NoneEntry, ScalarEntry, ScratchBuffer,
-                                 SparseBuffer, StringEntry, TensorEntry, entry_metadata)
+from ckptfs.layouts.hdf5 import Hdf5Layout
+from ckptfs.layouts.hdf5_buffers import ScratchBuffer, SparseBuffer
+from ckptfs.layouts.hdf5_entries import (BytesEntry, FullEntry, LinkEntry, NoneEntry, ScalarEntry, StringEntry,
+                                         TensorEntry, entry_metadata)
 from ckptfs.source.catalog import Container
 from ckptfs.virtual_tensor import ArrayTensor
 
@@ -203,7 +204,7 @@ def test_without_a_temporary_file_the_skeleton_is_kept_in_memory(monkeypatch):
     def no_tempfile(*a, **k):
         raise OSError(30, "Read-only file system")
 
-    monkeypatch.setattr(hdf5.tempfile, "TemporaryFile", no_tempfile)
+    monkeypatch.setattr(tempfile, "TemporaryFile", no_tempfile)
     lay = Hdf5Layout(_tree())
     assert read_all(lay) == _WHOLE
     assert isinstance(lay.plan().pieces[0].buffer, SparseBuffer)
@@ -213,7 +214,7 @@ def test_a_temporary_file_that_fails_while_written_falls_back_to_memory(monkeypa
     def full_disk(*a):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(hdf5.os, "pwrite", full_disk)
+    monkeypatch.setattr(os, "pwrite", full_disk)
     lay = Hdf5Layout(_tree())
     assert lay.size == len(_WHOLE)
     monkeypatch.undo()
@@ -254,7 +255,8 @@ def test_memory_stays_bounded_while_copying_out(tmp_path):
         sys.path.insert(0, %r)
         from cshelp import RampTensor
         from ckptfs.cache import BlockCache
-        from ckptfs.layouts.hdf5 import Hdf5Layout, TensorEntry
+        from ckptfs.layouts.hdf5 import Hdf5Layout
+        from ckptfs.layouts.hdf5_entries import TensorEntry
         from ckptfs.source.catalog import Container
         root = Container("dict", [f"t{i}" for i in range(4)], [TensorEntry(RampTensor(4 << 20, i)) for i in range(4)])
         tracemalloc.start()

@@ -29,7 +29,7 @@ def _run(code: str) -> str:
 PRELUDE = """
     import gc, os, threading
     from conftest import read_all
-    from ckptfs.layouts import hdf5
+    from ckptfs.layouts import hdf5_fork
     from ckptfs.layouts.hdf5 import Hdf5Layout
     from test_layout_hdf5 import _tree
 
@@ -49,8 +49,8 @@ def test_forked_build_gives_the_same_bytes_and_reaps_its_child():
     out = _run(PRELUDE + """
     lay = Hdf5Layout(_tree())
     assert lay.fork_build() and not lay.fork_build()  # one child per layout
-    pid = lay._child.pid
-    assert read_all(lay) == want and lay._child is None and reaped(pid)
+    pid = lay.build_pid
+    assert read_all(lay) == want and lay.build_pid is None and reaped(pid)
     print("ok")
     """)
     assert out.strip() == "ok"
@@ -58,10 +58,16 @@ def test_forked_build_gives_the_same_bytes_and_reaps_its_child():
 
 def test_a_failed_child_falls_back_to_building_here():
     out = _run(PRELUDE + """
-    hdf5._child_build = lambda *a: os._exit(3)  # what the forked child runs
+    import logging
+
+    hdf5_fork.build_in_child = lambda *a: os._exit(3)  # what the forked child runs
+    seen = []
+    logging.getLogger("ckptfs.layouts.hdf5").addHandler(
+        type("Seen", (logging.Handler,), {"emit": lambda self, rec: seen.append(rec.getMessage())})())
     lay = Hdf5Layout(_tree())
     assert lay.fork_build()
     assert read_all(lay) == want
+    assert any("build process failed" in m for m in seen), seen
     print("ok")
     """)
     assert out.strip() == "ok"
@@ -71,7 +77,7 @@ def test_an_unused_child_is_killed_and_reaped_with_its_layout():
     out = _run(PRELUDE + """
     lay = Hdf5Layout(_tree())
     assert lay.fork_build()
-    pid = lay._child.pid
+    pid = lay.build_pid
     del lay
     gc.collect()
     assert reaped(pid)
@@ -111,7 +117,7 @@ def test_no_fork_once_the_process_has_another_thread():
     th.start()
     try:
         lay = Hdf5Layout(_tree())
-        assert lay.fork_build() is False and lay._child is None
+        assert lay.fork_build() is False and lay.build_pid is None
         assert read_all(lay) == read_all(Hdf5Layout(_tree()))
     finally:
         stop.set()

@@ -14,7 +14,8 @@ import yaml
 from conftest import read_all
 from cshelp import (FIXTURES, RampTensor, copy_view_file_in_subprocess, h5_bytes_file, link_groups, renamed_legacy_copy,
                     tree_sig, write_out)
-from ckptfs.layouts.hdf5 import Hdf5Layout, TensorEntry
+from ckptfs.layouts.hdf5 import Hdf5Layout
+from ckptfs.layouts.hdf5_entries import TensorEntry
 from ckptfs.source import open_checkpoint
 from ckptfs.source.catalog import Container
 from ckptfs.upgrade import tree as T

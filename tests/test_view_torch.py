@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from cshelp import FIXTURES, RampTensor, copy_view_file_in_subprocess, write_out
-from ckptfs.layouts.hdf5 import Hdf5Layout, TensorEntry
+from ckptfs.layouts.hdf5 import Hdf5Layout
+from ckptfs.layouts.hdf5_entries import TensorEntry
 from ckptfs.source import open_checkpoint
 from ckptfs.source.catalog import Container, TensorLeaf
 from ckptfs.source.materialize import Opaque, Unreadable, to_torch

@@ -9,7 +9,8 @@ import io
 from functools import lru_cache
 
 from casehelp import CASES, case_facts, case_model
-from ckptfs.layouts.hdf5 import Hdf5Layout, TensorEntry
+from ckptfs.layouts.hdf5 import Hdf5Layout
+from ckptfs.layouts.hdf5_entries import TensorEntry
 from ckptfs.mapping.tocs import to_cs
 from ckptfs.source.catalog import Container
 from ckptfs.source.hf_folder import open_hf_model

@@ -16,8 +16,8 @@ from __future__ import annotations
 import yaml
 
 from ..errors import CkptfsError
-from ..layouts.hdf5 import (BytesEntry, FullEntry, Hdf5Layout, NoneEntry, ScalarEntry, StringEntry,
-                            TensorEntry)
+from ..layouts.hdf5 import Hdf5Layout
+from ..layouts.hdf5_entries import BytesEntry, FullEntry, NoneEntry, ScalarEntry, StringEntry, TensorEntry
 from ..source.catalog import Container, OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
 from ..upgrade import upgrade_checkpoint
 from .base import BytesFile, DeferredFile, ViewResult
