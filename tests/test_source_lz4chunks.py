@@ -269,6 +269,38 @@ def test_corrupt_chunk_raises_tensor_read_error(tmp_path, how):
         assert t.read(((0, 16), (0, 64))).tobytes() == bytes(16 * 64 * 4)  # other chunks still read
 
 
+def _frame(payload: bytes, block: int, stored: list | None = None) -> bytes:
+    """An HDF5-LZ4 frame of ``payload`` in blocks of ``block`` bytes, each stored raw (``stored`` overrides the
+    stored sizes written)."""
+    blocks = [payload[i:i + block] for i in range(0, len(payload), block)]
+    sizes = stored or [len(b) for b in blocks]
+    return frame.HEADER.pack(len(payload), block) + b"".join(frame.BLOCK.pack(n) + b for n, b in zip(sizes, blocks))
+
+
+def test_frame_decoding_is_exact_or_raises_without_any_file():
+    """The codec alone, on frames in memory: blocks stored raw are copied, a frame that does not hold exactly the
+    chunk's bytes raises CorruptChunkError naming the chunk; the batch's header check agrees."""
+    payload = bytes(range(256)) * 3
+    out = bytearray(len(payload))
+    good = bytearray(_frame(payload, 100))
+    frame.decode_frame(good, frame.address(good), len(payload), frame.address(out), (4, 8))
+    assert bytes(out) == payload
+    bad = {"short": good[:10], "truncated": good[:-5], "size": bytearray(_frame(payload[:-1], 100)),
+           "block": bytearray(_frame(payload, 100, [100] * 7 + [120]))}
+    for what, raw in bad.items():
+        with pytest.raises(frame.CorruptChunkError) as ei:
+            frame.decode_frame(raw, frame.address(raw), len(payload), frame.address(out), (4, 8))
+        assert ei.value.coords == (4, 8), what
+    one = bytearray(_frame(payload, 1 << 30))  # one block, stored raw: what most weights are
+    assert frame.stored_raw(one, 0, len(one), 0, len(payload))
+    assert not frame.stored_raw(one, 0, len(one), 1, len(payload))  # filter mask: the filter was skipped
+    assert not frame.stored_raw(good, 0, len(good), 0, len(payload))
+    buf = bytearray(one + good)
+    single, raw, stored = frame.frame_heads(buf, np.array([0, len(one)]), np.array([len(one), len(good)]),
+                                            np.array([0, 0]), len(payload))
+    assert single.tolist() == [True, False] and raw.tolist() == [True, False] and stored[0] == len(payload)
+
+
 def test_gzip_and_contiguous_datasets_use_h5py(tmp_path):
     path = tmp_path / "g.h5"
     data = np.arange(400, dtype="<f4").reshape(20, 20)
