@@ -22,6 +22,8 @@ from ...storage.local import LocalFile
 
 
 class OpenChunkFile(Protocol):
+    """Where a reader's chunks are fetched from (``plan(dset, open_file=...)``): one per storage backend."""
+
     def __call__(self, dset, coords: tuple, offset: int, size: int) -> Blob | None:
         """The file holding ``dset`` (an h5py Dataset) whose chunk at ``coords`` is stored at ``[offset, offset +
         size)``, or None (chunks then come through HDF5)."""
