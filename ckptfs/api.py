@@ -68,6 +68,6 @@ def load(ckpt, *, allow_partial: bool = False, allow_external=(), model: str | N
         finally:
             hc.close()
 
-    with open_checkpoint(resolve_checkpoint(Path(ckpt)), allow_partial=allow_partial,
+    with open_checkpoint(resolve_checkpoint(Path(ckpt), allow_external), allow_partial=allow_partial,
                          allow_external=allow_external) as c:
         return to_torch(c)

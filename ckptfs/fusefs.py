@@ -180,7 +180,13 @@ class CkptfsOperations:
                 return self._stat(self._tree.entry_by_handle(fh))
             except VirtualPathError:
                 pass
-        return self._stat(self._entry(path))
+        try:
+            return self._stat(self._entry(path))
+        except OSError:  # fstat() comes without a handle: a file still open here keeps its attributes
+            e = self._tree.open_entry(path)
+            if e is None:
+                raise
+            return self._stat(e)
 
     def readdir(self, path, fh):
         return [name if attrs is None else (name, attrs, 0) for _, name, attrs in self.readdir_plus(path, fh)]

@@ -33,7 +33,8 @@ from pathlib import Path
 
 from .errors import CkptfsError
 from .options import MountOptions, check_options, to_argv
-from .statedirs import CACHE_DIR_ENV, log_dir as wanted_log_dir
+from .statedirs import CACHE_DIR_ENV, cache_dir
+from .statefiles import StateDir
 from .tree.assemble import TreeBuilder, build_tree
 from .views.base import README_NAME
 
@@ -149,23 +150,40 @@ def unmount(mountpoint) -> str:
     raise MountError(p, f"unmount failed: {msg[-1]}")
 
 
+def _log_folder() -> StateDir:
+    """The folder for server logs: ``logs/`` under ckptfs's cache directory when that is the user's own
+    (``ckptfs.statefiles``) and can be written; else a private folder under the system's temporary directory (a
+    read-only HOME or cache directory must not stop a mount); else a ``MountError`` saying what to set."""
+    for root in (cache_dir(), Path(tempfile.gettempdir()) / f"ckptfs-{os.getuid()}"):
+        folder = StateDir.open(root, "logs")
+        if folder is not None:
+            if os.access(folder.path, os.W_OK | os.X_OK):
+                return folder
+            folder.close()
+    raise MountError(cache_dir() / "logs", "cannot create a folder for the server's log (read-only home or cache "
+                                           f"directory?): set {CACHE_DIR_ENV} to a writable folder")
+
+
 def log_dir() -> Path:
-    """Where a background server writes its log: ``logs/`` under ckptfs's cache directory when that can be created
-    and written; else a private folder under the system's temporary directory (a read-only HOME or cache directory
-    must not stop a mount); else a ``MountError`` saying what to set."""
-    wanted = wanted_log_dir()
-    for d in (wanted, Path(tempfile.gettempdir()) / f"ckptfs-{os.getuid()}" / "logs"):
-        try:
-            d.mkdir(parents=True, exist_ok=True, mode=0o700)
-            st = os.lstat(d.parent if d != wanted else d)
-            if d != wanted and (not stat_mod.S_ISDIR(st.st_mode) or st.st_uid != os.getuid()):
-                continue  # a shared temporary directory: only a folder of our own
-            if os.access(d, os.W_OK | os.X_OK):
-                return d
-        except OSError:
-            continue
-    raise MountError(wanted, "cannot create a folder for the server's log (read-only home or cache directory?): "
-                             f"set {CACHE_DIR_ENV} to a writable folder")
+    """Where a background server writes its log (``_log_folder``)."""
+    with _log_folder() as folder:
+        return folder.path
+
+
+def open_log(stem: str) -> tuple:
+    """``(path, file)``: a new private log file ``<stem>.log`` (``<stem>-N.log`` when taken) in the log folder,
+    created without following a link."""
+    with _log_folder() as folder:
+        for n in range(100):
+            name = f"{stem}.log" if n == 0 else f"{stem}-{n}.log"
+            try:
+                return folder.path / name, folder.create(name)
+            except FileExistsError:
+                continue
+            except OSError as e:
+                raise MountError(folder.path / name, f"cannot write the server's log ({e.strerror or e}): set "
+                                                     f"{CACHE_DIR_ENV} to a writable folder") from None
+    raise MountError(folder.path / f"{stem}.log", "cannot create the server's log: too many of that name")
 
 
 def server_argv(ckpt, mountpoint, options: MountOptions, *, allow_other: bool = False, debug: bool = False) -> list:
@@ -402,15 +420,10 @@ def start_background(ckpt, mountpoint, options: MountOptions, *, allow_other: bo
     gets the write end of a status pipe (``--status-fd``): the error
     that stops it before serving is raised here as the server printed it; on any failure (or Ctrl-C) nothing is left
     running or mounted."""
-    log_path = log_dir() / f"mount-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     args = server_argv(ckpt, mountpoint, options, allow_other=allow_other, debug=debug)
     if fork is None:
         fork = hasattr(os, "fork") and single_threaded()
-    try:
-        logf = open(log_path, "ab")
-    except OSError as e:
-        raise MountError(log_path, f"cannot write the server's log ({e.strerror or e}): set {CACHE_DIR_ENV} to a "
-                                   "writable folder") from None
+    log_path, logf = open_log(f"mount-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
     status_r, status_w = os.pipe()
     try:
         with logf:

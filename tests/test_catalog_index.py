@@ -294,13 +294,18 @@ def test_the_indexes_kept_are_bounded_newest_first(tmp_path, cache, monkeypatch)
 def test_a_writer_killed_mid_way_leaves_nothing_for_long(tmp_path, cache):
     mdl = _copy(tmp_path)
     folder = cache / "catalogs"
-    folder.mkdir(parents=True)
-    old, new = folder / ".index-old.tmp", folder / ".index-new.tmp"
-    for p in (old, new):
+    folder.mkdir(parents=True, mode=0o700)
+    old, new = folder / ".tmp-00000000000000aa", folder / ".tmp-00000000000000bb"
+    foreign = folder / ".tmp-00000000000000cc"  # readable by others: not a temporary file ckptfs made
+    for p in (old, new, foreign):
         p.write_text("half an index")
+        os.chmod(p, 0o600)
+    os.chmod(foreign, 0o644)
     os.utime(old, (0, 0))
+    os.utime(foreign, (0, 0))
     open_checkpoint(mdl).close()
     assert not old.exists() and new.exists()  # another writer may still be writing the new one
+    assert foreign.exists()
 
 
 def _open_fds_on(pid: int, path: Path) -> int:

@@ -99,6 +99,18 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path, command):
         assert r.stdout == ""
 
 
+@pytest.mark.parametrize("command", [["info"], ["ls", "-l"]])
+def test_a_success_flag_stored_as_an_array_is_one_line(tmp_path, command):
+    """``__SUCCESS__`` written as a bool array (not a flag): the same one line as every other bad input."""
+    bad = Path(shutil.copy(FIX / "llama" / "cs" / "checkpoint.mdl", tmp_path / "checkpoint.mdl"))
+    with h5py.File(bad, "r+") as f:
+        del f.attrs["__SUCCESS__"]
+        f.attrs["__SUCCESS__"] = np.array([True, False])
+    r = run_ckptfs(*command, bad, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "__SUCCESS__" in r.stderr and bad.name in r.stderr
+
+
 def test_allow_partial_opens_the_tmp_files(tmp_path):
     for p in sorted(EDGE.glob("*.mdl.*.tmp")):
         r = run_ckptfs("info", p, text=True, timeout=120)

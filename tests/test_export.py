@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -102,7 +103,7 @@ def test_a_model_dir_means_its_latest_checkpoint(tmp_path):
     model_dir = tmp_path / "model_dir"
     model_dir.mkdir()
     for step in (10, 200):
-        (model_dir / f"checkpoint_{step}.mdl").symlink_to(FIXTURES_CKPT)
+        shutil.copy(FIXTURES_CKPT, model_dir / f"checkpoint_{step}.mdl")
     r = run_ckptfs("export", model_dir, "README.txt", "-", timeout=120)
     assert r.returncode == 0, r.stderr
     assert "checkpoint_200.mdl" in r.stdout.decode()
@@ -115,10 +116,21 @@ def test_a_model_dir_of_dated_checkpoints_means_the_latest_one(tmp_path):
     model_dir.mkdir()
     for name in ("checkpoint_200_20240102_030405.mdl", "checkpoint_200_20231231_235959.mdl",
                  "checkpoint_10_20250101_000000.mdl"):
-        (model_dir / name).symlink_to(FIXTURES_CKPT)
+        shutil.copy(FIXTURES_CKPT, model_dir / name)
     r = run_ckptfs("export", model_dir, "README.txt", "-", timeout=120)
     assert r.returncode == 0, r.stderr
     assert "checkpoint_200_20240102_030405.mdl" in r.stdout.decode()
+
+
+def test_a_model_dir_of_links_to_elsewhere_needs_allow_external(tmp_path):
+    """Checkpoint files that are links out of the model_dir are what the model_dir names: confined like the rest."""
+    model_dir = tmp_path / "model_dir"
+    model_dir.mkdir()
+    (model_dir / "checkpoint_10.mdl").symlink_to(FIXTURES_CKPT)
+    r = run_ckptfs("export", model_dir, "README.txt", "-", timeout=120)
+    assert r.returncode == 2 and b"outside the model_dir" in r.stderr and b"--allow-external" in r.stderr
+    r = run_ckptfs("export", model_dir, "README.txt", "-", "--allow-external", FIXTURES_CKPT.parent, timeout=120)
+    assert r.returncode == 0, r.stderr
 
 
 def test_a_file_export_reads_ahead_while_it_writes_and_leaves_the_tree_as_it_was(tmp_path, monkeypatch):

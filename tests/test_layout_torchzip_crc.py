@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import math
 import threading
 import zipfile
@@ -182,11 +183,16 @@ def test_crc_store_round_trip_merge_and_corruption(tmp_path):
     assert store.save(key, {"m/data/0": 5, "m/data/1": 0xFFFFFFFF})
     assert store.save(key, {"m/data/2": 7})
     assert CrcStore(tmp_path).load(key) == {"m/data/0": 5, "m/data/1": 0xFFFFFFFF, "m/data/2": 7}
-    assert [p.name for p in tmp_path.iterdir()] == [f"{key}.json"]  # no temporary files left
-    (tmp_path / f"{key}.json").write_text("{not json")
+    assert [p.name for p in store.directory.iterdir()] == [f"{key}.json"]  # no temporary files left
+    path = store.directory / f"{key}.json"
+    lines = path.read_bytes().splitlines()
+    path.write_bytes(b"\n".join([lines[0], b'{"m/data/0": 6, "m/data/1": 4294967295, "m/data/2": 7}', lines[2]]))
+    assert store.load(key) == {}  # edited: its seal no longer verifies
+    path.write_text("{not json")
     assert store.load(key) == {}
-    (tmp_path / f"{key}.json").write_text(json.dumps({"format": 1, "crcs": {"a": -1, "b": "x", "c": 3}}))
-    assert store.load(key) == {"c": 3}
+    assert store.save(key, {"m/data/0": 5})
+    os.chmod(path, 0o644)  # readable by others: not a file ckptfs wrote
+    assert store.load(key) == {}
 
 
 def test_default_crc_dir(monkeypatch, tmp_path):

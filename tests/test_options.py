@@ -71,8 +71,8 @@ def test_the_api_parses_texts_like_the_command_line(tmp_path):
 def test_content_identity_follows_the_content_flag(tmp_path):
     ck = tmp_path / "c.mdl"
     ck.write_bytes(b"x")
+    sample = every_option_set(tmp_path)  # (its params file is one ck may be converted with: made first)
     base = content_identity(ck, mo.MountOptions())
-    sample = every_option_set(tmp_path)
     for d in mo.declared():
         one = mo.MountOptions(**{d.name: getattr(sample, d.name)})
         changed = content_identity(ck, one) != base

@@ -3,18 +3,19 @@
 
 The bytes come from the same tree the mount serves (same view options), streamed in 8 MiB blocks.
 DEST ``-`` is stdout; an existing directory receives the file under its own name. A file is written to
-``DEST.tmp`` and renamed at the end, so a failed export leaves no partial DEST behind. A progress bar (tqdm or
-rich, ``ckptfs.progress``) is shown when stderr is a terminal.
+``DEST.tmp`` and renamed at the end, so a failed export leaves no partial DEST behind (``ckptfs.outfiles``: the
+temporary file is created without following a link, and DEST is replaced only if it is a regular file). A progress
+bar (tqdm or rich, ``ckptfs.progress``) is shown when stderr is a terminal.
 """
 from __future__ import annotations
 
 import contextlib
 import difflib
-import os
 import sys
 from pathlib import Path
 
 from ..errors import CkptfsError, UsageError
+from ..outfiles import OutputDir
 from ..tree.base import Tree, VirtualPathError, split_path
 from .export_tree import export_tree, read_failed
 from .. import options as mount_options
@@ -85,21 +86,19 @@ def export_file(tree: Tree, vpath: str, dest, *, progress: bool = False, block: 
         target = Path(dest)
         if target.is_dir():
             target = target / e.name
-        tmp = target.with_name(target.name + ".tmp")
-        ok = False
-        try:
-            with open(tmp, "wb") as f:
-                _copy(tree, e, f, bar, block)
-            os.replace(tmp, target)
-            ok = True
-        except OSError as err:
-            raise CkptfsError(target, f"cannot write: {err.strerror or err}") from err
-        finally:
-            if not ok:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
+        with OutputDir(target.parent, create=False) as out:
+            part = out.create(target.name, ".tmp")  # no link followed, no FIFO opened
+            ok = False
+            try:
+                with open(part.fd, "wb", closefd=False) as f:
+                    _copy(tree, e, f, bar, block)
+                part.place()
+                ok = True
+            except OSError as err:
+                raise CkptfsError(target, f"cannot write: {err.strerror or err}") from err
+            finally:
+                if not ok:
+                    part.abandon()
     if bar:
         bar.close()
     return e.size

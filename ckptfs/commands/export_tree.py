@@ -2,9 +2,10 @@
 
 The result is what ``cp -r MOUNT/. OUTDIR`` gives, file for file and byte for byte, without FUSE. Files are cut into
 blocks that a thread pool decodes in parallel; each block is written at its offset into ``<file>.part``, which is
-renamed to its name once complete (after an fsync), with the mount's modification time. A re-run after an
-interruption keeps every file that is already there with its expected size and that modification time (a finished
-file) and redoes the rest; leftover ``.part`` files are rewritten from the start.
+renamed to its name once complete (after an fsync), with the mount's modification time. Folders and files are made
+through ``ckptfs.outfiles`` (no link followed below OUTDIR, no FIFO opened, nothing but a regular file replaced). A
+re-run keeps a file only when the record of an earlier export (``export_record``) says it finished that very file
+from the same content, and redoes the rest; leftover ``.part`` files are rewritten from the start.
 """
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CkptfsError
+from ..outfiles import OutputDir, OutputError
 from ..progress import progress_bar
 from ..tree.base import Tree
+from .export_record import ExportRecord, content_key
 
 BLOCK = 8 << 20
 PART = ".part"
@@ -40,31 +43,25 @@ def default_threads() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def finished(target: Path, size: int, mtime_ns: int) -> bool:
-    """Whether ``target`` is a file a previous export completed: regular, the expected size and mtime."""
-    try:
-        st = os.lstat(target)
-    except OSError:
-        return False
-    import stat as stat_mod
-
-    return stat_mod.S_ISREG(st.st_mode) and st.st_size == size and st.st_mtime_ns == mtime_ns
-
-
 class _PartFile:
-    """One file being written: ``<name>.part`` opened on its first block, renamed when its last block is in."""
+    """One file being written: ``<name>.part`` created on its first block, renamed when its last block is in."""
 
-    def __init__(self, entry, target: Path, nblocks: int, mtime_ns: int):
-        self.entry, self.target, self.mtime_ns = entry, target, mtime_ns
-        self.part = target.with_name(target.name + PART)
+    def __init__(self, entry, outdir: OutputDir, rel: str, nblocks: int, mtime_ns: int, record: ExportRecord,
+                 key: str | None):
+        self.entry, self.outdir, self.rel, self.mtime_ns = entry, outdir, rel, mtime_ns
+        self.record, self.key = record, key
         self.left = nblocks
-        self.fd = None
+        self.out = None
         self.lock = threading.Lock()
 
+    @property
+    def target(self) -> Path:
+        return self.outdir.path / self.rel
+
     def _open(self) -> None:
-        if self.fd is None:
-            self.fd = os.open(self.part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
-            os.ftruncate(self.fd, self.entry.size)
+        if self.out is None:
+            self.out = self.outdir.create(self.rel, PART)
+            os.ftruncate(self.out.fd, self.entry.size)
 
     def write(self, offset: int, data: bytes) -> bool:
         """Write one block; True when it was the file's last (the file is then in place)."""
@@ -72,7 +69,7 @@ class _PartFile:
             self._open()
         view = memoryview(data)
         while view:
-            n = os.pwrite(self.fd, view, offset)
+            n = os.pwrite(self.out.fd, view, offset)
             view, offset = view[n:], offset + n
         with self.lock:
             self.left -= 1
@@ -82,65 +79,83 @@ class _PartFile:
             return True
 
     def _finish(self) -> None:
-        os.fsync(self.fd)
-        os.close(self.fd)
-        self.fd = None
-        os.utime(self.part, ns=(self.mtime_ns, self.mtime_ns))
-        if self.target.is_dir() and not self.target.is_symlink():
-            raise CkptfsError(self.target, "is a directory; cannot export the file of that name over it")
-        os.replace(self.part, self.target)
+        fd = os.dup(self.out.fd)
+        try:
+            st = self.out.place(self.mtime_ns)
+            if self.key is not None:
+                self.record.add(self.rel, self.key, st, fd)
+        finally:
+            os.close(fd)
+        self.out = None
 
     def abandon(self) -> None:
         with self.lock:
-            if self.fd is not None:
-                os.close(self.fd)
-                self.fd = None
-            try:
-                os.unlink(self.part)
-            except OSError:
-                pass
+            if self.out is not None:
+                self.out.abandon()
+                self.out = None
 
 
-def _plan(tree: Tree, outdir: Path, block: int) -> tuple:
+def _opener(outdir: OutputDir, rel: str):
+    def read_fd():
+        parent, _, name = rel.rpartition("/")
+        try:
+            return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                           dir_fd=outdir.folder(parent))
+        except OSError:
+            return None
+    return read_fd
+
+
+def _plan(tree: Tree, outdir: OutputDir, record: ExportRecord, block: int) -> tuple:
     """([(part file, offset, length)], {part files}, kept count, bytes to write)."""
     jobs, parts, kept, total = [], [], 0, 0
+    identity = getattr(tree, "identity", None)
     for path in tree.walk():
         e = tree.lookup(path)
         mtime_ns = tree.attr(e).mtime_ns
-        target = outdir / path
-        if finished(target, e.size, mtime_ns):
+        key = content_key(identity, path, e.size) if identity else None
+        if key is not None and record.finished(path, key, outdir.lstat(path), _opener(outdir, path)):
             kept += 1
-            stale = target.with_name(target.name + PART)
-            if stale.exists() and not stale.is_dir():
-                stale.unlink()  # left by an earlier interrupted run of a file since finished
+            outdir.remove_leftover(path + PART)  # of an earlier run interrupted before this file was finished
             continue
+        record.forget(path)
         nblocks = max(1, -(-e.size // block))
-        pf = _PartFile(e, target, nblocks, mtime_ns)
+        pf = _PartFile(e, outdir, path, nblocks, mtime_ns, record, key)
         parts.append(pf)
         total += e.size
         jobs += [(pf, off, min(block, e.size - off)) for off in range(0, max(e.size, 1), block)]
     return jobs, parts, kept, total
 
 
-def _make_dirs(tree: Tree, outdir: Path) -> None:
+def _make_dirs(tree: Tree, outdir: OutputDir) -> None:
     files = set(tree.walk())
-    outdir.mkdir(parents=True, exist_ok=True)
     for path in tree.walk(dirs=True):
         if path not in files:
-            (outdir / path).mkdir(parents=True, exist_ok=True)
+            outdir.folder(path)
 
 
-def export_tree(tree: Tree, outdir, *, threads: int | None = None, progress: bool = False, block: int = BLOCK
-                ) -> ExportReport:
-    """Write every file of ``tree`` under ``outdir`` (see the module docstring); returns what was done."""
-    outdir = Path(outdir)
-    try:
-        _make_dirs(tree, outdir)
-    except OSError as e:
-        raise CkptfsError(e.filename or outdir, f"cannot create directory: {e.strerror or e}") from e
-    jobs, parts, kept, total = _plan(tree, outdir, block)
+def export_tree(tree: Tree, outdir, *, threads: int | None = None, progress: bool = False, block: int = BLOCK,
+                cache_root=None) -> ExportReport:
+    """Write every file of ``tree`` under ``outdir`` (see the module docstring); returns what was done.
+    ``cache_root``: where export records live (default: ckptfs's cache directory)."""
+    if cache_root is None:
+        from ..statedirs import cache_dir
+
+        cache_root = cache_dir()
+    with OutputDir(outdir) as out:
+        record = ExportRecord(out.fd, out.path, cache_root)
+        try:
+            return _export(tree, out, record, threads, progress, block)
+        finally:
+            record.flush()
+
+
+def _export(tree: Tree, out: OutputDir, record: ExportRecord, threads, progress: bool, block: int) -> ExportReport:
+    _make_dirs(tree, out)
+    jobs, parts, kept, total = _plan(tree, out, record, block)
+    record.flush()  # files found changed are forgotten before any is rewritten
     report = ExportReport(kept=kept)
-    bar = progress_bar(total, f"export {outdir.name or outdir}") if progress and total else None
+    bar = progress_bar(total, f"export {out.path.name or out.path}") if progress and total else None
 
     def run(job):
         pf, off, n = job
@@ -150,6 +165,8 @@ def export_tree(tree: Tree, outdir, *, threads: int | None = None, progress: boo
             raise read_failed(pf.entry.path, off, err) from err
         try:
             done = pf.write(off, data)
+        except OutputError:
+            raise
         except OSError as err:
             raise CkptfsError(pf.target, f"cannot write: {err.strerror or err}") from err
         return len(data), done

@@ -194,7 +194,7 @@ def run(args) -> int:
         return 0
 
     if is_run_argument(args.ckpt, args.single):  # a model_dir: the run, then its latest checkpoint
-        listing = scan_run(args.ckpt)
+        listing = scan_run(args.ckpt, args.allow_external or ())
         s = None
         if listing.latest is not None:
             with open_checkpoint(listing.latest.path, allow_external=args.allow_external or ()) as ckpt:

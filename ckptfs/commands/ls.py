@@ -79,7 +79,7 @@ def run(args) -> int:
     from .runinfo import format_run, is_hf_source, is_run_argument, scan_run
 
     if is_run_argument(args.ckpt, args.single):  # a model_dir: the run's checkpoints
-        print(format_run(scan_run(args.ckpt)))
+        print(format_run(scan_run(args.ckpt, args.allow_external or ())))
         return 0
     if is_hf_source(args.ckpt):  # a Hugging Face model: the checkpoint its mount serves
         from ..views.from_hf import open_hf_checkpoint

@@ -38,9 +38,9 @@ def is_hf_source(path) -> bool:
     return is_hf_folder(path)
 
 
-def scan_run(path) -> RunListing:
+def scan_run(path, allow_external=()) -> RunListing:
     """The run in ``path``; a ``CheckpointError`` if the directory holds no checkpoint file at all."""
-    listing = RunScanner(path).scan()
+    listing = RunScanner(path, allow_external=allow_external).scan()
     if not listing.checkpoints:
         raise CheckpointError(listing.model_dir, "is a directory with no checkpoint_<step>.mdl file (not a model_dir)")
     return listing

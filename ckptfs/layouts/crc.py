@@ -4,65 +4,75 @@ records are hashed once, not per mount.
 ``crc32`` is zlib-ng's when it is installed (a dependency: the same CRC-32 as zlib's, computed with SIMD, ~24 GB/s
 here against zlib's ~2.8 GB/s, which cost ~0.35 CPU-s per GB of a CRC-exact ``.bin``), else zlib's.
 
-One small JSON file per key (``<dir>/<key>.json``: ``{"format": 1, "crcs": {record: crc}}``). A key
-is a hash of the caller's ``identity`` (e.g. the source checkpoint's realpath, size, mtime_ns and
-inode) and of the layout's signature (record names, dtypes, shapes, archive name), so a changed
-checkpoint or a changed layout never reuses stale values. Writes are atomic (temporary file in the
-same directory, then ``os.replace``); a missing, unwritable or read-only directory just disables
-persistence, and an unreadable or corrupt file reads as empty.
+One small file per key (``crc/<key>.json``), one of ckptfs's own state files (``ckptfs.statefiles``: trusted only
+when it is the user's own and its seal verifies; written atomically; a missing, unwritable or untrusted folder just
+disables persistence, and a file that does not verify reads as empty). A key is a hash of the caller's ``identity``
+(``vfs.content_identity``: the source checkpoint's real path and full identity — device, inode, size, mtime, ctime —
+its params and the content options) and of the layout's signature (record names, dtypes, shapes, archive name), so a
+changed checkpoint (even one rewritten with its size and mtime restored) or a changed layout never reuses stale
+values.
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import tempfile
+import re
 import threading
 from pathlib import Path
-
-from ..statedirs import crc_dir
 
 try:
     from zlib_ng.zlib_ng import crc32
 except ImportError:  # pragma: no cover - zlib-ng is a dependency; the standard library's is the same function
     from zlib import crc32
 
+from ..statedirs import cache_dir
+from ..statefiles import StateDir
+
 __all__ = ["CrcStore", "crc32", "default_crc_dir"]
 
+FOLDER = "crc"
+KIND = "zip-crcs"
 _FORMAT = 1
+#: a CRC file is at most this large (100,000 records take ~4 MB)
+MAX_FILE_BYTES = 64 << 20
+_NAME = re.compile(r"[0-9a-f]{40}\.json")
 
 
 def default_crc_dir() -> Path:
     """``crc/`` under ckptfs's cache directory (``ckptfs.statedirs``)."""
-    return crc_dir()
+    return cache_dir() / FOLDER
 
 
 class CrcStore:
-    """CRC-32 values by record name, persisted per (identity, signature) key; thread-safe."""
+    """CRC-32 values by record name, persisted per (identity, signature) key in ``crc/`` under ``cache_root``
+    (default: ckptfs's cache directory); thread-safe."""
 
-    def __init__(self, directory: str | os.PathLike | None = None):
-        self.directory = Path(directory) if directory is not None else default_crc_dir()
+    def __init__(self, cache_root: str | os.PathLike | None = None):
+        self.cache_root = Path(cache_root) if cache_root is not None else cache_dir()
         self._lock = threading.Lock()
+
+    @property
+    def directory(self) -> Path:
+        return self.cache_root / FOLDER
 
     @staticmethod
     def key(identity: str, signature: str) -> str:
         """File key for a checkpoint ``identity`` and a layout ``signature``."""
         return hashlib.sha256(f"{identity}\0{signature}".encode("utf-8", "surrogatepass")).hexdigest()[:40]
 
-    def _path(self, key: str) -> Path:
-        return self.directory / f"{key}.json"
-
     def load(self, key: str) -> dict[str, int]:
-        """Stored CRCs for ``key`` ({} when absent, unreadable or malformed)."""
-        try:
-            with open(self._path(key), "rb") as f:
-                doc = json.loads(f.read())
-        except (OSError, ValueError):
+        """Stored CRCs for ``key`` ({} when absent, not trusted, or not what was stored for it)."""
+        folder = StateDir.open(self.cache_root, FOLDER, create=False)
+        if folder is None:
             return {}
-        if not isinstance(doc, dict) or doc.get("format") != _FORMAT or not isinstance(doc.get("crcs"), dict):
+        with folder:
+            loaded = folder.load(f"{key}.json", KIND, MAX_FILE_BYTES)
+        if loaded is None:
             return {}
-        return {k: v for k, v in doc["crcs"].items()
-                if isinstance(k, str) and type(v) is int and 0 <= v <= 0xFFFFFFFF}
+        head, values = loaded
+        if head.get("format") != _FORMAT or head.get("key") != key or len(values) != 1 or type(values[0]) is not dict:
+            return {}
+        return {k: v for k, v in values[0].items() if isinstance(k, str) and type(v) is int and 0 <= v <= 0xFFFFFFFF}
 
     def save(self, key: str, crcs: dict[str, int]) -> bool:
         """Merge ``crcs`` into the stored values of ``key``; False when nothing could be written."""
@@ -71,19 +81,9 @@ class CrcStore:
             if all(merged.get(k) == v for k, v in crcs.items()):
                 return True
             merged.update(crcs)
-            data = json.dumps({"format": _FORMAT, "crcs": merged}, separators=(",", ":"), sort_keys=True).encode()
-            tmp = None
-            try:
-                self.directory.mkdir(parents=True, exist_ok=True)
-                fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".tmp", dir=self.directory)
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                os.replace(tmp, self._path(key))
-                return True
-            except OSError:
-                if tmp is not None:
-                    try:
-                        os.unlink(tmp)
-                    except OSError:
-                        pass
+            folder = StateDir.open(self.cache_root, FOLDER)
+            if folder is None:
                 return False
+            with folder:
+                return folder.write(f"{key}.json", {"ckptfs": KIND, "format": _FORMAT, "key": key},
+                                    [dict(sorted(merged.items()))], max_bytes=MAX_FILE_BYTES)

@@ -26,8 +26,9 @@ LORA_MODES = ("fold", "keep")
 
 
 def to_hf(checkpoint: Checkpoint, *, config=None, model: str | None = None, trainer_index: int | None = None,
-          registry: Registry | None = None, lora: str = "fold") -> HFModel:
-    """Convert ``checkpoint`` to HF; ConfigError / MappingError saying why when it cannot."""
+          registry: Registry | None = None, lora: str = "fold", memory: int | None = None) -> HFModel:
+    """Convert ``checkpoint`` to HF; ConfigError / MappingError saying why when it cannot. ``memory``: what one
+    tensor operation may hold at once (the cache size; bounds a LoRA fold, ``find_lora``)."""
     if lora not in LORA_MODES:
         raise ValueError(f"lora must be one of {LORA_MODES}, got {lora!r}")
     registry = registry or default_registry()
@@ -50,18 +51,19 @@ def to_hf(checkpoint: Checkpoint, *, config=None, model: str | None = None, trai
     cs_name = params.model.get("name")
     if model is not None and isinstance(cs_name, str) and registry.for_cs_name(cs_name) not in (None, spec):
         warnings.append(f"params name {cs_name!r} overridden by --model {model}")
-    hf = _to_hf(checkpoint, spec, variant, params, registry, warnings, det.model_name or variant.name, lora)
+    hf = _to_hf(checkpoint, spec, variant, params, registry, warnings, det.model_name or variant.name, lora, memory)
     hf.chosen = det.chosen or ""
     return hf
 
 
-def _to_hf(checkpoint: Checkpoint, spec, variant, params, registry, warnings: list, name: str, lora: str) -> HFModel:
+def _to_hf(checkpoint: Checkpoint, spec, variant, params, registry, warnings: list, name: str, lora: str,
+           memory: int | None) -> HFModel:
     """``to_hf`` once the family and model are known."""
     if variant.components:  # one HF model directory per component (DPO, DPR, LLaVA)
         return components_to_hf(checkpoint, spec, variant, params, registry, warnings, model_name=name)
 
     cs = cs_model_tensors(checkpoint)
-    adapters = find_lora(spec, params, cs, checkpoint.path)  # LoRA folded lazily (None: no LoRA)
+    adapters = find_lora(spec, params, cs, checkpoint.path, memory=memory)  # folded lazily (None: no LoRA)
     if adapters is None:
         return _map_model(checkpoint, spec, variant, name, params.model, params.path, cs, warnings)
     hf = _map_model(checkpoint, spec, variant, name, adapters.params_model, params.path, adapters.tensors,

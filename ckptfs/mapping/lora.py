@@ -154,8 +154,12 @@ def lora_module_names(cs: dict) -> list:
     return list(out)
 
 
-def find_lora(spec: FamilySpec, params: CSParams, cs: dict, ckpt_path=None) -> LoraCheckpoint | None:
-    """The folded view of a LoRA checkpoint, or None when neither its keys nor its params have LoRA."""
+def find_lora(spec: FamilySpec, params: CSParams, cs: dict, ckpt_path=None, *, memory: int | None = None
+              ) -> LoraCheckpoint | None:
+    """The folded view of a LoRA checkpoint, or None when neither its keys nor its params have LoRA.
+
+    The work a fold costs is bounded by what the checkpoint holds: a group's rank must be within its base weight's
+    dimensions, and what one fold holds at once (``fold_bytes``) within ``memory`` (the cache size) when given."""
     names = lora_module_names(cs)
     settings = lora_settings(params)
     if not names and settings is None:
@@ -187,9 +191,13 @@ def find_lora(spec: FamilySpec, params: CSParams, cs: dict, ckpt_path=None) -> L
         if group is None:
             raise ConfigError(params.path, f"no group of {settings.where} selects the LoRA module {name} (class "
                                            f"path {list(path)}), yet the checkpoint holds LoRA matrices for it")
+        if group.r == 0:
+            raise ConfigError(params.path, f"{settings.where} group {group.index} has r 0, yet the checkpoint holds "
+                                           f"LoRA matrices for {name}")
         if group.r != cs[name + SUFFIX_A].shape[0]:
             raise ConfigError(params.path, f"{settings.where} group {group.index} has r {group.r}, but "
                                            f"{name}.lora_A has {cs[name + SUFFIX_A].shape[0]} rows")
+        _check_work(name, group.r, cs[name + ".weight"], memory, ckpt_path)
         if group.fan_in_fan_out and kind == "Linear":
             raise MappingError(ckpt_path, f"LoRA module {name}: fan_in_fan_out stores the weight transposed "
                                           f"([in, out]), which no CS -> HF rule expects")
@@ -209,6 +217,29 @@ def find_lora(spec: FamilySpec, params: CSParams, cs: dict, ckpt_path=None) -> L
     notes += _unselected(classes, settings, modules, cs)
     notes += _untie(spec, params_model, modules, tensors, cs, classes)
     return LoraCheckpoint(settings, modules, params_model, tensors, notes)
+
+
+def fold_bytes(rank: int, weight_shape) -> int:
+    """What folding one cache block holds at once beyond the block: all of lora_A (Linear) or of lora_B (Embedding)
+    for whole rows — rank x the weight's columns — as float32 and as float64."""
+    return rank * int(weight_shape[-1]) * 12
+
+
+def _check_work(name: str, rank: int, weight, memory: int | None, ckpt_path) -> None:
+    """``MappingError`` when a fold of ``rank`` would cost more than its base weight can justify: a rank above the
+    weight's smaller dimension (a fold of rank r costs r multiply-adds per element), or a fold that holds more
+    than ``memory`` bytes at once."""
+    if weight.ndim != 2:
+        return  # LoraFold says what is wrong with its shape
+    if rank > min(weight.shape):
+        raise MappingError(ckpt_path, f"LoRA module {name}: rank {rank} exceeds the base weight's dimensions "
+                                      f"{list(weight.shape)} (a rank above the smaller one adds nothing a fold can "
+                                      f"express)")
+    need = fold_bytes(rank, weight.shape)
+    if memory is not None and need > memory:
+        raise MappingError(ckpt_path, f"LoRA module {name}: folding rank {rank} into {list(weight.shape)} holds "
+                                      f"{need:,} bytes at once, more than the cache ({memory:,} bytes; raise "
+                                      f"--cache-size)")
 
 
 class _ClassPaths:

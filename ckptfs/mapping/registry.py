@@ -7,14 +7,13 @@ top-level ``fragment:`` are shared pieces; the others are families.
 from __future__ import annotations
 
 import importlib.resources
-import json
 import os
-import tempfile
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import MappingError
+from ..statefiles import StateDir
 from .spec import FamilySpec, load_family, load_fragment, read_yaml
 
 
@@ -262,23 +261,34 @@ def _index_of(declared: list) -> _Claims | None:
 
 #: version of the index cache file's format (``LazyRegistry(index_cache=…)``)
 INDEX_CACHE_VERSION = 2
+INDEX_CACHE_KIND = "mappings-index"
+#: an index cache file is at most this large (~60 families take ~20 KB)
+MAX_INDEX_CACHE_BYTES = 16 << 20
 
 
 def _stamp(files: dict) -> list:
-    """What the index of ``files`` depends on: each file's name, path, size and modification time."""
+    """What the index of ``files`` depends on: each file's name, path and full identity (device, inode, size, mtime,
+    ctime)."""
     out = []
     for name, path in files.items():
         st = os.stat(path)
-        out.append([name, str(path), st.st_size, st.st_mtime_ns])
+        out.append([name, str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns])
     return out
 
 
 def _load_index_cache(path: Path, stamp: list) -> tuple | None:
     """``(declarations, fragment file names)`` from the index cache at ``path`` if it was made from exactly the files
-    of ``stamp``; None otherwise (missing, stale, unreadable or malformed: the files are read instead)."""
+    of ``stamp``; None otherwise (missing, stale, not the user's own — ``ckptfs.statefiles`` —, malformed: the files
+    are read instead)."""
+    folder = StateDir.open(path.parent, create=False)
+    if folder is None:
+        return None
+    with folder:
+        loaded = folder.load(path.name, INDEX_CACHE_KIND, MAX_INDEX_CACHE_BYTES)
+    if loaded is None:
+        return None
     try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
+        (doc, ) = loaded[1]
         if doc.get("version") != INDEX_CACHE_VERSION or doc.get("stamp") != stamp:
             return None
         names = {name for name, *_ in stamp}
@@ -289,27 +299,19 @@ def _load_index_cache(path: Path, stamp: list) -> tuple | None:
         if not {d.key for d in declared} | set(fragments) <= names:
             return None
         return declared, fragments
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
 def _save_index_cache(path: Path, stamp: list, declared: list, fragments: list) -> None:
-    """Write the index cache atomically (best effort: a read-only cache directory only costs the next start)."""
+    """Write the index cache (best effort: a read-only or untrusted cache directory only costs the next start)."""
     doc = {"version": INDEX_CACHE_VERSION, "stamp": stamp, "fragments": fragments,
            "families": [{**asdict(d), "names": list(d.names), "cs_names": list(d.cs_names),
                          "replaces": list(d.replaces)} for d in declared]}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd, tmp = tempfile.mkstemp(prefix=".mappings-index-", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(doc, f)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
-    except OSError:
-        pass
+    folder = StateDir.open(path.parent)
+    if folder is not None:
+        with folder:
+            folder.write(path.name, {"ckptfs": INDEX_CACHE_KIND}, [doc], max_bytes=MAX_INDEX_CACHE_BYTES)
 
 
 class LazyRegistry:

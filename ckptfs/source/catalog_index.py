@@ -16,23 +16,25 @@ unreadable leaf (which may be a reference to a file that is missing or refused n
 
 An index is JSON lines, never a pickle: a header (format, code digest, path, file identity, the catalog's own
 facts), then one line per leaf and per key, then the nesting — written and read one line at a time, so that a
-100,000-key catalog is not held twice in memory. Indexes are written atomically, private to the user, at most
-``MAX_INDEX_BYTES`` each and ``MAX_INDEXES`` / ``MAX_TOTAL_BYTES`` in all (the least recently written go first).
+100,000-key catalog is not held twice in memory. It is one of ckptfs's own state files (``ckptfs.statefiles``):
+used only when it is the user's own, in the user's own folder, and its seal verifies (an index edited by hand, cut
+short or planted by someone else is not used, and never pruned); at most ``MAX_INDEX_BYTES`` each and
+``MAX_INDEXES`` / ``MAX_TOTAL_BYTES`` in all (the least recently written go first). Beyond the seal, what is cheap
+to check against the file is checked: a dataset an index names must belong to its key (``name_belongs``), and
+every dataset's header is checked against the index's shape and element size when it is opened.
 """
 from __future__ import annotations
 
 import base64
 import hashlib
-import itertools
-import json
 import math
 import os
-import tempfile
-import time
+import re
 from pathlib import Path
 
 from .. import dtypes
 from ..env import catalog_index_enabled
+from ..statefiles import StateDir, StateFileError
 from ..storage.local import FileIdentity
 from .catalog import Checkpoint, Container, Leaf, OpaqueLeaf, TensorLeaf, ValueLeaf
 from .stored_tensors import FullTensor, H5DatasetTensor
@@ -45,6 +47,10 @@ MAX_INDEX_BYTES = 256 << 20
 #: indexes kept at most, in count and in bytes: writing one removes the least recently written beyond either
 MAX_INDEXES = 256
 MAX_TOTAL_BYTES = 1 << 30
+#: the index's folder under the cache directory, the kind its header names, and its files' names
+FOLDER = "catalogs"
+KIND = "catalog-index"
+_NAME = re.compile(r"[0-9a-f]{40}\.json")
 
 _CONTAINER_KINDS = frozenset({"dict", "OrderedDict", "defaultdict", "list", "tuple", "set", "namedtuple", "deque"})
 _code_digest: str | None = None
@@ -75,9 +81,20 @@ def code_digest() -> str:
     return _code_digest
 
 
+def index_name(real: str) -> str:
+    """The file name of the index of the checkpoint at real path ``real`` (one file per checkpoint path)."""
+    return hashlib.sha256(real.encode("utf-8", "surrogatepass")).hexdigest()[:40] + ".json"
+
+
 def index_path(cache: Path, real: str) -> Path:
-    """Where the index of the checkpoint at real path ``real`` is kept (one file per checkpoint path)."""
-    return cache / "catalogs" / (hashlib.sha256(real.encode("utf-8", "surrogatepass")).hexdigest()[:40] + ".json")
+    """Where the index of the checkpoint at real path ``real`` is kept."""
+    return Path(cache) / FOLDER / index_name(real)
+
+
+def name_belongs(name: str, key: str) -> bool:
+    """Whether dataset ``name`` can hold a tensor of key ``key``: cstorch stores a key's objects as the dataset of
+    the key itself or of its sub-keys (``key.0`` for a nested object's payload)."""
+    return name == key or name.startswith(key + ".")
 
 
 def _identity_dict(ident: FileIdentity) -> dict:
@@ -158,69 +175,29 @@ def plain_file(ckpt: Checkpoint) -> bool:
 
 
 def _header(real: str, identity: FileIdentity, ckpt: Checkpoint) -> dict:
-    return {"index_format": INDEX_FORMAT, "code": code_digest(), "path": real, "identity": _identity_dict(identity),
-            "format_version": ckpt.format_version, "release": ckpt.release, "warnings": list(ckpt.warnings),
-            "links": ckpt.links}
+    return {"ckptfs": KIND, "index_format": INDEX_FORMAT, "code": code_digest(), "path": real,
+            "identity": _identity_dict(identity), "format_version": ckpt.format_version, "release": ckpt.release,
+            "warnings": list(ckpt.warnings), "links": ckpt.links}
 
 
 def save(cache: Path, real: str, identity: FileIdentity, ckpt: Checkpoint, store) -> bool:
     """Write the index of ``ckpt`` (read from the file at real path ``real``, version ``identity``): one JSON value
     per line, the header first. False when the catalog is not indexable, the index would exceed ``MAX_INDEX_BYTES``,
-    or the cache directory cannot be written (an index is an optimisation)."""
+    or the cache directory cannot be written or is not the user's own (an index is an optimisation)."""
     if not code_digest() or not plain_file(ckpt):
         return False  # nothing written: a legacy or partial file costs no I/O here
-    target = index_path(cache, real)
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".index-", suffix=".tmp")
-    except OSError:
+    folder = StateDir.open(cache, FOLDER)
+    if folder is None:
         return False
-    try:
-        with os.fdopen(fd, "wb") as f:
-            written = 0
-            for value in itertools.chain([_header(real, identity, ckpt)], records(ckpt, store)):
-                line = json.dumps(value, separators=(",", ":"), allow_nan=True).encode("utf-8", "surrogatepass")
-                written += len(line) + 1
-                if written > MAX_INDEX_BYTES:
-                    raise _NotIndexable("too large")
-                f.write(line + b"\n")
-        os.replace(tmp, target)
-    except (_NotIndexable, TypeError, ValueError, OSError, RecursionError):
+    name = index_name(real)
+    with folder:
         try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        return False
-    _prune(target.parent, keep=target)
-    return True
-
-
-def _prune(folder: Path, keep: Path) -> None:
-    """Remove the least recently written indexes beyond ``MAX_INDEXES`` or ``MAX_TOTAL_BYTES`` (never ``keep``), and
-    temporary files a writer killed mid-way left behind (older than a day)."""
-    try:
-        stale = time.time() - 86400
-        for p in folder.glob(".index-*.tmp"):
-            try:
-                if p.stat().st_mtime < stale:
-                    p.unlink()
-            except OSError:
-                continue
-        found = []
-        for p in folder.glob("*.json"):
-            try:
-                st = p.stat()
-            except OSError:
-                continue
-            found.append((st.st_mtime_ns, st.st_size, p))
-        found.sort(reverse=True)  # newest first
-        count = total = 0
-        for _, size, p in found:
-            count, total = count + 1, total + size
-            if p != keep and (count > MAX_INDEXES or total > MAX_TOTAL_BYTES):
-                p.unlink(missing_ok=True)
-    except OSError:
-        pass
+            ok = folder.write(name, _header(real, identity, ckpt), records(ckpt, store), max_bytes=MAX_INDEX_BYTES)
+        except _NotIndexable:
+            return False
+        if ok:
+            folder.prune(_NAME, KIND, keep={name}, max_count=MAX_INDEXES, max_bytes=MAX_TOTAL_BYTES)
+        return ok
 
 
 # ---- reading ----------------------------------------------------------------------------------------------------
@@ -258,6 +235,8 @@ def _leaf(rec, store) -> Leaf:
         if shape_problem(shape, dt.itemsize):
             raise _Bad("shape")
         if kind == "h5":
+            if not name_belongs(_str(rec.get("name"), "name"), key):
+                raise _Bad(f"dataset {rec.get('name')!r} for key {key!r}")
             chunks = rec.get("chunks")
             chunks = None if chunks is None else _int_list(chunks, "chunks")
             tensor = H5DatasetTensor(store, _str(rec.get("name"), "name"), _str(rec.get("tkey"), "tensor key"),
@@ -307,7 +286,7 @@ def _node(rec, leaves: list, depth: int = 0):
 
 def _check_header(doc, real: str, identity: FileIdentity) -> dict:
     """The header line, if the index is this index format and code, for this path and file version (else ``_Bad``)."""
-    if (type(doc) is not dict or doc.get("index_format") != INDEX_FORMAT or doc.get("code") != code_digest()
+    if (type(doc) is not dict or doc.get("ckptfs") != KIND or doc.get("index_format") != INDEX_FORMAT or doc.get("code") != code_digest()
             or doc.get("path") != real or doc.get("identity") != _identity_dict(identity)):
         raise _Bad("another file, version or code")
     fv, release, warnings, links = doc.get("format_version"), doc.get("release"), doc.get("warnings"), doc.get("links")
@@ -322,18 +301,17 @@ def _check_header(doc, real: str, identity: FileIdentity) -> dict:
     return doc
 
 
-def decode(lines, real: str, identity: FileIdentity, path: Path, store) -> Checkpoint:
-    """The ``Checkpoint`` an index's lines describe (``_Bad`` if they do not, or describe another file or version);
-    tensors read through ``store``."""
-    it = iter(lines)
-    head = _check_header(json.loads(next(it, b"null")), real, identity)
+def decode(values, real: str, identity: FileIdentity, path: Path, store) -> Checkpoint:
+    """The ``Checkpoint`` an index's values (its lines, parsed) describe (``_Bad`` if they do not, or describe
+    another file or version); tensors read through ``store``."""
+    it = iter(values)
+    head = _check_header(next(it, None), real, identity)
     made: list = []
     leaves: dict = {}
     root = None
-    for line in it:
+    for rec in it:
         if root is not None:
             raise _Bad("lines after the root")
-        rec = json.loads(line)
         if type(rec) is not list or not rec:
             raise _Bad("line")
         if rec[0] == "leaf" and len(rec) == 2:
@@ -355,14 +333,15 @@ def decode(lines, real: str, identity: FileIdentity, path: Path, store) -> Check
 
 def load(cache: Path, real: str, identity: FileIdentity, path: Path, store) -> Checkpoint | None:
     """The catalog indexed for the file at real path ``real`` in version ``identity``, tensors reading through
-    ``store``; None when there is no usable index (missing, another version or code, not an index)."""
+    ``store``; None when there is no usable index (missing, not the user's own, unsealed, another version or code,
+    not an index)."""
     if not code_digest():
         return None
-    p = index_path(cache, real)
-    try:
-        with open(p, "rb") as f:
-            if os.fstat(f.fileno()).st_size > MAX_INDEX_BYTES:
-                return None
-            return decode(f, real, identity, path, store)
-    except (OSError, _Bad, KeyError, TypeError, ValueError, RecursionError):
+    folder = StateDir.open(cache, FOLDER, create=False)
+    if folder is None:
         return None
+    with folder:
+        try:
+            return decode(folder.read(index_name(real), KIND, MAX_INDEX_BYTES), real, identity, path, store)
+        except (StateFileError, _Bad, KeyError, TypeError, ValueError, RecursionError):
+            return None

@@ -18,6 +18,8 @@ import stat as stat_mod
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..storage.local import within
+
 
 class RefusedReference(Exception):
     """A reference ckptfs will not follow; ``problem`` is one line saying why."""
@@ -71,8 +73,6 @@ def open_regular(path) -> int:
     return fd
 
 
-def _inside(real: str, root: str) -> bool:
-    return real == root or real.startswith(root.rstrip(os.sep) + os.sep)
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class Confinement:
         return (self.folder,) + self.allowed
 
     def contains(self, real: str) -> bool:
-        return any(_inside(real, r) for r in self.roots)
+        return within(real, self.roots)
 
     def resolve(self, ref: str) -> Path:
         """The real path (every symlink resolved) a reference names, if it is inside a root; else

@@ -65,6 +65,17 @@ def _format_version(f, path) -> float:
         raise CheckpointError(path, f"__version__ attribute {f.attrs['__version__']!r} is not a number") from None
 
 
+def _success_flag(f, path: Path) -> bool:
+    """The ``__SUCCESS__`` attribute as a flag (False when absent); ``CheckpointError`` when it is not one value."""
+    if "__SUCCESS__" not in f.attrs:
+        return False
+    flag = np.asarray(f.attrs["__SUCCESS__"])
+    if flag.size != 1:
+        raise CheckpointError(path, f"__SUCCESS__ attribute is not a flag (a {flag.dtype} array of shape "
+                                    f"{list(flag.shape)})")
+    return bool(flag.item())
+
+
 def _check_cerebras(f, path: Path) -> None:
     attrs = f.attrs
     if "__spec__" in attrs:
@@ -86,7 +97,7 @@ def open_checkpoint(path, *, allow_partial: bool = False, allow_external=()) -> 
 
     Files the checkpoint refers to are read only from its own folder and the ``allow_external`` folders
     (``confine``); the file's version is remembered so that reads fail once it changes (``watch``)."""
-    file_path = resolve_checkpoint(path)
+    file_path = resolve_checkpoint(path, allow_external)
     indexed = _open_indexed(file_path, allow_external)
     if indexed is not None:
         return indexed
@@ -105,7 +116,7 @@ def open_checkpoint(path, *, allow_partial: bool = False, allow_external=()) -> 
         if version >= 0.5:
             if not spec.lstrip().startswith("["):
                 raise CheckpointError(file_path, f"format {version} file whose __spec__ is not JSON")
-            success = bool(np.asarray(f.attrs["__SUCCESS__"]).item()) if "__SUCCESS__" in f.attrs else False
+            success = _success_flag(f, file_path)
             if not success and not allow_partial:
                 raise CheckpointError(file_path, _partial_problem(file_path))
             result = V05Reader(f, store, externals, file_path, partial=not success).read(spec)

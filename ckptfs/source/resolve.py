@@ -5,14 +5,26 @@ In a directory, a ``latest`` pointer (a symlink, or a text file naming a checkpo
 the directory) wins. Otherwise every ``checkpoint_<step>.mdl`` / ``checkpoint_<step>_<time>.mdl``
 in the directory or its subdirectories is a candidate and the highest step wins, then the later
 timestamp suffix, then the newer file.
+
+What a model_dir names is untrusted, as a checkpoint is (``confine``): the pointer is read with a size bound
+(``MAX_POINTER_BYTES``) and followed once, to a checkpoint *file*; it and every candidate must lie, symbolic links
+resolved, inside the model_dir (or an ``--allow-external`` folder). A pointer that names anything else is an error
+saying so; a candidate file that leads elsewhere is not a candidate.
 """
 from __future__ import annotations
 
+import errno
+import os
 import re
+import stat as stat_mod
 from datetime import datetime
 from pathlib import Path
 
 from ..errors import CheckpointError
+from .confine import Confinement
+
+#: a ``latest`` pointer file is at most this long (it holds one name)
+MAX_POINTER_BYTES = 4096
 
 #: ``checkpoint_<step>.mdl`` or ``checkpoint_<step>_<stamp>.mdl`` (stamp: Model Zoo's ``%Y%m%d_%H%M%S``, or the
 #: unix time that older tools appended)
@@ -36,27 +48,75 @@ def checkpoint_name(name: str):
     return int(m.group("step")), when
 
 
-def _latest_pointer(d: Path) -> Path | None:
+def model_dir_roots(d, allow_external=()) -> Confinement:
+    """Where what a model_dir names may lead: the model_dir itself (subfolders included) and the ``allow_external``
+    folders, as real paths."""
+    return Confinement(os.path.realpath(Path(d).absolute()),
+                       tuple(os.path.realpath(Path(p).absolute()) for p in allow_external or ()))
+
+
+def _pointer_text(p: Path) -> str:
+    """The name a ``latest`` pointer file holds: its first line, from at most ``MAX_POINTER_BYTES`` (a FIFO or a
+    device is refused before it is read)."""
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise CheckpointError(p, f"cannot read the 'latest' pointer ({e.strerror or e})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat_mod.S_ISREG(st.st_mode):
+            raise CheckpointError(p, "the 'latest' pointer is not a regular file, a symlink or a directory")
+        if st.st_size > MAX_POINTER_BYTES:
+            raise CheckpointError(p, f"the 'latest' pointer file holds {st.st_size} bytes, more than a pointer's "
+                                     f"{MAX_POINTER_BYTES}")
+        data = os.read(fd, MAX_POINTER_BYTES)
+    except OSError as e:
+        raise CheckpointError(p, f"cannot read the 'latest' pointer ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+    lines = data.decode("utf-8", "replace").strip().splitlines()
+    if not lines or not lines[0].strip():
+        raise CheckpointError(p, "the 'latest' pointer file is empty")
+    return lines[0].strip()
+
+
+def _latest_pointer(d: Path, allow_external=()) -> Path | None:
+    """The checkpoint file the model_dir's ``latest`` pointer names (followed once: it must name a checkpoint file,
+    not another pointer or folder), inside the model_dir or an ``allow_external`` folder; None without a pointer."""
     p = d / "latest"
-    if not (p.is_symlink() or p.exists()):
+    try:
+        st = os.lstat(p)
+    except FileNotFoundError:
         return None
-    if p.is_symlink() or p.is_dir():
-        target = p.resolve()
-    elif not p.is_file():  # a FIFO would block the read below
-        raise CheckpointError(p, "the 'latest' pointer is not a regular file, a symlink or a directory")
+    except OSError as e:
+        raise CheckpointError(p, f"cannot read the 'latest' pointer ({e.strerror or e})") from None
+    if stat_mod.S_ISLNK(st.st_mode):
+        target = d / os.readlink(p)
+    elif stat_mod.S_ISDIR(st.st_mode):
+        raise CheckpointError(p, "the 'latest' pointer is a directory, not a checkpoint file")
     else:
-        try:
-            text = p.read_text(encoding="utf-8", errors="replace").strip().splitlines()
-        except OSError as e:
-            raise CheckpointError(p, f"cannot read the 'latest' pointer ({e.strerror or e})") from None
-        if not text or not text[0].strip():
-            raise CheckpointError(p, "the 'latest' pointer file is empty")
-        name = text[0].strip()
+        name = _pointer_text(p)
+        if "\0" in name:
+            raise CheckpointError(p, "the 'latest' pointer holds a NUL byte")
         target = Path(name) if Path(name).is_absolute() else d / name
-        if not target.exists() and name.isdigit():
+        if not os.path.lexists(target) and name.isdigit():
             target = d / f"checkpoint_{name}.mdl"
-    if not target.exists():
-        raise CheckpointError(p, f"the 'latest' pointer names {target}, which does not exist")
+    real = os.path.realpath(target)
+    if real == os.path.join(os.path.realpath(d), p.name):
+        raise CheckpointError(p, "the 'latest' pointer names itself")
+    roots = model_dir_roots(d, allow_external)
+    if not roots.contains(real):
+        hint = "" if roots.allowed else " (to allow a folder, give --allow-external DIR)"
+        raise CheckpointError(p, f"the 'latest' pointer names {target}, which resolves to {real}, outside the "
+                                 f"model_dir{hint}")
+    try:
+        kind = os.stat(real).st_mode
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CheckpointError(p, f"the 'latest' pointer names {target}, a symbolic link loop") from None
+        raise CheckpointError(p, f"the 'latest' pointer names {target}, which does not exist") from None
+    if not stat_mod.S_ISREG(kind):
+        raise CheckpointError(p, f"the 'latest' pointer names {target}, which is not a checkpoint file")
     return target
 
 
@@ -67,25 +127,35 @@ def _mtime(p: Path) -> float:
         return 0.0
 
 
-def find_checkpoints(d: Path) -> list[Path]:
-    """Every ``checkpoint_<step>[_<time>].mdl`` file under ``d``, oldest first (step, then timestamp suffix, then
-    modification time, then path); each name is parsed once."""
+def find_checkpoints(d: Path, allow_external=(), outside: list | None = None) -> list[Path]:
+    """Every ``checkpoint_<step>[_<time>].mdl`` file under ``d`` that lies, symbolic links resolved, inside ``d`` (or
+    an ``allow_external`` folder), oldest first (step, then timestamp suffix, then modification time, then path);
+    each name is parsed once. Those leading elsewhere are added to ``outside`` when given."""
+    roots = model_dir_roots(d, allow_external)
     found = []
     for p in d.rglob("checkpoint_*.mdl"):
         parsed = checkpoint_name(p.name)
-        if parsed is not None and p.is_file():
+        if parsed is None or not p.is_file():
+            continue
+        if roots.contains(os.path.realpath(p)):
             found.append((*parsed, _mtime(p), str(p), p))
+        elif outside is not None:
+            outside.append(p)
     return [key[-1] for key in sorted(found)]
 
 
-def resolve_checkpoint(path) -> Path:
+def resolve_checkpoint(path, allow_external=()) -> Path:
     """The checkpoint file ``path`` designates; CheckpointError if there is none."""
     p = Path(path)
     if p.is_dir():
-        target = _latest_pointer(p)
+        target = _latest_pointer(p, allow_external)
         if target is not None:
-            return resolve_checkpoint(target) if target.is_dir() and target != p else target
-        found = find_checkpoints(p)
+            return target
+        outside: list = []
+        found = find_checkpoints(p, allow_external, outside)
+        if not found and outside:
+            raise CheckpointError(p, f"its checkpoint files ({outside[0].name}…) are symbolic links leading outside "
+                                     f"the model_dir: not followed (give --allow-external DIR to allow their folder)")
         if not found:
             raise CheckpointError(p, "is a directory with no checkpoint_<step>.mdl file (give a checkpoint file)")
         return found[-1]

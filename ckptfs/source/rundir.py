@@ -10,7 +10,9 @@ latest checkpoint is the last one in that order among the complete ones — unle
 pointer (a symlink, or a text file naming a checkpoint, as ``resolve_checkpoint`` reads it) naming a complete one.
 
 ``RunScanner(model_dir).scan()`` lists the top level of the model_dir (checkpoints in subfolders belong to another
-run: mount that folder). It opens each checkpoint file only to read its root attributes, without HDF5 file locking
+run: mount that folder). A checkpoint name that is a symbolic link is served only when it leads, links resolved, to
+a file inside the model_dir (or an ``--allow-external`` folder); one leading elsewhere is listed as not served, with
+the reason, as the ``latest`` pointer is confined (``resolve``). It opens each checkpoint file only to read its root attributes, without HDF5 file locking
 (so a writer is never blocked), and remembers the answer until the file's size, mtime, ctime or inode change, so
 that scanning a run of hundreds of checkpoints every second costs one ``stat`` per file.
 """
@@ -120,9 +122,10 @@ class RunScanner:
     """Scans one model_dir (a storage ``Folder``: a local directory unless ``folder`` says otherwise); remembers each
     file's probe until the file changes (thread-safe)."""
 
-    def __init__(self, model_dir, folder: Folder | None = None):
+    def __init__(self, model_dir, folder: Folder | None = None, allow_external=()):
         self.model_dir = Path(model_dir).absolute()
-        self.folder = folder if folder is not None else LocalFolder(self.model_dir)
+        self.allow_external = tuple(allow_external or ())
+        self.folder = folder if folder is not None else LocalFolder(self.model_dir, self.allow_external)
         self._probes: dict = {}  # identity -> (complete, status)
         self._lock = threading.Lock()
 
@@ -134,13 +137,16 @@ class RunScanner:
         except OSError as e:
             raise CheckpointError(self.model_dir, f"cannot list the model_dir ({e.strerror or e})") from None
         for entry in entries:
-            if entry.is_file:  # links followed: a checkpoint may be a link to the file
+            if entry.refused is not None:  # a link out of the model_dir: listed as not served, with the reason
+                found.append(RunCheckpoint(self.model_dir / entry.name, *parse_name(entry.name), entry.size,
+                                           entry.mtime_ns, False, entry.refused, entry.version))
+            elif entry.is_file:  # links followed: a checkpoint may be a link to the file
                 found.append(self._checkpoint(self.model_dir / entry.name, parse_name(entry.name), entry))
         found.sort(key=RunCheckpoint.sort_key)
         with self._lock:
             keep = {c.identity for c in found}
             self._probes = {k: v for k, v in self._probes.items() if k in keep}
-        latest, reason, problem = choose_latest(self.model_dir, found)
+        latest, reason, problem = choose_latest(self.model_dir, found, self.allow_external)
         return RunListing(self.model_dir, tuple(found), latest, reason, problem)
 
     def _checkpoint(self, path: Path, parsed: tuple, entry: FolderEntry) -> RunCheckpoint:
@@ -159,7 +165,7 @@ class RunScanner:
         return RunCheckpoint(path, step, stamp, entry.size, entry.mtime_ns, complete, status, identity)
 
 
-def choose_latest(model_dir: Path, checkpoints: list) -> tuple:
+def choose_latest(model_dir: Path, checkpoints: list, allow_external=()) -> tuple:
     """``(latest, reason, pointer_problem)``: the ``latest`` pointer's checkpoint if it names a complete one,
     else the last complete checkpoint in autoload order."""
     from .resolve import _latest_pointer
@@ -167,7 +173,7 @@ def choose_latest(model_dir: Path, checkpoints: list) -> tuple:
     complete = [c for c in checkpoints if c.complete]
     problem = None
     try:
-        target = _latest_pointer(model_dir)
+        target = _latest_pointer(model_dir, allow_external)
     except CheckpointError as e:
         target, problem = None, e.problem
     if target is not None:

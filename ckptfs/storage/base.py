@@ -111,6 +111,7 @@ class FolderEntry:
     size: int = 0
     mtime_ns: int = 0
     version: Hashable = None  # changes whenever the entry's content does (as ``Blob.version``)
+    refused: str | None = None  # why it is not served although it exists (a link leading out of the folder)
 
 
 class Folder(ABC):

@@ -281,16 +281,37 @@ def hint_will_need(fd: int, offset: int, length: int) -> None:
             pass
 
 
+def within(real: str, roots) -> bool:
+    """Whether the real path ``real`` is one of the real folders ``roots`` or inside one."""
+    return any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
+
+
 def _entry(name: str, st: os.stat_result) -> FolderEntry:
     return FolderEntry(name, stat_mod.S_ISREG(st.st_mode), st.st_size, st.st_mtime_ns, FileIdentity.of_stat(st))
 
 
 class LocalFolder(Folder):
-    """A local directory: entries listed with ``scandir`` and stat'ed through links, opened as ``LocalFile``s."""
+    """A local directory: entries listed with ``scandir`` and stat'ed through links, opened as ``LocalFile``s.
 
-    def __init__(self, path):
+    What the directory names is untrusted: an entry that is a symbolic link leading (links resolved) outside the
+    directory and the ``allowed`` folders is listed with the reason it is ``refused``, never as the file it names."""
+
+    def __init__(self, path, allowed=()):
         self.path = Path(path)
         self.name = str(self.path)
+        self.roots = (os.path.realpath(self.path),) + tuple(os.path.realpath(a) for a in allowed)
+
+    def _refused(self, de_path: str) -> str | None:
+        real = os.path.realpath(de_path)
+        if within(real, self.roots):
+            return None
+        hint = "" if len(self.roots) > 1 else f" (give --allow-external {os.path.dirname(real)} to serve it)"
+        return f"a symbolic link to {real}, outside {self.path}: not served{hint}"
+
+    def _entry_of(self, name: str, st: os.stat_result, link: bool) -> FolderEntry:
+        entry = _entry(name, st)
+        why = self._refused(str(self.path / name)) if link else None
+        return entry if why is None else FolderEntry(name, False, st.st_size, st.st_mtime_ns, entry.version, why)
 
     def entries(self, match=None) -> list:
         out = []
@@ -302,12 +323,12 @@ class LocalFolder(Folder):
                     st = de.stat()  # follows links: a checkpoint may be a link to its file
                 except OSError:
                     continue  # deleted since listed, or a dangling link
-                out.append(_entry(de.name, st))
+                out.append(self._entry_of(de.name, st, de.is_symlink()))
         return out
 
     def stat(self, name: str) -> FolderEntry | None:
         try:
-            return _entry(name, os.stat(self.path / name))
+            return self._entry_of(name, os.stat(self.path / name), os.path.islink(self.path / name))
         except OSError:
             return None
 

@@ -153,8 +153,9 @@ def readme_text(info: SourceInfo, outcomes: list) -> str:
 
 
 def assemble_tree(info: SourceInfo, outcomes: list, *, mtime_ns: int | None = None, closers: Iterable = (),
-                  cache: BlockCache | None = None) -> VirtualTree:
-    """The mount's tree: each present view under ``<name>/`` plus the root README.txt."""
+                  cache: BlockCache | None = None, identity: str | None = None) -> VirtualTree:
+    """The mount's tree: each present view under ``<name>/`` plus the root README.txt; ``identity`` is what its
+    content is computed from (``content_identity``; None: unknown), to which the files laid over it are added."""
     files: dict = {}
     dirs = []
     for o in outcomes:
@@ -163,7 +164,9 @@ def assemble_tree(info: SourceInfo, outcomes: list, *, mtime_ns: int | None = No
             if folder_of(o.name):
                 dirs.append(folder_of(o.name).rstrip("/"))
     files[README_NAME] = BytesFile(readme_text(info, outcomes))
-    return VirtualTree(files, dirs=dirs, mtime_ns=mtime_ns, closers=closers, cache=cache)
+    tree = VirtualTree(files, dirs=dirs, mtime_ns=mtime_ns, closers=closers, cache=cache)
+    tree.identity = tree_identity(identity, files)
+    return tree
 
 
 # ---- building from a checkpoint ---------------------------------------------------------------------
@@ -183,27 +186,34 @@ def open_source(ckpt_path, options: MountOptions):
         raise CheckpointError(path, "no such file or directory")
     from ..source import open_checkpoint, resolve_checkpoint  # h5py: not imported before a tree is built
 
-    path = Path(resolve_checkpoint(path))
+    path = Path(resolve_checkpoint(path, options.allow_external))
     return path, open_checkpoint(path, allow_partial=options.allow_partial, allow_external=options.allow_external)
 
 
 def _file_identity(path) -> str | None:
+    """A file's real path and full identity (device, inode, size, mtime, ctime): any write to it changes this, even
+    one that restores its size and mtime (ctime cannot be set from user space)."""
     try:
         real = os.path.realpath(path)
         st = os.stat(real)
     except OSError:
         return None
-    return f"{real}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+    return f"{real}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
 
 def content_identity(path, options: MountOptions) -> str | None:
-    """Names what the generated files are computed from: the checkpoint file and every option declared as changing
-    content (``ckptfs.options``: params YAML, model, trainer index…) that is not at its default; a path option
-    counts by its file's identity. Keys persisted caches (zip CRCs); None if the checkpoint cannot be stat'ed."""
+    """Names what the generated files are computed from: the checkpoint file, the params YAML files it may be
+    converted with (when no ``--config`` names one), and every option declared as changing content
+    (``ckptfs.options``: params YAML, model, trainer index…) that is not at its default; a file counts by its full
+    identity (``_file_identity``). Keys persisted caches (zip CRCs); None if the checkpoint cannot be stat'ed."""
+    from ..mapping.params import candidate_files
+
     ident = _file_identity(path)
     if ident is None:
         return None
     parts = [ident]
+    if options.config is None:
+        parts += [f"params={_file_identity(p) or p}" for p in candidate_files(Path(path))]
     for opt, value in content_options(options):
         values = value if opt.repeat else (value,)
         text = ",".join((_file_identity(v) or str(v)) if opt.kind.path else opt.kind.text(v) for v in values)
@@ -211,6 +221,13 @@ def content_identity(path, options: MountOptions) -> str | None:
     return "|".join(parts)
 
 
+def tree_identity(identity: str | None, files: dict) -> str | None:
+    """``identity`` (``content_identity``) and the identity of every file laid over the tree from disk (overlay
+    and tokenizer files, which also decide config.json's token ids): what an export record keys finished files on."""
+    if identity is None:
+        return None
+    stamps = sorted(f"{p}={f.stamp}" for p, f in files.items() if getattr(f, "stamp", None) is not None)
+    return "|".join([identity, *stamps])
 
 
 #: views that start a build in a forked process when ``build_tree(fork_builds=True)``
@@ -243,6 +260,7 @@ def build_tree(ckpt_path, options: MountOptions | None = None, *, cache: BlockCa
                     for n in options.views]
         info = SourceInfo(path)
         closers: list = []
+        identity = None
     elif is_hf_source(ckpt_path):  # a Hugging Face model folder: served as a Cerebras checkpoint
         from .hf import build_hf_tree
 
@@ -250,9 +268,9 @@ def build_tree(ckpt_path, options: MountOptions | None = None, *, cache: BlockCa
     else:
         path, ckpt = open_source(ckpt_path, options)
         path = path.absolute()
+        identity = content_identity(path, options)
         ctx = ViewContext(checkpoint=ckpt, ckpt_path=path, stem=path.stem, options=options,
-                          crc_store=CrcStore(), identity=content_identity(path, options), cache=cache,
-                          fork_builds=fork_builds)
+                          crc_store=CrcStore(), identity=identity, cache=cache, fork_builds=fork_builds)
         # a view that forks a build (cs) goes first, so that the build overlaps the others'; outcomes keep their order
         first = [n for n in options.views if fork_builds and n in FORKING_VIEWS]
         built = {n: _run_view(n, ctx) for n in first + [n for n in options.views if n not in first]}
@@ -265,4 +283,4 @@ def build_tree(ckpt_path, options: MountOptions | None = None, *, cache: BlockCa
         mtime_ns = path.stat().st_mtime_ns
     except OSError:
         mtime_ns = None
-    return assemble_tree(info, outcomes, mtime_ns=mtime_ns, closers=closers, cache=cache)
+    return assemble_tree(info, outcomes, mtime_ns=mtime_ns, closers=closers, cache=cache, identity=identity)

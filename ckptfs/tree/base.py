@@ -135,6 +135,11 @@ class Tree(ABC):
     def release(self, fh: int) -> None:
         """Close a handle."""
 
+    def open_entry(self, path: str) -> TreeEntry | None:
+        """The entry an open handle serves at ``path`` when ``path`` itself is gone from the tree (a live tree's
+        checkpoint left its listing): ``fstat`` asks by path. None when there is none (a static tree loses none)."""
+        return None
+
     @abstractmethod
     def close(self) -> None:
         """Release what the tree holds (checkpoint files, background builds); reads afterwards may fail."""

@@ -139,7 +139,7 @@ class RunTree(Tree):
         self.cache = BlockCache(self.options.cache_size)  # shared by the run's trees: --cache-size bounds the run
         self._build_tree = build_tree  # a checkpoint's tree, built with this run's cache (``_build_checkpoint``)
         self._build = build or self._build_checkpoint
-        self._scanner = RunScanner(self.model_dir)
+        self._scanner = RunScanner(self.model_dir, allow_external=self.options.allow_external)
         self._lock = threading.RLock()
         self._scan_lock = threading.Lock()  # one scan at a time, applied in the order taken
         self._numbers = itertools.count(1)
@@ -387,6 +387,12 @@ class RunTree(Tree):
         if e is None:
             raise VirtualPathError(f"handle {fh}", "no such open file", errno.EBADF)
         return e
+
+    def open_entry(self, path: str) -> RunEntry | None:
+        """The entry an open handle serves at ``path`` (its checkpoint may have left the listing since), or None."""
+        key = "/".join(split_path(path))
+        with self._lock:
+            return next((e for e in self._handles.values() if e.path == key), None)
 
     def release(self, fh: int) -> None:
         with self._lock:

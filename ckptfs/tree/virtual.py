@@ -98,6 +98,7 @@ class VirtualTree(Tree):
                  closers: Iterable = (), cache: BlockCache | None = None):
         self.mtime_ns = int(time.time_ns() if mtime_ns is None else mtime_ns)
         self.cache = cache  # the block cache every file of this tree reads through (build_tree sizes it)
+        self.identity: str | None = None  # what the content is computed from (``tree_identity``), None: unknown
         self._closers = list(closers)
         self._warmers: list = []
         items = []  # (parts, file, size, raw path) of each file; (parts, None, 0, raw) of each declared directory

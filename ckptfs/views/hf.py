@@ -64,7 +64,7 @@ def build(ctx) -> ViewResult:
     opts = ctx.options
     try:
         hf = to_hf(ctx.checkpoint, config=opts.config, model=opts.model, trainer_index=opts.trainer_index,
-                   lora=opts.lora)
+                   lora=opts.lora, memory=opts.cache_size)
     except CkptfsError as e:
         return ViewResult(missing=f"Hugging Face files not generated: {e.problem}")
     files = {}

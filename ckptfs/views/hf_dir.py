@@ -26,7 +26,7 @@ from .base import README_NAME, BytesFile
 from . import hf_formats
 from .overlay import collect_overlays, discover_tokenizer
 from .registry import folder_of
-from .special_tokens import token_ids
+from .special_tokens import MAX_FILE_BYTES, token_ids
 
 def json_file(obj) -> BytesFile:
     return BytesFile(json.dumps(obj, indent=2, sort_keys=True) + "\n")
@@ -65,10 +65,18 @@ def _with_ids(model, ids: dict) -> tuple:
     return config, gen
 
 
-def _reader(files: dict):
+def _reader(files: dict, problems: list):
+    """``read(name)`` for ``token_ids``: a file's bytes, None when absent — or too large to be read for ids
+    (``MAX_FILE_BYTES``: parsing reads it whole; it is still served as it is), which ``problems`` then says."""
     def read(name: str):
         f = files.get(name)
-        return None if f is None else f.read(0, f.size)
+        if f is None:
+            return None
+        if f.size > MAX_FILE_BYTES:
+            problems.append(f"{name} is larger than {MAX_FILE_BYTES >> 20} MiB ({f.size:,} bytes): not read for "
+                            "token ids (served as it is)")
+            return None
+        return f.read(0, f.size)
 
     return read
 
@@ -106,7 +114,8 @@ def arrange(files: dict, hf, ctx) -> tuple:
     for folder, model in folders.items():
         base = f"{folder}/" if folder else ""
         own = folder_files(files, folder)
-        tok = token_ids(_reader(per_folder_extra[folder]))
+        too_large: list = []
+        tok = token_ids(_reader(per_folder_extra[folder], too_large))
         config, gen = _with_ids(model, tok.ids)
         own["config.json"] = json_file(config)
         own.pop("generation_config.json", None)
@@ -115,7 +124,7 @@ def arrange(files: dict, hf, ctx) -> tuple:
         if tok.ids:
             said = ", ".join(f"{k} {v!r} ({tok.sources[k]})" for k, v in sorted(tok.ids.items()))
             notes.append(f"{base or '(root)/'}config.json token ids from the tokenizer files: {said}")
-        notes += [f"{base}{p}" for p in tok.problems]
+        notes += [f"{base}{p}" for p in dict.fromkeys(too_large + tok.problems)]
         keep, sub = arrange_weights(own, opts.hf_format)
         out.update({base + n: f for n, f in keep.items()})
         for fmt in hf_formats.FORMATS:

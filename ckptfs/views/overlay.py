@@ -8,7 +8,10 @@ these guarantees:
 * confinement: only regular files are served; hidden entries (``.git``…) are left out; a symbolic link inside DIR
   is followed only when it leads to a regular file inside DIR (DIR itself may be a link: the user named it) — or,
   when DIR is a Hugging Face cache snapshot (``…/snapshots/<revision>``, whose files all link to ``../../blobs``),
-  into that repository's ``blobs`` folder. Anything else is left out with a note in README.txt;
+  into that repository's own ``blobs`` folder (a real folder there, not a link elsewhere; for a tokenizer found
+  next to the checkpoint, also inside the checkpoint's folder). Anything else is left out with a note in README.txt;
+* bounded memory: files are served from disk by range, never read whole; only the small tokenizer files that state
+  token ids are parsed, and not above ``special_tokens.MAX_FILE_BYTES``;
 * stable bytes: each file's identity (device, inode, size, mtime, ctime) is taken when the view is built; a read
   checks it before and after reading, so a file changed since then fails with an error (EIO through FUSE) instead
   of giving bytes mixed from two versions. Remount to serve the new content.
@@ -99,14 +102,29 @@ def _inside(path: str, roots: list) -> bool:
     return any(os.path.commonpath([path, r]) == r for r in roots)
 
 
-def _allowed_roots(real_root: str) -> list:
-    """Where links inside ``real_root`` may lead: itself, and a Hugging Face cache snapshot's ``blobs`` folder."""
-    roots = [real_root]
+def hub_blobs(real_root: str) -> str | None:
+    """The ``blobs`` folder of the Hugging Face cache repository whose snapshot ``real_root`` (a real path) is —
+    ``<repo>/snapshots/<revision>`` — when that folder is the repository's own: ``<repo>/blobs`` itself, not a
+    link to somewhere else; None otherwise."""
     parent = os.path.dirname(real_root)
-    if os.path.basename(parent) == "snapshots":
-        blobs = os.path.join(os.path.dirname(parent), "blobs")
-        if os.path.isdir(blobs):
-            roots.append(os.path.realpath(blobs))
+    if os.path.basename(parent) != "snapshots":
+        return None
+    blobs = os.path.join(os.path.dirname(parent), "blobs")
+    try:
+        if not stat_mod.S_ISDIR(os.lstat(blobs).st_mode):
+            return None
+    except OSError:
+        return None
+    return blobs if os.path.realpath(blobs) == blobs else None
+
+
+def _allowed_roots(real_root: str, confined: list | None = None) -> list:
+    """Where links inside ``real_root`` may lead: itself, and a Hugging Face cache snapshot's own ``blobs`` folder
+    (``hub_blobs``) — within ``confined`` too, when given (a place the checkpoint or its params named)."""
+    roots = [real_root]
+    blobs = hub_blobs(real_root)
+    if blobs is not None and (confined is None or _inside(blobs, confined)):
+        roots.append(blobs)
     return roots
 
 
@@ -131,11 +149,13 @@ def regular_file(path: str, roots: list) -> tuple:
     return path, st
 
 
-def scan_dir(root: Path, *, only: tuple | None = None, recursive: bool = True) -> tuple:
+def scan_dir(root: Path, *, only: tuple | None = None, recursive: bool = True, confined: list | None = None
+             ) -> tuple:
     """({relative path: OverlayFile}, [problems]) of the regular files under ``root`` (see the module docstring);
-    ``only`` keeps just these file names (tokenizer discovery)."""
+    ``only`` keeps just these file names (tokenizer discovery); ``confined``: the real folders links may lead into
+    at most (a snapshot's blobs included)."""
     real_root = os.path.realpath(root)
-    roots = _allowed_roots(real_root)
+    roots = _allowed_roots(real_root, confined)
     files: dict = {}
     problems: list = []
     for dirpath, dirnames, filenames in os.walk(real_root, followlinks=False):
@@ -250,7 +270,7 @@ def discover_tokenizer(ckpt_path: Path, params_path: Path | None, allow_external
             continue
         if not p.is_dir():
             continue
-        files, _ = scan_dir(p, only=TOKENIZER_FILES, recursive=False)
+        files, _ = scan_dir(p, only=TOKENIZER_FILES, recursive=False, confined=roots)
         if files:
             return files, where, hints
     return {}, None, hints

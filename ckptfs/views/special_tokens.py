@@ -5,6 +5,7 @@ AddedToken ``{"content": …}``), ``special_tokens_map.json`` (same), then ``gen
 A token text becomes an id through the folder's vocabulary: ``added_tokens_decoder`` of tokenizer_config.json,
 ``added_tokens`` and ``model.vocab`` of tokenizer.json, ``added_tokens.json``, ``vocab.json`` or ``vocab.txt``
 (``tokenizer.model`` alone, a sentencepiece protobuf, is not read: such a folder normally has a tokenizer.json too).
+A file above ``MAX_FILE_BYTES`` is not read for ids (it may still be served, by range): parsing reads it whole.
 """
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from typing import Callable
 from ..mapping.hf_defaults import TOKEN_ID_KEYS
 
 TEXT_SOURCES = ("tokenizer_config.json", "special_tokens_map.json")
+#: the largest tokenizer file read for token ids (the largest tokenizer.json on the Hub are ~35 MB; a file is read
+#: whole and parsed, which takes several times its size in memory while the view is built)
+MAX_FILE_BYTES = 64 << 20
 
 
 @dataclass
