@@ -2,8 +2,10 @@
 
 ``$CKPTFS_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/ckptfs`` (default ``~/.cache/ckptfs``), holding ``crc/``
 (persisted zip CRCs, ``ckptfs.layouts.crc``), ``catalogs/`` (catalog indexes, ``ckptfs.source.catalog_index``),
-``logs/`` (background servers' logs, ``ckptfs.mountproc``) and the model registry's index
-(``ckptfs.mapping.registry``). Nothing here creates a folder: each user does, and copes when it cannot.
+``logs/`` (background servers' logs, ``ckptfs.mountproc``), ``exports/`` (what ``ckptfs export`` finished,
+``ckptfs.commands.export_record``), the model registry's index (``ckptfs.mapping.registry``) and ``key``, the secret
+that seals them. Nothing here creates a folder: each user does, through ``ckptfs.statefiles``, which decides when
+such a file is trusted, and copes when it cannot.
 """
 from __future__ import annotations
 

@@ -35,6 +35,9 @@ KIND = "zip-crcs"
 _FORMAT = 1
 #: a CRC file is at most this large (100,000 records take ~4 MB)
 MAX_FILE_BYTES = 64 << 20
+#: CRC files kept at most, in count and in bytes (the least recently written go first)
+MAX_FILES = 4096
+MAX_TOTAL_BYTES = 1 << 30
 _NAME = re.compile(r"[0-9a-f]{40}\.json")
 
 
@@ -85,5 +88,8 @@ class CrcStore:
             if folder is None:
                 return False
             with folder:
-                return folder.write(f"{key}.json", {"ckptfs": KIND, "format": _FORMAT, "key": key},
-                                    [dict(sorted(merged.items()))], max_bytes=MAX_FILE_BYTES)
+                ok = folder.write(f"{key}.json", {"ckptfs": KIND, "format": _FORMAT, "key": key},
+                                  [dict(sorted(merged.items()))], max_bytes=MAX_FILE_BYTES)
+                if ok:
+                    folder.prune(_NAME, KIND, keep={f"{key}.json"}, max_count=MAX_FILES, max_bytes=MAX_TOTAL_BYTES)
+                return ok
