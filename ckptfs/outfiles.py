@@ -128,6 +128,18 @@ class OutputDir:
         return OutputFile(self, rel, dfd, tmp, name, fd)
 
 
+def write_file(outdir: OutputDir, rel: str, data: bytes) -> None:
+    """Write the small file ``rel`` below ``outdir`` whole: ``<rel>.tmp`` created new, renamed over ``rel``."""
+    out = outdir.create(rel, ".tmp")
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(out.fd, view):]
+        out.place()
+    finally:
+        out.abandon()
+
+
 class OutputFile:
     """A file being written under its temporary name; ``place`` renames it to its final name."""
 

@@ -110,6 +110,23 @@ def test_output_file_folder_and_multi_component_directory(tmp_path, capsys):
     assert code == 2 and "no HF folder 'nope'" in err
 
 
+def test_output_is_not_written_through_a_linked_folder_or_temporary_file(tmp_path, capsys):
+    """``-o DIR`` writes as export does (``ckptfs.outfiles``): a component folder that is a link elsewhere, or a
+    ``config.json.tmp`` link to a victim, stop it with one line and nothing is written through them."""
+    elsewhere, victim = tmp_path / "elsewhere", tmp_path / "victim.txt"
+    elsewhere.mkdir()
+    victim.write_text("precious\n")
+    out = tmp_path / "llava"
+    out.mkdir()
+    (out / "text_model").symlink_to(elsewhere)
+    llava = FIXTURES / "llava" / "cs" / "params.yaml"
+    code, _, err = convert([llava, "--model", "llava", "-o", out], capsys)
+    assert code == 2 and "text_model" in err and "symbolic link" in err and list(elsewhere.iterdir()) == []
+    (tmp_path / "c.json.tmp").symlink_to(victim)
+    code, _, err = convert([FIXTURES / "llama" / "cs" / "params.yaml", "-o", tmp_path / "c.json"], capsys)
+    assert code == 2 and "c.json.tmp" in err and victim.read_text() == "precious\n"
+
+
 def test_params_without_a_model_name_need_model(tmp_path, capsys):
     params = yaml.safe_load((FIXTURES / "llama" / "cs" / "params.yaml").read_text())
     del params["model"]["name"]

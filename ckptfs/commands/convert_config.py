@@ -24,6 +24,7 @@ from pathlib import Path
 
 from .. import options as mount_options
 from ..errors import UsageError
+from ..outfiles import OutputDir, OutputError, write_file
 
 
 #: what ``--dtype`` accepts: ``ckptfs.mapping.params_config.DTYPES``, spelled out here because building the CLI's
@@ -128,13 +129,15 @@ def _write(configs: dict, output) -> None:
         return
     out = Path(output)
     try:
-        if single:
-            target = out / "config.json" if out.is_dir() else out
-            target.write_text(config_text(next(iter(configs.values()))))
+        if single:  # written as ckptfs.outfiles writes: no link followed, nothing but a regular file replaced
+            folder, name = (out, "config.json") if out.is_dir() else (out.parent, out.name)
+            with OutputDir(folder, create=False) as d:
+                write_file(d, name, config_text(next(iter(configs.values()))).encode())
             return
-        for folder, config in configs.items():
-            target = out / folder / "config.json" if folder else out / "config.json"
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(config_text(config))
+        with OutputDir(out) as d:
+            for folder, config in configs.items():
+                write_file(d, f"{folder}/config.json" if folder else "config.json", config_text(config).encode())
+    except OutputError as e:
+        raise UsageError(e.path, e.problem) from None
     except OSError as e:
         raise UsageError(e.filename or out, f"cannot write: {e.strerror or e}") from e

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from ..errors import CkptfsError, ConfigError
 from ..mapping.safe_yaml import load_params_yaml
+from ..source.confine import hub_blobs
 from ..storage.local import FileIdentity
 from ..virtual_file import VirtualFile
 
@@ -60,7 +61,8 @@ class OverlayFile(VirtualFile):
     def readinto(self, offset: int, out: memoryview) -> int:
         want = len(out)
         try:
-            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+            # never blocks: a FIFO swapped in for the file fails the identity check below
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as e:
             raise OverlayError(self.path, f"cannot open: {e.strerror or e}") from e
         try:
@@ -80,9 +82,6 @@ class OverlayFile(VirtualFile):
             raise OverlayError(self.path, "changed since the mount was made; remount to serve the new content")
         return got
 
-    def read_all(self) -> bytes:
-        return self.read(0, self.size)
-
 
 @dataclass
 class Overlay:
@@ -100,22 +99,6 @@ class Overlay:
 
 def _inside(path: str, roots: list) -> bool:
     return any(os.path.commonpath([path, r]) == r for r in roots)
-
-
-def hub_blobs(real_root: str) -> str | None:
-    """The ``blobs`` folder of the Hugging Face cache repository whose snapshot ``real_root`` (a real path) is —
-    ``<repo>/snapshots/<revision>`` — when that folder is the repository's own: ``<repo>/blobs`` itself, not a
-    link to somewhere else; None otherwise."""
-    parent = os.path.dirname(real_root)
-    if os.path.basename(parent) != "snapshots":
-        return None
-    blobs = os.path.join(os.path.dirname(parent), "blobs")
-    try:
-        if not stat_mod.S_ISDIR(os.lstat(blobs).st_mode):
-            return None
-    except OSError:
-        return None
-    return blobs if os.path.realpath(blobs) == blobs else None
 
 
 def _allowed_roots(real_root: str, confined: list | None = None) -> list:
