@@ -10,10 +10,6 @@ directory is refused before it is opened (opening a FIFO would block the server)
 is refused too.
 
 A refused reference makes only that tensor unreadable, with the reason (``info``, ``ls -l``, README.txt).
-
-A Hugging Face cache snapshot (``<repo>/snapshots/<revision>``, whose files link to ``../../blobs/<hash>``) may lead
-into its repository's ``blobs`` folder only when that is a real folder there (``hub_blobs``), never a link to
-somewhere else: whoever shaped the folder could otherwise point ``blobs`` anywhere.
 """
 from __future__ import annotations
 
@@ -77,8 +73,6 @@ def open_regular(path) -> int:
     return fd
 
 
-
-
 @dataclass(frozen=True)
 class Confinement:
     """Where external references may lead: the checkpoint's folder, then the ``--allow-external`` folders
@@ -125,19 +119,3 @@ class Confinement:
         now = os.path.realpath(real)
         if now != str(real) or not self.contains(now):
             raise RefusedReference(f"{real} now resolves to {now}, not to the file that was checked")
-
-
-def hub_blobs(real_root: str) -> str | None:
-    """The ``blobs`` folder of the Hugging Face cache repository whose snapshot ``real_root`` (a real path) is —
-    ``<repo>/snapshots/<revision>`` — when that folder is the repository's own: ``<repo>/blobs`` itself, not a
-    link to somewhere else; None otherwise."""
-    parent = os.path.dirname(real_root)
-    if os.path.basename(parent) != "snapshots":
-        return None
-    blobs = os.path.join(os.path.dirname(parent), "blobs")
-    try:
-        if not stat_mod.S_ISDIR(os.lstat(blobs).st_mode):
-            return None
-    except OSError:
-        return None
-    return blobs if os.path.realpath(blobs) == blobs else None

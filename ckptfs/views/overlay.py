@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..errors import CkptfsError, ConfigError
 from ..mapping.safe_yaml import load_params_yaml
-from ..source.confine import hub_blobs
+from ..source.hf_layout import hub_blobs, hub_snapshot_of
 from ..storage.local import FileIdentity
 from ..virtual_file import VirtualFile
 
@@ -103,9 +103,11 @@ def _inside(path: str, roots: list) -> bool:
 
 def _allowed_roots(real_root: str, confined: list | None = None) -> list:
     """Where links inside ``real_root`` may lead: itself, and a Hugging Face cache snapshot's own ``blobs`` folder
-    (``hub_blobs``) — within ``confined`` too, when given (a place the checkpoint or its params named)."""
+    (``source.hf_layout.hub_blobs``: a real folder, not a link elsewhere) — within ``confined`` too, when given (a
+    place the checkpoint or its params named)."""
     roots = [real_root]
-    blobs = hub_blobs(real_root)
+    hub = hub_snapshot_of(Path(real_root))
+    blobs = hub_blobs(hub) if hub is not None else None
     if blobs is not None and (confined is None or _inside(blobs, confined)):
         roots.append(blobs)
     return roots
