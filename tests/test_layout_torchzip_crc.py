@@ -1,7 +1,6 @@
 """Exact CRCs of TorchZipLayout: streamed once, hashed on demand once, persisted in CrcStore, thread-safe."""
 from __future__ import annotations
 
-import json
 import os
 import math
 import threading

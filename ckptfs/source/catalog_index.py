@@ -28,7 +28,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import math
-import os
 import re
 from pathlib import Path
 
