@@ -68,6 +68,39 @@ def expected_folders(case: str) -> list:
     return sorted(str(p.parent.relative_to(root)).replace(".", "") for p in root.rglob("keys.json"))
 
 
+#: a key a config does not have (None is a value)
+ABSENT = "<absent>"
+
+
+def original_config(case: str, folder: str) -> dict | None:
+    """The original HF model's config.json as written (None when the case has no original for the folder)."""
+    path = FIXTURES / case / "hf" / folder / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+@lru_cache(maxsize=None)
+def served_configs(case: str) -> dict:
+    """{folder: bytes of the config.json the hf view serves there} for the case, as a mount serves them."""
+    import ckptfs
+
+    tree = ckptfs.open(FIXTURES / case / "cs" / "checkpoint.mdl", views=("hf",), model=case_model(case))
+    try:
+        return {p.rpartition("/")[0] if "/" in p else "": tree.read(p, 0, 1 << 20) for p in tree.file_paths()
+                if p.rpartition("/")[2] == "config.json" and not p.startswith(("bin/",)) and "/bin/" not in p}
+    finally:
+        tree.close()
+
+
+def loaded_config(folder: Path) -> dict:
+    """The folder's configuration as transformers loads it (``to_dict``): ``AutoConfig``, or the generic
+    ``PretrainedConfig`` for a remote-code config (``auto_map``), whose class is not installed."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    raw = json.loads((folder / "config.json").read_text())
+    cls = PretrainedConfig if "auto_map" in raw else AutoConfig
+    return cls.from_pretrained(str(folder)).to_dict()
+
+
 def raw_bytes(t) -> bytes:
     return t.read_all().tobytes()
 

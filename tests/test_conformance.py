@@ -8,8 +8,11 @@ Every fixture case that went through Cerebras' converter (its MANIFEST names ``c
 - the tensor names are those ``save_pretrained`` of the original model writes: none missing (unless the CS file
   cannot hold it), no tied copy or legacy buffer added (exceptions listed per case with their reason in
   ``tests/conformance/<case>.yaml``);
-- ``config.json`` agrees with the converter's, key for key, apart from documented deliberate fixes (each with
-  its reason in the case file);
+- ``config.json`` agrees with the converter's, key for key, where it does not agree with the original HF model's
+  instead, apart from documented deliberate fixes (each with its reason in the case file);
+- where the case has the original HF model (``hf/``), the config.json the hf view serves loads
+  (``AutoConfig.from_pretrained``) to the original's configuration, key for key, apart from documented
+  differences (each with its reason in the case file);
 - where transformers ships the HF class, the model built from ckptfs' config and tensors gives outputs equal
   to the original HF model's.
 
@@ -19,7 +22,9 @@ list that ``ckptfs models`` does not know. Per-case facts live in ``tests/confor
 ```yaml
 model: NAME                 # --model to use (default: the MANIFEST's converter_model)
 pending: "issue N: why"     # the case is not covered yet: an expected failure until the issue lands
-config_differences: {key: reason}       # keys whose value deliberately differs from the converter's
+config_differences: {key: reason}       # keys whose value deliberately differs from the converter's (and the original's)
+original_config_differences: {key: reason}   # keys of the loaded config that differ from the original's
+                                        # ("folder/key"; "folder/*": that folder's whole config)
 not_in_checkpoint: {hf tensor: reason}  # original HF tensors the CS file does not hold
 extra_tensors: {hf tensor: reason}      # tensors written although save_pretrained of the original leaves them out
 outputs: {skip: reason} | {atol: 1e-6, reason: ...} | {ignore: [output name], reason: ...}  # output comparison
@@ -33,9 +38,9 @@ import re
 import pytest
 import torch
 
-from casehelp import (CASE_FILES, CASES, FIXTURES, IGNORED_CONFIG_KEYS, PARAMS, case_facts, case_model,
-                      converted, expected_folders, model_inputs, model_outputs, original_tensors, raw_bytes, sha256,
-                      torch_bytes, transformers_class)
+from casehelp import (ABSENT, CASE_FILES, CASES, FIXTURES, IGNORED_CONFIG_KEYS, PARAMS, case_facts, case_model,
+                      converted, expected_folders, loaded_config, model_inputs, model_outputs, original_config,
+                      original_tensors, raw_bytes, served_configs, sha256, torch_bytes, transformers_class)
 from ckptfs.mapping.registry import default_registry, list_models
 
 pytestmark = pytest.mark.slow  # every converter case, every tensor, and the models built from them
@@ -102,14 +107,54 @@ def test_config_agrees_with_converter(case):
     for folder in expected_folders(case):
         expected = json.loads((FIXTURES / case / "expected_hf" / folder / "config.json").read_text())
         ours = folders[folder].config
+        original = original_config(case, folder)
         for key, value in expected.items():
             label = f"{folder}/{key}".lstrip("/")
             if key in IGNORED_CONFIG_KEYS or label in differences or key in differences:
                 continue
+            if original is not None and ours.get(key, ABSENT) == original.get(key, ABSENT):
+                continue  # ckptfs writes what the original model's config.json says, where the converter does not
             assert key in ours, f"config.json of {folder or 'the root'} lacks {key!r} (converter: {value!r})"
             assert ours[key] == value, f"config.json {label}: ckptfs {ours[key]!r}, converter {value!r}"
         assert ours.get("architectures") == [folders[folder].hf_class]
         assert ours.get("model_type"), "config.json names its model_type"
+
+
+def original_cases() -> list:
+    return [c for c in CASES if (FIXTURES / c / "hf").is_dir()]
+
+
+@pytest.mark.parametrize("case", original_cases())
+def test_config_loads_to_the_originals_configuration(case, tmp_path):
+    """``AutoConfig.from_pretrained`` of the served config.json gives the original's configuration (for remote-code
+    models, whose classes are not here, the generic ``PretrainedConfig``)."""
+    documented = case_facts(case).get("original_config_differences") or {}
+    served = served_configs(case)
+    compared, used = 0, set()
+    for path in sorted((FIXTURES / case / "hf").rglob("config.json")):
+        folder = path.parent.relative_to(FIXTURES / case / "hf").as_posix().strip(".")
+        prefix = f"{folder}/" if folder else ""
+        assert folder in served, f"{case}: the hf view serves no {prefix}config.json"
+        if f"{prefix}*" in documented:
+            used.add(f"{prefix}*")
+            continue
+        mine = tmp_path / (folder or "root")
+        mine.mkdir(parents=True)
+        (mine / "config.json").write_bytes(served[folder])
+        ours, theirs = loaded_config(mine), loaded_config(path.parent)
+        for key in sorted(set(ours) | set(theirs)):
+            if key in ("_name_or_path", "transformers_version"):
+                continue
+            a, b = ours.get(key, ABSENT), theirs.get(key, ABSENT)
+            label = prefix + key
+            if label in documented:
+                assert a != b, f"{case}: {label} is documented as different but equals the original's"
+                used.add(label)
+                continue
+            assert a == b, f"{case}: config.json {label}: ckptfs loads to {a!r}, the original to {b!r}"
+        compared += 1
+    assert not set(documented) - used, f"{case}: documented differences of no folder: {set(documented) - used}"
+    assert compared or used
 
 
 # -- outputs equal to the original model -----------------------------------------------------------------------

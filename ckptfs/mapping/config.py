@@ -105,7 +105,14 @@ def config_functions(cs: ConfigScope, where: str, path) -> dict:
 
     return {**BASE_FUNCTIONS, "lookup": lookup, "error": fail, "has": has, "get": get,
             "keys_with_prefix": keys_with_prefix, "default_id2label": default_id2label,
-            "default_label2id": default_label2id}
+            "default_label2id": default_label2id, "null_if": null_if}
+
+
+def null_if(value, default):
+    """None (JSON null) when ``value`` equals ``default``, else ``value``: for HF settings whose class computes
+    ``default`` itself from a null (GPT-2's ``n_inner`` is 4 x ``n_embd``), so that config.json says null as
+    save_pretrained of a model built with the default does."""
+    return None if value == default else value
 
 
 def default_id2label(count: int) -> dict:
