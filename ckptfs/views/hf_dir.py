@@ -13,8 +13,10 @@ them) and returns the view's final files and README.txt lines:
 * ``--overlay DIR`` (``views/overlay.py``): DIR's files appear at their paths (a generated file of the same path is
   replaced, and README.txt says so); each model folder's ``bin/`` gets the folder's overlay files too. Without
   ``--overlay``, tokenizer files found next to the checkpoint or its params go to the model folder(s).
-* token ids: a folder's tokenizer files (overlay or found) give ``bos/eos/pad_token_id`` (``special_tokens.py``),
-  which win over the params' and the HF class defaults in config.json and generation_config.json.
+* token ids: one value per id and folder, carried by every generated config.json and generation_config.json of the
+  folder and of its ``bin/`` (``special_tokens.py``: the overlay's config.json, then its generation_config.json,
+  then the tokenizer's special tokens, then the mapping's ids from the params, the family or the class defaults);
+  README.txt says where each came from, and when two files the overlay brings disagree.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import re
 from .base import README_NAME, BytesFile
 from .overlay import collect_overlays, discover_tokenizer
 from .registry import folder_of
-from .special_tokens import token_ids
+from .special_tokens import NUMERIC_SOURCES, token_ids
 
 BIN_FOLDER = "bin"
 _SAFETENSORS = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
@@ -65,13 +67,60 @@ def arrange_weights(own: dict, fmt: str) -> tuple:
     return keep, sub
 
 
-def _with_ids(model, ids: dict) -> tuple:
-    """(config, generation config or None) of ``model`` with the tokenizer's ids laid over."""
-    config = {**model.config, **ids}
-    gen = None
+def _with_ids(content: dict, ids: dict) -> dict:
+    """``content`` (a config or generation config) with the folder's token ids: set, or left out when unset."""
+    out = {k: v for k, v in content.items() if k not in ids}
+    out.update({k: v for k, v in ids.items() if v is not None})
+    return out
+
+
+def _folder_ids(model, extra: dict):
+    """The folder's token ids (``special_tokens.TokenIds``) from the files ``extra`` laid over it and the model."""
+    from ..mapping.config import TOKEN_ID_SOURCES
+
+    fallback = {k: model.config[k] for k in model.token_id_sources if k in model.config}
+    sources = {k: TOKEN_ID_SOURCES.get(v, v) for k, v in model.token_id_sources.items()}
+    return token_ids(_reader(extra), fallback, sources)
+
+
+def _ids_note(base: str, also: str, tok, extra: dict) -> list:
+    """README.txt lines: the token ids of the folder ``base`` (``also``: the other folders that carry them) and where
+    each came from; overlay files that disagree."""
+    def origin(source: str) -> str:
+        name = source.split(" ", 1)[0]
+        f = extra.get(name)
+        where = getattr(f, "origin", None)
+        return f"{source} in {posixpath.dirname(str(where))}" if where else source
+
+    notes = []
+    if tok.ids:
+        said = ", ".join(f"{k} {'unset' if v is None else v} ({origin(tok.sources[k])})"
+                         for k, v in sorted(tok.ids.items()))
+        notes.append(f"token ids of {base}config.json and {base}generation_config.json{also}: {said}")
+    served = {n: _json_of(extra[n]) for n in NUMERIC_SOURCES if n in extra}
+    if len(served) == 2 and all(isinstance(d, dict) for d in served.values()):
+        a, b = served.values()
+        for key in sorted(k for k in set(a) & set(b) if k.endswith("_token_id") and a[k] != b[k]):
+            notes.append(f"the overlay's {base}config.json and {base}generation_config.json disagree on {key} "
+                         f"({a[key]!r} / {b[key]!r}); both are served as given")
+    return notes
+
+
+def _json_of(f):
+    try:
+        return json.loads(f.read(0, f.size))
+    except Exception:  # an unreadable or invalid overlay file: special_tokens reports it
+        return None
+
+
+def _set_ids(own: dict, model, ids: dict) -> None:
+    """Put the generated config.json (and generation_config.json) with the folder's token ids ``ids`` into ``own``."""
+    own["config.json"] = json_file(_with_ids(model.config, ids))
+    own.pop("generation_config.json", None)
     if model.generation_config is not None:
-        gen = {**model.generation_config, **ids}
-    return config, gen
+        gen = _with_ids(model.generation_config, ids)
+        if gen:
+            own["generation_config.json"] = json_file(gen)
 
 
 def _reader(files: dict):
@@ -115,26 +164,29 @@ def arrange(files: dict, hf, ctx) -> tuple:
     for folder, model in folders.items():
         base = f"{folder}/" if folder else ""
         own = folder_files(files, folder)
-        tok = token_ids(_reader(per_folder_extra[folder]))
-        config, gen = _with_ids(model, tok.ids)
-        own["config.json"] = json_file(config)
-        own.pop("generation_config.json", None)
-        if gen:
-            own["generation_config.json"] = json_file(gen)
-        if tok.ids:
-            said = ", ".join(f"{k} {v!r} ({tok.sources[k]})" for k, v in sorted(tok.ids.items()))
-            notes.append(f"{base or '(root)/'}config.json token ids from the tokenizer files: {said}")
-        notes += [f"{base}{p}" for p in tok.problems]
+        extra = per_folder_extra[folder]
+        tok = _folder_ids(model, extra)
+        _set_ids(own, model, tok.ids)
         keep, sub = arrange_weights(own, opts.hf_format)
         out.update({base + n: f for n, f in keep.items()})
+        sub_base = base + BIN_FOLDER + "/"
+        bin_extra = {**extra, **{rel[len(sub_base):]: f for rel, f in overlay_files.items()
+                                 if rel.startswith(sub_base) and "/" not in rel[len(sub_base):]}}
+        own_bin = sub and bin_extra != extra  # the overlay has files of its own for bin/: its ids may differ
+        notes += _ids_note(base, " and bin/'s" if sub and not own_bin else "", tok, extra)
+        notes += [f"{base}{p}" for p in tok.problems]
         if sub:
-            sub_base = base + BIN_FOLDER + "/"
+            if own_bin:
+                bin_tok = _folder_ids(model, bin_extra)
+                _set_ids(sub, model, bin_tok.ids)
+                notes += _ids_note(sub_base, "", bin_tok, bin_extra)
+                notes += [f"{sub_base}{p}" for p in bin_tok.problems]
             out.update({sub_base + n: f for n, f in sub.items()})
-            out.update({sub_base + n: f for n, f in per_folder_extra[folder].items()
-                        if base + BIN_FOLDER + "/" + n not in overlay_files})
-            notes.append(f"{sub_base}: the same model as pytorch_model .bin files, a complete HF folder "
-                         f"(from_pretrained(MOUNT/{sub_base.rstrip('/')})) beside the safetensors-only "
-                         f"{base or '(root)/'} (--hf-format safetensors|bin|both)")
+            out.update({sub_base + n: f for n, f in extra.items() if sub_base + n not in overlay_files})
+            weights = ", ".join(n for n in sorted(sub) if _BIN.match(n))
+            notes.append(f"{sub_base}: the .bin files ({weights}) are here, in a complete HF folder of their own "
+                         f"(from_pretrained(MOUNT/{sub_base.rstrip('/')}, use_safetensors=False)); "
+                         f"the safetensors are in {base or 'the root'} (--hf-format safetensors|bin|both)")
     notes += _lay_over(out, overlay_files, ctx)
     return out, notes
 
