@@ -52,7 +52,7 @@ def copy_case(case: str, dest: Path) -> Path:
 def test_both_formats_unsharded_one_format_per_folder_and_no_index():
     tree = opened(LLAMA)
     try:
-        assert names(tree) == {"README.txt", "config.json", "generation_config.json", "model.safetensors", "bin"}
+        assert names(tree) == {"README.txt", "config.json", "generation_config.json", "model.safetensors", "bin", "hub"}
         assert names(tree, "bin") == {"config.json", "generation_config.json", "pytorch_model.bin"}
         assert text(tree, "bin/config.json") == text(tree, "config.json")
         assert ("bin/: the .bin files (pytorch_model.bin) are here, in a complete HF folder of their own "
@@ -81,8 +81,45 @@ def test_both_formats_sharded_have_one_index_each():
 def test_one_format_only(fmt, weights):
     tree = opened(LLAMA, hf_format=fmt)
     try:
-        assert names(tree) == {"README.txt", "config.json", "generation_config.json"} | weights
+        assert names(tree) == {"README.txt", "config.json", "generation_config.json", "hub"} | weights
+        assert names(tree, "hub") == {"config.json", "generation_config.json"} | weights
         assert "bin/" not in text(tree, "README.txt")
+    finally:
+        tree.close()
+
+
+@pytest.mark.parametrize("case, model, repo", [
+    ("llama", None, {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                     "tokenizer_config.json", "chat_template.jinja"}),
+    ("dpo_llama", None, {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                         "tokenizer_config.json", "chat_template.jinja"}),  # the policy model: no ref_model/
+    # no model at the root: each model folder, and the files laid over the root
+    ("llava", "llava", {"image_model", "text_model", "tokenizer.json", "tokenizer_config.json",
+                        "chat_template.jinja"}),
+])
+def test_hub_is_exactly_the_repository(tmp_path, case, model, repo):
+    """hub/ (issue 34): the files of the model's Hugging Face repository — the same file objects as the root's,
+    overlay files included, no bin/, no other view, no folder ckptfs adds beside the model — and README.txt says to
+    publish it, naming what else the mount has."""
+    tok = make_tokenizer(tmp_path / "tok")
+    tree = ckptfs.open(FIXTURES / case / "cs" / "checkpoint.mdl", model=model, overlay=tok)
+    try:
+        assert names(tree, "hub") == repo
+        hub = [p for p in tree.file_paths() if p.startswith("hub/")]
+        for p in hub:
+            assert tree.lookup(p).file is tree.lookup(p[4:]).file, p
+        if case == "llava":
+            assert {p[4:].split("/", 1)[1] for p in hub if p.count("/") == 2} == {
+                "config.json", "generation_config.json", "model.safetensors", "preprocessor_config.json"}
+        readme = text(tree, "README.txt")
+        head = " ".join(readme.split("\n\nviews:")[0].split())
+        assert ("publish: hub/ is exactly the model's Hugging Face repository (config, weights, tokenizer and "
+                "overlay files): publish or copy that folder (hf upload ORG/NAME MOUNT/hub; cp -r MOUNT/hub DEST), "
+                "not the mount root, which also has README.txt (this file), hub/ (the repository again), ") in head
+        want = {"llama": "bin/ (the model again, as .bin files), cs/, tensors/, torch/ (the whole checkpoint",
+                "dpo_llama": "bin/ (the model again, as .bin files), ref_model/, cs/, tensors/, torch/",
+                "llava": "image_model/bin/ (the model again, as .bin files), text_model/bin/ (the model again"}
+        assert want[case] in head
     finally:
         tree.close()
 

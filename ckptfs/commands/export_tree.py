@@ -5,6 +5,10 @@ blocks that a thread pool decodes in parallel; each block is written at its offs
 renamed to its name once complete (after an fsync), with the mount's modification time. A re-run after an
 interruption keeps every file that is already there with its expected size and that modification time (a finished
 file) and redoes the rest; leftover ``.part`` files are rewritten from the start.
+
+A file the tree serves at several paths (the repository folder ``hub/`` mirrors the HF model's files) is written
+once: its other paths become hard links to it (a copy where the file system has no hard links), so the export
+costs no disk for them.
 """
 from __future__ import annotations
 
@@ -102,24 +106,55 @@ class _PartFile:
 
 
 def _plan(tree: Tree, outdir: Path, block: int) -> tuple:
-    """([(part file, offset, length)], {part files}, kept count, bytes to write)."""
-    jobs, parts, kept, total = [], [], 0, 0
-    for path in tree.walk():
-        e = tree.lookup(path)
+    """([(part file, offset, length)], {part files}, kept count, bytes to write, [(written target, its other
+    path)])."""
+    jobs, parts, kept, total, links = [], [], 0, 0, []
+    paths = list(tree.walk())
+    entries = {path: tree.lookup(path) for path in paths}
+    first: dict = {}  # id(VirtualFile) -> the target it is written to: its shallowest path (the root's, not hub/'s)
+    for path in sorted(paths, key=lambda p: (p.count("/"), p)):
+        first.setdefault(id(entries[path].file), outdir / path)
+    for path in paths:
+        e = entries[path]
         mtime_ns = tree.attr(e).mtime_ns
         target = outdir / path
+        same = first[id(e.file)]
         if finished(target, e.size, mtime_ns):
             kept += 1
             stale = target.with_name(target.name + PART)
             if stale.exists() and not stale.is_dir():
                 stale.unlink()  # left by an earlier interrupted run of a file since finished
             continue
+        if same != target:
+            links.append((same, target))
+            continue
         nblocks = max(1, -(-e.size // block))
         pf = _PartFile(e, target, nblocks, mtime_ns)
         parts.append(pf)
         total += e.size
         jobs += [(pf, off, min(block, e.size - off)) for off in range(0, max(e.size, 1), block)]
-    return jobs, parts, kept, total
+    return jobs, parts, kept, total, links
+
+
+def _link(src: Path, dest: Path) -> None:
+    """``dest`` as a hard link to the finished ``src`` (a copy with its mtime where hard links are refused)."""
+    import shutil
+
+    part = dest.with_name(dest.name + PART)
+    try:
+        if part.exists() and not part.is_dir():
+            part.unlink()
+        try:
+            os.link(src, part)
+        except OSError:
+            shutil.copyfile(src, part)
+            st = os.stat(src)
+            os.utime(part, ns=(st.st_mtime_ns, st.st_mtime_ns))
+        if dest.is_dir() and not dest.is_symlink():
+            raise CkptfsError(dest, "is a directory; cannot export the file of that name over it")
+        os.replace(part, dest)
+    except OSError as e:
+        raise CkptfsError(dest, f"cannot write: {e.strerror or e}") from e
 
 
 def _make_dirs(tree: Tree, outdir: Path) -> None:
@@ -138,7 +173,7 @@ def export_tree(tree: Tree, outdir, *, threads: int | None = None, progress: boo
         _make_dirs(tree, outdir)
     except OSError as e:
         raise CkptfsError(e.filename or outdir, f"cannot create directory: {e.strerror or e}") from e
-    jobs, parts, kept, total = _plan(tree, outdir, block)
+    jobs, parts, kept, total, links = _plan(tree, outdir, block)
     report = ExportReport(kept=kept)
     bar = progress_bar(total, f"export {outdir.name or outdir}") if progress and total else None
 
@@ -165,6 +200,9 @@ def export_tree(tree: Tree, outdir, *, threads: int | None = None, progress: boo
                 pending = _drain(pending, report, bar, FIRST_COMPLETED)
         while pending:
             pending = _drain(pending, report, bar, FIRST_EXCEPTION)
+        for src, dest in links:
+            _link(src, dest)
+            report.files += 1
         ok = True
     finally:
         if not ok:

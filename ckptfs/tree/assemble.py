@@ -21,6 +21,7 @@ from ..layouts.crc import CrcStore
 from ..options import MountOptions, check_options, content_options
 from ..units import human_size
 from ..views.base import README_NAME, BytesFile, ViewContext, ViewResult
+from ..views.hf_dir import HUB_FOLDER, publishing_lines
 from ..views.registry import folder_of, names, view
 from .base import split_path
 from .virtual import VirtualTree
@@ -115,6 +116,14 @@ def family_of(outcomes: list) -> str | None:
     return None
 
 
+def _publishing(outcomes: list) -> list:
+    """README.txt's lines on what to publish, when the hf view serves the repository folder (``views/hf_dir.py``)."""
+    paths = [p for o in outcomes if o.present for p in o.files]
+    if not any(p.startswith(HUB_FOLDER + "/") for p in paths):
+        return []
+    return publishing_lines(paths)
+
+
 def readme_text(info: SourceInfo, outcomes: list) -> str:
     """The root README.txt: what was mounted, which views are present, why any is missing, and all notes."""
     lines = ["ckptfs: a read-only view of a Cerebras checkpoint; every file is generated on read.", ""]
@@ -131,6 +140,7 @@ def readme_text(info: SourceInfo, outcomes: list) -> str:
     if info.resolved_from is not None:
         lines.append(f"resolved from:  {info.resolved_from} (its latest checkpoint when mounted; this mount keeps "
                      "serving that one: remount to see a newer checkpoint)")
+    lines += _publishing(outcomes)
     lines += ["", "views:"]
     for o in outcomes:
         if o.present:

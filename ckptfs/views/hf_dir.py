@@ -13,6 +13,10 @@ them) and returns the view's final files and README.txt lines:
 * ``--overlay DIR`` (``views/overlay.py``): DIR's files appear at their paths (a generated file of the same path is
   replaced, and README.txt says so); each model folder's ``bin/`` gets the folder's overlay files too. Without
   ``--overlay``, tokenizer files found next to the checkpoint or its params go to the model folder(s).
+* ``hub/``: exactly the model's Hugging Face repository — the root model folder's files (or, without a root model,
+  every model folder) with what the overlay laid over them, the same file objects, without the ``bin/`` copies, the
+  other views or the folders ckptfs adds beside the model (DPO's ``ref_model/``, LoRA's ``base/``): the folder to
+  publish (``hf upload ORG/NAME MOUNT/hub``) or copy; README.txt says so (``publishing_lines``).
 * token ids: one value per id and folder, carried by every generated config.json and generation_config.json of the
   folder and of its ``bin/`` (``special_tokens.py``: the overlay's config.json, then its generation_config.json,
   then the tokenizer's special tokens, then the mapping's ids from the params, the family or the class defaults);
@@ -30,6 +34,8 @@ from .registry import folder_of
 from .special_tokens import NUMERIC_SOURCES, token_ids
 
 BIN_FOLDER = "bin"
+#: the folder that is exactly the model's Hugging Face repository (what to publish or copy)
+HUB_FOLDER = "hub"
 _SAFETENSORS = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 _BIN = re.compile(r"^pytorch_model(-\d{5}-of-\d{5})?\.bin$")
 _INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -188,13 +194,73 @@ def arrange(files: dict, hf, ctx) -> tuple:
                          f"(from_pretrained(MOUNT/{sub_base.rstrip('/')}, use_safetensors=False)); "
                          f"the safetensors are in {base or 'the root'} (--hf-format safetensors|bin|both)")
     notes += _lay_over(out, overlay_files, ctx)
+    out.update(hub_files(out, folders))
     return out, notes
+
+
+#: views whose folders hold the whole checkpoint
+_CHECKPOINT_VIEWS = ("cs", "torch", "tensors")
+
+
+def _outside_repo(paths) -> list:
+    """The entries of a mount (``paths``: every file's) that are not the repository ``hub/`` mirrors: for each such
+    file, its first folder the repository has no file in (``bin/``, ``text_model/bin/``, ``cs/``…), or the file."""
+    mirrored = {p[len(HUB_FOLDER) + 1:] for p in paths if p.startswith(HUB_FOLDER + "/")}
+    repo_dirs = {"/".join(p.split("/")[:i]) for p in mirrored for i in range(1, p.count("/") + 1)}
+    out = set()
+    for p in paths:
+        if p.startswith(HUB_FOLDER + "/") or p in mirrored:
+            continue
+        parts = p.split("/")
+        dirs = ["/".join(parts[:i]) for i in range(1, len(parts))]
+        out.add(next((d + "/" for d in dirs if d not in repo_dirs), p))
+    return sorted(out)
+
+
+def publishing_lines(paths) -> list:
+    """README.txt's ``publish:`` lines for a mount of the files ``paths`` (README.txt aside): ``hub/`` is the
+    repository to publish or copy; what else the mount holds says why its root is not."""
+    import textwrap
+
+    extras = _outside_repo(paths)
+    whole = [e for e in extras if e.rstrip("/") in _CHECKPOINT_VIEWS]
+    said = ["README.txt (this file)", f"{HUB_FOLDER}/ (the repository again)"]
+    said += [e + (" (the model again, as .bin files)" if e.rstrip("/").rsplit("/", 1)[-1] == BIN_FOLDER else "")
+             for e in extras if e not in whole]
+    if whole:
+        said.append(", ".join(whole) + " (the whole checkpoint, its optimizer state too if it has one)")
+    text = (f"{HUB_FOLDER}/ is exactly the model's Hugging Face repository (config, weights, tokenizer and overlay "
+            f"files): publish or copy that folder (hf upload ORG/NAME MOUNT/{HUB_FOLDER}; cp -r MOUNT/{HUB_FOLDER} "
+            f"DEST), not the mount root, which also has " + ", ".join(said) + ".")
+    return textwrap.wrap(text, 118, initial_indent="publish:        ", subsequent_indent=" " * 16)
+
+
+def hub_folders(folders) -> list:
+    """The model folders of the Hugging Face repository: the root model's (without the reference model, base model
+    or other folders ckptfs adds beside it), or, for a checkpoint without one (LLaVA, DPR), every model folder."""
+    return [""] if "" in folders else sorted(folders)
+
+
+def hub_files(out: dict, folders) -> dict:
+    """``hub/``: the files of the Hugging Face repository of the model, as served in ``out`` (the same file objects)
+    — the model folders' own files and what the overlay laid over the root (a model card…), without the ``bin/``
+    copies or the folders ckptfs adds beside the root model."""
+    repo = [f for f in hub_folders(folders) if f]
+    others = tuple(f"{f}/" for f in folders if f and f not in repo)
+
+    def in_repo(rel: str) -> bool:
+        if rel.startswith((BIN_FOLDER + "/",) + others):
+            return False
+        inside = next((f for f in repo if rel.startswith(f + "/")), None)
+        return inside is None or not rel[len(inside) + 1:].startswith(BIN_FOLDER + "/")
+
+    return {f"{HUB_FOLDER}/{rel}": f for rel, f in out.items() if in_repo(rel)}
 
 
 def _lay_over(out: dict, overlay_files: dict, ctx) -> list:
     """Put the overlay files into ``out`` (replacing generated ones); skip what cannot coexist with the mount."""
     notes = []
-    other_dirs = {folder_of(v).rstrip("/") for v in ctx.options.views if folder_of(v)}
+    other_dirs = {folder_of(v).rstrip("/") for v in ctx.options.views if folder_of(v)} | {HUB_FOLDER}
     generated_dirs = {"/".join(p.split("/")[:i]) for p in out for i in range(1, p.count("/") + 1)}
     for rel, f in sorted(overlay_files.items()):
         parts = rel.split("/")
