@@ -101,6 +101,29 @@ def loaded_config(folder: Path) -> dict:
     return cls.from_pretrained(str(folder)).to_dict()
 
 
+def config_mismatches(case: str, folder: str, ours: dict, theirs: dict) -> tuple:
+    """(undocumented differences between two loaded configurations ``ours`` and the original's ``theirs`` of
+    ``folder``, the documented ``original_config_differences`` entries that matched). A documented key that does
+    not differ is reported too: a stale reason would hide nothing but mislead."""
+    documented = case_facts(case).get("original_config_differences") or {}
+    prefix = f"{folder}/" if folder else ""
+    if f"{prefix}*" in documented:
+        return [], {f"{prefix}*"}
+    problems, used = [], set()
+    for key in sorted(set(ours) | set(theirs)):
+        if key in ("_name_or_path", "transformers_version"):
+            continue
+        a, b = ours.get(key, ABSENT), theirs.get(key, ABSENT)
+        label = prefix + key
+        if label in documented:
+            used.add(label)
+            if a == b:
+                problems.append(f"{label} is documented as different but equals the original's ({a!r})")
+        elif a != b:
+            problems.append(f"{label}: ckptfs loads to {a!r}, the original to {b!r}")
+    return problems, used
+
+
 def raw_bytes(t) -> bytes:
     return t.read_all().tobytes()
 

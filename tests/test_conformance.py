@@ -39,8 +39,9 @@ import pytest
 import torch
 
 from casehelp import (ABSENT, CASE_FILES, CASES, FIXTURES, IGNORED_CONFIG_KEYS, PARAMS, case_facts, case_model,
-                      converted, expected_folders, loaded_config, model_inputs, model_outputs, original_config,
-                      original_tensors, raw_bytes, served_configs, sha256, torch_bytes, transformers_class)
+                      config_mismatches, converted, expected_folders, loaded_config, model_inputs, model_outputs,
+                      original_config, original_tensors, raw_bytes, served_configs, sha256, torch_bytes,
+                      transformers_class)
 from ckptfs.mapping.registry import default_registry, list_models
 
 pytestmark = pytest.mark.slow  # every converter case, every tensor, and the models built from them
@@ -130,31 +131,18 @@ def test_config_loads_to_the_originals_configuration(case, tmp_path):
     models, whose classes are not here, the generic ``PretrainedConfig``)."""
     documented = case_facts(case).get("original_config_differences") or {}
     served = served_configs(case)
-    compared, used = 0, set()
+    problems, used = [], set()
     for path in sorted((FIXTURES / case / "hf").rglob("config.json")):
         folder = path.parent.relative_to(FIXTURES / case / "hf").as_posix().strip(".")
-        prefix = f"{folder}/" if folder else ""
-        assert folder in served, f"{case}: the hf view serves no {prefix}config.json"
-        if f"{prefix}*" in documented:
-            used.add(f"{prefix}*")
-            continue
+        assert folder in served, f"{case}: the hf view serves no {folder}/config.json"
         mine = tmp_path / (folder or "root")
         mine.mkdir(parents=True)
         (mine / "config.json").write_bytes(served[folder])
-        ours, theirs = loaded_config(mine), loaded_config(path.parent)
-        for key in sorted(set(ours) | set(theirs)):
-            if key in ("_name_or_path", "transformers_version"):
-                continue
-            a, b = ours.get(key, ABSENT), theirs.get(key, ABSENT)
-            label = prefix + key
-            if label in documented:
-                assert a != b, f"{case}: {label} is documented as different but equals the original's"
-                used.add(label)
-                continue
-            assert a == b, f"{case}: config.json {label}: ckptfs loads to {a!r}, the original to {b!r}"
-        compared += 1
+        found, matched = config_mismatches(case, folder, loaded_config(mine), loaded_config(path.parent))
+        problems += found
+        used |= matched
+    assert not problems, f"{case}: {problems}"
     assert not set(documented) - used, f"{case}: documented differences of no folder: {set(documented) - used}"
-    assert compared or used
 
 
 # -- outputs equal to the original model -----------------------------------------------------------------------

@@ -18,8 +18,9 @@ them) and returns the view's final files and README.txt lines:
   other views or the folders ckptfs adds beside the model (DPO's ``ref_model/``, LoRA's ``base/``): the folder to
   publish (``hf upload ORG/NAME MOUNT/hub``) or copy; README.txt says so (``publishing_lines``).
 * token ids: one value per id and folder, carried by every generated config.json and generation_config.json of the
-  folder and of its ``bin/`` (``special_tokens.py``: the overlay's config.json, then its generation_config.json,
-  then the tokenizer's special tokens, then the mapping's ids from the params, the family or the class defaults);
+  folder and of its ``bin/`` (``special_tokens.py``: all from the overlay's config.json, else from its
+  generation_config.json, else each from the tokenizer's special tokens, else the mapping's from the params, the
+  family or the class defaults);
   README.txt says where each came from, and when two files the overlay brings disagree.
 """
 from __future__ import annotations
@@ -123,10 +124,8 @@ def _set_ids(own: dict, model, ids: dict) -> None:
     """Put the generated config.json (and generation_config.json) with the folder's token ids ``ids`` into ``own``."""
     own["config.json"] = json_file(_with_ids(model.config, ids))
     own.pop("generation_config.json", None)
-    if model.generation_config is not None:
-        gen = _with_ids(model.generation_config, ids)
-        if gen:
-            own["generation_config.json"] = json_file(gen)
+    if model.generation_config is not None:  # a model that generates: the file even when no id is set
+        own["generation_config.json"] = json_file(_with_ids(model.generation_config, ids))
 
 
 def _reader(files: dict):

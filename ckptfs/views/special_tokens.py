@@ -3,17 +3,18 @@ id, which every generated file of the folder (config.json, generation_config.jso
 
 Per id, the first source that states it decides (README "Tokenizer and generation settings"):
 
-1. the folder's own ``config.json`` laid over by ``--overlay`` (the user's model configuration),
-2. its ``generation_config.json`` from the overlay (the original model's generation settings),
-3. the tokenizer's special tokens: ``tokenizer_config.json`` (``bos_token``… as text or as an AddedToken
+1. the folder's own ``config.json`` laid over by ``--overlay`` (the user's model configuration), else its
+   ``generation_config.json`` from the overlay (the original model's generation settings): that file is served as
+   given, so it decides every id — one it does not name stays unset;
+2. else, per id, the tokenizer's special tokens: ``tokenizer_config.json`` (``bos_token``… as text or as an AddedToken
    ``{"content": …}``), then ``special_tokens_map.json``, each text made an id through the folder's vocabulary:
    ``added_tokens_decoder`` of tokenizer_config.json, ``added_tokens`` and ``model.vocab`` of tokenizer.json,
    ``added_tokens.json``, ``vocab.json`` or ``vocab.txt`` (``tokenizer.model`` alone, a sentencepiece protobuf, is
    not read: such a folder normally has a tokenizer.json too),
-4. what the mapping made without them (``fallback``): the params YAML, the family's mapping, the transformers config
-   class's defaults (``ckptfs.mapping.config``).
+3. else what the mapping made without them (``fallback``): the params YAML, the family's mapping, the transformers
+   config class's defaults (``ckptfs.mapping.config``).
 
-In 1 and 2 an id given as null decides too: it stays unset (the generated files leave it out).
+An unset id is left out of the generated files.
 """
 from __future__ import annotations
 
@@ -113,12 +114,13 @@ def token_ids(read: Callable, fallback: dict | None = None, fallback_sources: di
         doc = _json(read, name, result.problems)
         if not isinstance(doc, dict):
             continue
-        for key in TOKEN_ID_KEYS:
-            if key in doc and key not in result.ids:
-                if _is_id(doc[key]):
-                    result.ids[key], result.sources[key] = doc[key], name
-                else:
-                    result.problems.append(f"{name}: {key} {doc[key]!r} is not a token id; not used")
+        for key in TOKEN_ID_KEYS:  # a file the overlay brings is served as given: it decides every id
+            value = doc.get(key)
+            if not _is_id(value):
+                result.problems.append(f"{name}: {key} {value!r} is not a token id; left unset")
+                value = None
+            result.ids[key], result.sources[key] = value, name
+        return result
     vocab = Vocabulary(read, result.problems)
     for name in TEXT_SOURCES:
         doc = _json(read, name, result.problems)
