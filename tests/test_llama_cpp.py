@@ -12,7 +12,6 @@ converter asserts), so for gpt2 that one recognition step answers "gpt-2" on bot
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -21,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES
-from fusehelp import fake_env, mounted, needs_fuse
+from conftest import FIXTURES, needs_fuse, real_env
+from fusehelp import mounted
 from ggufhelp import CONVERTER
 from tokhelp import make_llama_bpe_tokenizer
 
@@ -33,14 +32,10 @@ CASES = ("llama", "mixtral", "gpt2")
 PRE_TOKENIZER = {"gpt2": "gpt-2"}
 
 
-def real_env() -> dict:
-    return {k: v for k, v in fake_env().items() if k != "CKPTFS_TEST_TREE"}
-
-
 def convert(jobs: list) -> list:
     """Run the converter on [(folder, outfile, pre-tokenizer or None)] in one process, offline: None per folder
     converted, else the error it raised."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = real_env(HF_HUB_OFFLINE=1, TRANSFORMERS_OFFLINE=1, CUDA_VISIBLE_DEVICES="")
     r = subprocess.run([sys.executable, str(Path(__file__).with_name("ggufhelp.py")), str(CONVERTER),
                         json.dumps([[str(f), str(o), p] for f, o, p in jobs])],
                        capture_output=True, text=True, env=env, timeout=600)

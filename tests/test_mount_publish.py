@@ -16,18 +16,14 @@ import subprocess
 import pytest
 import torch
 
-from conftest import FIXTURES
-from fusehelp import fake_env, mounted, needs_fuse
+from conftest import FIXTURES, needs_fuse, real_env
+from fusehelp import mounted
 from tokhelp import make_tokenizer
 
 pytestmark = [needs_fuse, pytest.mark.timeout(900)]
 
 LLAMA = FIXTURES / "llama" / "cs" / "checkpoint.mdl"
 IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-
-
-def real_env() -> dict:
-    return {k: v for k, v in fake_env().items() if k != "CKPTFS_TEST_TREE"}
 
 
 def upload_plan(folder) -> set:
