@@ -231,7 +231,7 @@ def test_readme_names_the_source_of_ids_without_any_tokenizer():
         tree.close()
     tree = opened(FIXTURES / "starcoder" / "cs" / "checkpoint.mdl", hf_format="safetensors")
     try:
-        assert "eos_token_id 0 (the family's mapping (as the converter writes it))" in text(tree, "README.txt")
+        assert "eos_token_id 0 (the family's mapping, as the converter writes it)" in text(tree, "README.txt")
     finally:
         tree.close()
 

@@ -216,7 +216,7 @@ def convert_config(spec: FamilySpec, variant: ModelVariant, cs_model: dict, para
 #: where a config.json token id the mapping wrote comes from (``ConfigResult.token_id_sources``)
 TOKEN_ID_SOURCES = {
     "params": "the params YAML",
-    "mapping": "the family's mapping (as the converter writes it)",
+    "mapping": "the family's mapping, as the converter writes it",
     "class": "the transformers config class's default",
 }
 

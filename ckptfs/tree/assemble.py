@@ -21,7 +21,6 @@ from ..layouts.crc import CrcStore
 from ..options import MountOptions, check_options, content_options
 from ..units import human_size
 from ..views.base import README_NAME, BytesFile, ViewContext, ViewResult
-from ..views.hf_dir import HUB_FOLDER, publishing_lines
 from ..views.registry import folder_of, names, view
 from .base import split_path
 from .virtual import VirtualTree
@@ -118,10 +117,12 @@ def family_of(outcomes: list) -> str | None:
 
 def _publishing(outcomes: list) -> list:
     """README.txt's lines on what to publish, when the hf view serves the repository folder (``views/hf_dir.py``)."""
+    from ..views.hf_dir import HUB_FOLDER, publishing_lines  # here: the mount command starts without it (yaml…)
+
     paths = [p for o in outcomes if o.present for p in o.files]
     if not any(p.startswith(HUB_FOLDER + "/") for p in paths):
         return []
-    return publishing_lines(paths)
+    return publishing_lines(paths, [folder_of(o.name) for o in outcomes if o.present and folder_of(o.name)])
 
 
 def readme_text(info: SourceInfo, outcomes: list) -> str:

@@ -20,8 +20,8 @@ them) and returns the view's final files and README.txt lines:
 * token ids: one value per id and folder, carried by every generated config.json and generation_config.json of the
   folder and of its ``bin/`` (``special_tokens.py``: all from the overlay's config.json, else from its
   generation_config.json, else each from the tokenizer's special tokens, else the mapping's from the params, the
-  family or the class defaults);
-  README.txt says where each came from, and when two files the overlay brings disagree.
+  family or the class defaults); README.txt says where each came from, and when two files the overlay brings
+  disagree.
 """
 from __future__ import annotations
 
@@ -93,16 +93,13 @@ def _folder_ids(model, extra: dict):
 def _ids_note(base: str, also: str, tok, extra: dict) -> list:
     """README.txt lines: the token ids of the folder ``base`` (``also``: the other folders that carry them) and where
     each came from; overlay files that disagree."""
-    def origin(source: str) -> str:
-        name = source.split(" ", 1)[0]
-        f = extra.get(name)
-        where = getattr(f, "origin", None)
-        return f"{source} in {posixpath.dirname(str(where))}" if where else source
+    def origin(key: str) -> str:
+        where = getattr(extra.get(tok.files.get(key)), "origin", None)  # the overlay or tokenizer file's path
+        return f"{tok.sources[key]} in {posixpath.dirname(str(where))}" if where else tok.sources[key]
 
     notes = []
     if tok.ids:
-        said = ", ".join(f"{k} {'unset' if v is None else v} ({origin(tok.sources[k])})"
-                         for k, v in sorted(tok.ids.items()))
+        said = ", ".join(f"{k} {'unset' if v is None else v} ({origin(k)})" for k, v in sorted(tok.ids.items()))
         notes.append(f"token ids of {base}config.json and {base}generation_config.json{also}: {said}")
     served = {n: _json_of(extra[n]) for n in NUMERIC_SOURCES if n in extra}
     if len(served) == 2 and all(isinstance(d, dict) for d in served.values()):
@@ -197,10 +194,6 @@ def arrange(files: dict, hf, ctx) -> tuple:
     return out, notes
 
 
-#: views whose folders hold the whole checkpoint
-_CHECKPOINT_VIEWS = ("cs", "torch", "tensors")
-
-
 def _outside_repo(paths) -> list:
     """The entries of a mount (``paths``: every file's) that are not the repository ``hub/`` mirrors: for each such
     file, its first folder the repository has no file in (``bin/``, ``text_model/bin/``, ``cs/``…), or the file."""
@@ -208,7 +201,11 @@ def _outside_repo(paths) -> list:
     repo_dirs = {"/".join(p.split("/")[:i]) for p in mirrored for i in range(1, p.count("/") + 1)}
     out = set()
     for p in paths:
-        if p.startswith(HUB_FOLDER + "/") or p in mirrored:
+        head, sep, _ = p.partition("/")
+        if head == HUB_FOLDER or p in mirrored or p == README_NAME:
+            continue
+        if sep and head not in repo_dirs:  # a folder of its own (another view's: 100,000 tensors/ files)
+            out.add(head + "/")
             continue
         parts = p.split("/")
         dirs = ["/".join(parts[:i]) for i in range(1, len(parts))]
@@ -216,13 +213,14 @@ def _outside_repo(paths) -> list:
     return sorted(out)
 
 
-def publishing_lines(paths) -> list:
-    """README.txt's ``publish:`` lines for a mount of the files ``paths`` (README.txt aside): ``hub/`` is the
-    repository to publish or copy; what else the mount holds says why its root is not."""
+def publishing_lines(paths, view_folders=()) -> list:
+    """README.txt's ``publish:`` lines for a mount of the files ``paths`` (README.txt aside), whose other views
+    (cs, torch, tensors: the whole checkpoint) are in ``view_folders``: ``hub/`` is the repository to publish or copy;
+    what else the mount holds says why its root is not."""
     import textwrap
 
     extras = _outside_repo(paths)
-    whole = [e for e in extras if e.rstrip("/") in _CHECKPOINT_VIEWS]
+    whole = [e for e in extras if e.rstrip("/") in {f.rstrip("/") for f in view_folders}]
     said = ["README.txt (this file)", f"{HUB_FOLDER}/ (the repository again)"]
     said += [e + (" (the model again, as .bin files)" if e.rstrip("/").rsplit("/", 1)[-1] == BIN_FOLDER else "")
              for e in extras if e not in whole]

@@ -35,7 +35,8 @@ class TokenIds:
     """The ids decided (None: unset), where each came from, and problems worth a README.txt line."""
 
     ids: dict = field(default_factory=dict)
-    sources: dict = field(default_factory=dict)  # key -> file name of the folder, or the fallback's source
+    sources: dict = field(default_factory=dict)  # key -> what gave it: a file and what in it, or the fallback's source
+    files: dict = field(default_factory=dict)  # key -> the name of the folder's file that gave it (not for fallbacks)
     problems: list = field(default_factory=list)
 
 
@@ -119,7 +120,7 @@ def token_ids(read: Callable, fallback: dict | None = None, fallback_sources: di
             if not _is_id(value):
                 result.problems.append(f"{name}: {key} {value!r} is not a token id; left unset")
                 value = None
-            result.ids[key], result.sources[key] = value, name
+            result.ids[key], result.sources[key], result.files[key] = value, name, name
         return result
     vocab = Vocabulary(read, result.problems)
     for name in TEXT_SOURCES:
@@ -137,7 +138,7 @@ def token_ids(read: Callable, fallback: dict | None = None, fallback_sources: di
                 result.problems.append(f"{name}: {key[:-3]} {text!r} is not in the tokenizer's vocabulary; "
                                        f"{key} not taken from it")
                 continue
-            result.ids[key], result.sources[key] = tid, f"{name} {key[:-3]} {text!r}"
+            result.ids[key], result.sources[key], result.files[key] = tid, f"{name} {key[:-3]} {text!r}", name
     for key, value in (fallback or {}).items():
         if key in TOKEN_ID_KEYS and key not in result.ids:
             result.ids[key], result.sources[key] = value, (fallback_sources or {}).get(key, "generated")
