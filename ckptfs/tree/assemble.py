@@ -147,8 +147,8 @@ def readme_text(info: SourceInfo, outcomes: list) -> str:
         if o.present:
             ready = [f for f in o.files.values() if not getattr(f, "deferred", False)]
             status = f"{len(o.files)} file{'' if len(o.files) == 1 else 's'}"
-            if ready:
-                status += f", {human_size(sum(f.size for f in ready))}"
+            if ready:  # a file served at several paths (hub/ mirrors the model) counts once, as export stores it
+                status += f", {human_size(sum(f.size for f in {id(f): f for f in ready}.values()))}"
             if len(ready) < len(o.files):
                 status += f" ({len(o.files) - len(ready)} sized on first access)"
             if o.missing:
