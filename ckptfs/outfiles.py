@@ -128,6 +128,46 @@ class OutputDir:
         return OutputFile(self, rel, dfd, tmp, name, fd)
 
 
+    def link(self, src_rel: str, rel: str) -> bool:
+        """``rel`` as a hard link to the placed file ``src_rel`` (a copy where the file system refuses hard links),
+        made under ``<rel>.part`` and renamed as ``create``'s files are; False when ``rel`` already is that file."""
+        sparent, _, sname = src_rel.rpartition("/")
+        sfd = self.folder(sparent)
+        src = self._lstat(sfd, sname)
+        if src is None or kind_of(src) is not None:
+            raise OutputError(self.path / src_rel, "is not the regular file this export wrote")
+        parent, _, name = rel.rpartition("/")
+        dfd = self.folder(parent)
+        now = self._lstat(dfd, name)
+        if now is not None and (now.st_dev, now.st_ino) == (src.st_dev, src.st_ino):
+            return False
+        out = self.create(rel, ".part")  # the leftover checks; the empty file is replaced by the link
+        os.close(out.fd)
+        os.unlink(out.tmp, dir_fd=dfd)
+        try:
+            os.link(sname, out.tmp, src_dir_fd=sfd, dst_dir_fd=dfd, follow_symlinks=False)
+            out.fd = os.open(out.tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.EXDEV, errno.EMLINK, errno.EOPNOTSUPP, errno.ENOTSUP):
+                raise OutputError(self.path / rel, f"cannot link: {e.strerror or e}") from None
+            out = self._copy(sfd, sname, rel)
+        try:
+            out.place(src.st_mtime_ns)
+        finally:
+            out.abandon()
+        return True
+
+    def _copy(self, sfd: int, sname: str, rel: str) -> "OutputFile":
+        out = self.create(rel, ".part")
+        fd = os.open(sname, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=sfd)
+        try:
+            while os.sendfile(out.fd, fd, None, 1 << 30):
+                pass
+        finally:
+            os.close(fd)
+        return out
+
+
 def write_file(outdir: OutputDir, rel: str, data: bytes) -> None:
     """Write the small file ``rel`` below ``outdir`` whole: ``<rel>.tmp`` created new, renamed over ``rel``."""
     out = outdir.create(rel, ".tmp")

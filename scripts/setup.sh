@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${CKPTFS_VENV:-.venv}"
 PY="${PYTHON:-python3}"
+LLAMA_CPP_PYTHON="llama-cpp-python==0.3.36"  # the source package whose llama.cpp converter the tests run
 
 if ! command -v fusermount3 >/dev/null 2>&1 || ! ldconfig -p 2>/dev/null | grep -q 'libfuse3\.so'; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
@@ -28,5 +29,17 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     # torch first and pinned exactly, so nothing else can pull a CUDA build
     "$VENV/bin/python" -m pip install -q "torch==2.13.0"
     "$VENV/bin/python" -m pip install -q -e ".[test]"
+    # llama.cpp's HF -> GGUF converter for the tests (tests/test_llama_cpp.py): convert_hf_to_gguf.py, its
+    # conversion/ package and gguf-py, taken from the llama-cpp-python source package (CPU only, nothing built)
+    # into $VENV/share/llama.cpp; gguf-py is installed from there, so that converter and library match
+    echo "setup: fetching llama.cpp's converter from $LLAMA_CPP_PYTHON (source package)" >&2
+    tmp="$(mktemp -d)"
+    "$VENV/bin/python" -m pip download -q --no-deps --no-binary :all: "$LLAMA_CPP_PYTHON" -d "$tmp"
+    tar -xzf "$tmp"/llama_cpp_python-*.tar.gz -C "$tmp" --wildcards '*/vendor/llama.cpp/convert_hf_to_gguf.py' \
+        '*/vendor/llama.cpp/conversion/*' '*/vendor/llama.cpp/gguf-py/*'
+    rm -rf "$VENV/share/llama.cpp" && mkdir -p "$VENV/share/llama.cpp"
+    cp -r "$tmp"/llama_cpp_python-*/vendor/llama.cpp/{convert_hf_to_gguf.py,conversion,gguf-py} "$VENV/share/llama.cpp/"
+    rm -rf "$tmp"
+    "$VENV/bin/python" -m pip install -q "$VENV/share/llama.cpp/gguf-py"
     echo "$want" > "$stamp"
 fi

@@ -126,6 +126,62 @@ def expected_folders(case: str) -> list:
     return sorted(str(p.parent.relative_to(root)).replace(".", "") for p in root.rglob("keys.json"))
 
 
+#: a key a config does not have (None is a value)
+ABSENT = "<absent>"
+
+
+def original_config(case: str, folder: str) -> dict | None:
+    """The original HF model's config.json as written (None when the case has no original for the folder)."""
+    path = case_dir(case) / "hf" / folder / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+@lru_cache(maxsize=None)
+def served_configs(case: str) -> dict:
+    """{folder: bytes of the config.json the hf view serves there} for the case, as a mount serves them."""
+    import ckptfs
+
+    tree = ckptfs.open(case_checkpoint(case), views=("hf",), **case_options(case))
+    try:
+        return {p.rpartition("/")[0] if "/" in p else "": tree.read(p, 0, 1 << 20) for p in tree.file_paths()
+                if p.rpartition("/")[2] == "config.json" and not p.startswith(("bin/",)) and "/bin/" not in p}
+    finally:
+        tree.close()
+
+
+def loaded_config(folder: Path) -> dict:
+    """The folder's configuration as transformers loads it (``to_dict``): ``AutoConfig``, or the generic
+    ``PretrainedConfig`` for a remote-code config (``auto_map``), whose class is not installed."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    raw = json.loads((folder / "config.json").read_text())
+    cls = PretrainedConfig if "auto_map" in raw else AutoConfig
+    return cls.from_pretrained(str(folder)).to_dict()
+
+
+def config_mismatches(case: str, folder: str, ours: dict, theirs: dict) -> tuple:
+    """(undocumented differences between two loaded configurations ``ours`` and the original's ``theirs`` of
+    ``folder``, the documented ``original_config_differences`` entries that matched). A documented key that does
+    not differ is reported too: a stale reason would hide nothing but mislead."""
+    documented = case_facts(case).get("original_config_differences") or {}
+    prefix = f"{folder}/" if folder else ""
+    if f"{prefix}*" in documented:
+        return [], {f"{prefix}*"}
+    problems, used = [], set()
+    for key in sorted(set(ours) | set(theirs)):
+        if key in ("_name_or_path", "transformers_version"):
+            continue
+        a, b = ours.get(key, ABSENT), theirs.get(key, ABSENT)
+        label = prefix + key
+        if label in documented:
+            used.add(label)
+            if a == b:
+                problems.append(f"{label} is documented as different but equals the original's ({a!r})")
+        elif a != b:
+            problems.append(f"{label}: ckptfs loads to {a!r}, the original to {b!r}")
+    return problems, used
+
+
 def raw_bytes(t) -> bytes:
     return t.read_all().tobytes()
 

@@ -8,8 +8,11 @@ Every fixture case that went through Cerebras' converter (its MANIFEST names ``c
 - the tensor names are those ``save_pretrained`` of the original model writes: none missing (unless the CS file
   cannot hold it), no tied copy or legacy buffer added (exceptions listed per case with their reason in
   ``tests/conformance/<case>.yaml``);
-- ``config.json`` agrees with the converter's, key for key, apart from documented deliberate fixes (each with
-  its reason in the case file);
+- ``config.json`` agrees with the converter's, key for key, where it does not agree with the original HF model's
+  instead, apart from documented deliberate fixes (each with its reason in the case file);
+- where the case has the original HF model (``hf/``), the config.json the hf view serves loads
+  (``AutoConfig.from_pretrained``) to the original's configuration, key for key, apart from documented
+  differences (each with its reason in the case file);
 - where transformers ships the HF class, the model built from ckptfs' config and tensors gives outputs equal
   to the original HF model's.
 
@@ -20,7 +23,9 @@ list that ``ckptfs models`` does not know. Per-case facts live in ``tests/confor
 model: NAME                 # --model to use (default: the MANIFEST's converter_model)
 detect: params              # no --model: the params must choose NAME (as a mount without options does)
 pending: "issue N: why"     # the case is not covered yet: an expected failure until the issue lands
-config_differences: {key: reason}       # keys whose value deliberately differs from the converter's
+config_differences: {key: reason}       # keys whose value deliberately differs from the converter's (and the original's)
+original_config_differences: {key: reason}   # keys of the loaded config that differ from the original's
+                                        # ("folder/key"; "folder/*": that folder's whole config)
 not_in_checkpoint: {hf tensor: reason}  # original HF tensors the CS file does not hold
 extra_tensors: {hf tensor: reason}      # tensors written although save_pretrained of the original leaves them out
 outputs: {skip: reason} | {atol: 1e-6, reason: ...} | {ignore: [output name], reason: ...}  # output comparison
@@ -46,9 +51,10 @@ import re
 import pytest
 import torch
 
-from casehelp import (CASE_FILES, CASES, FIXTURES, IGNORED_CONFIG_KEYS, PARAMS, case_checkpoint, case_dir,
-                      case_facts, case_model, case_options, converted, expected_folders, has_hf, model_inputs,
-                      model_outputs, original_tensors, raw_bytes, sha256, torch_bytes, transformers_class)
+from casehelp import (ABSENT, CASE_FILES, CASES, FIXTURES, IGNORED_CONFIG_KEYS, PARAMS, case_checkpoint, case_dir,
+                      case_facts, case_model, case_options, config_mismatches, converted, expected_folders, has_hf,
+                      loaded_config, model_inputs, model_outputs, original_config, original_tensors, raw_bytes,
+                      served_configs, sha256, torch_bytes, transformers_class)
 from ckptfs.mapping.registry import default_registry, list_models
 
 pytestmark = pytest.mark.slow  # every converter case, every tensor, and the models built from them
@@ -115,14 +121,42 @@ def test_config_agrees_with_converter(case):
     for folder in expected_folders(case):
         expected = json.loads((case_dir(case) / "expected_hf" / folder / "config.json").read_text())
         ours = folders[folder].config
+        original = original_config(case, folder)
         for key, value in expected.items():
             label = f"{folder}/{key}".lstrip("/")
             if key in IGNORED_CONFIG_KEYS or label in differences or key in differences:
                 continue
+            if original is not None and ours.get(key, ABSENT) == original.get(key, ABSENT):
+                continue  # ckptfs writes what the original model's config.json says, where the converter does not
             assert key in ours, f"config.json of {folder or 'the root'} lacks {key!r} (converter: {value!r})"
             assert ours[key] == value, f"config.json {label}: ckptfs {ours[key]!r}, converter {value!r}"
         assert ours.get("architectures") == [folders[folder].hf_class]
         assert ours.get("model_type"), "config.json names its model_type"
+
+
+def original_cases() -> list:
+    """Converter cases with an original HF model (a derived case's params differ from its parent's original)."""
+    return [c for c in CASES if not case_facts(c).get("derived_from") and (case_dir(c) / "hf").is_dir()]
+
+
+@pytest.mark.parametrize("case", original_cases())
+def test_config_loads_to_the_originals_configuration(case, tmp_path):
+    """``AutoConfig.from_pretrained`` of the served config.json gives the original's configuration (for remote-code
+    models, whose classes are not here, the generic ``PretrainedConfig``)."""
+    documented = case_facts(case).get("original_config_differences") or {}
+    served = served_configs(case)
+    problems, used = [], set()
+    for path in sorted((FIXTURES / case / "hf").rglob("config.json")):
+        folder = path.parent.relative_to(FIXTURES / case / "hf").as_posix().strip(".")
+        assert folder in served, f"{case}: the hf view serves no {folder}/config.json"
+        mine = tmp_path / (folder or "root")
+        mine.mkdir(parents=True)
+        (mine / "config.json").write_bytes(served[folder])
+        found, matched = config_mismatches(case, folder, loaded_config(mine), loaded_config(path.parent))
+        problems += found
+        used |= matched
+    assert not problems, f"{case}: {problems}"
+    assert not set(documented) - used, f"{case}: documented differences of no folder: {set(documented) - used}"
 
 
 # -- outputs equal to the original model -----------------------------------------------------------------------

@@ -27,13 +27,13 @@ CASES = sorted(p.parts[-3] for p in FIXTURES.glob("*/cs/params.yaml"))
 
 
 def view_configs(case: str, model: str | None) -> dict:
-    """{HF folder: config.json} as the hf view serves them (bin/ copies left out)."""
+    """{HF folder: config.json} as the hf view serves them (bin/ and hub/ copies left out)."""
     tree = ckptfs.open(FIXTURES / case / "cs" / "checkpoint.mdl", views="hf", model=model)
     try:
         out = {}
         for path in tree.file_paths():
             folder, _, name = path.rpartition("/")
-            if name == "config.json" and folder.rpartition("/")[2] != "bin" and folder != "bin":
+            if name == "config.json" and folder.rpartition("/")[2] != "bin" and folder.split("/")[0] != "hub":
                 out[folder] = json.loads(tree.read(path, 0, tree.attr(path).size))
         return out
     finally:

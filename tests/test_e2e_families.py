@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from casehelp import (CASES, case_checkpoint, case_dir, case_facts, case_model, case_options, converted, has_hf,
-                      model_inputs, model_outputs, state_dicts_equal, transformers_class)
+from casehelp import (CASES, case_checkpoint, case_dir, case_facts, case_model, case_options, config_mismatches,
+                      converted, has_hf, loaded_config, model_inputs, model_outputs, state_dicts_equal,
+                      transformers_class)
 from ckptfs.mapping.registry import default_registry
 from conftest import needs_fuse, real_env
 from fusehelp import mounted
@@ -53,6 +54,9 @@ def compare_through_the_mount(case: str, mnt, folder: str, cls) -> None:
     absent = {k.split("/", 1)[1] if "/" in k else k for k in facts.get("not_in_checkpoint") or {}
               if (k.split("/", 1)[0] if "/" in k else "") == folder}
     state_dicts_equal(ours.state_dict(), original.state_dict(), f"{case}/{folder}", atol, absent)
+    # the mounted config.json loads to the original's configuration (issue 34; documented differences aside)
+    problems, _ = config_mismatches(case, folder, loaded_config(mnt / folder), loaded_config(src))
+    assert not problems, f"{case}/{folder}: {problems}"
     inputs = model_inputs(original, original.config)
     if original.can_generate():
         ids = inputs.get("input_ids")

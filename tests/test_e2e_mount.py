@@ -124,9 +124,12 @@ def test_eight_threads_random_ranges_of_every_real_file_equal_export(tmp_path):
         paths = sorted(str(p.relative_to(mnt)) for p in mnt.rglob("*") if p.is_file())
         exported = {}
         for p in paths:
+            if p.startswith("hub/"):
+                continue  # the repository folder serves the root's files: their export below
             out = tmp_path / "x"
             run_ckptfs("export", ckpt, p, out, check=True)
             exported[p] = out.read_bytes()
+        exported.update({p: exported[p[4:]] for p in paths if p.startswith("hub/")})
         errors, _ = concurrent_random_reads(mnt, exported, threads=8, seconds=3)
         assert not errors, errors[:5]
 

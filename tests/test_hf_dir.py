@@ -53,10 +53,11 @@ def copy_case(case: str, dest: Path) -> Path:
 def test_both_formats_unsharded_one_format_per_folder_and_no_index():
     tree = opened(LLAMA)
     try:
-        assert names(tree) == {"README.txt", "config.json", "generation_config.json", "model.safetensors", "bin"}
+        assert names(tree) == {"README.txt", "config.json", "generation_config.json", "model.safetensors", "bin", "hub"}
         assert names(tree, "bin") == {"config.json", "generation_config.json", "pytorch_model.bin"}
         assert text(tree, "bin/config.json") == text(tree, "config.json")
-        assert "bin/: the same model as pytorch_model .bin files" in text(tree, "README.txt")
+        assert ("bin/: the .bin files (pytorch_model.bin) are here, in a complete HF folder of their own "
+                "(from_pretrained(MOUNT/bin, use_safetensors=False))") in text(tree, "README.txt")
     finally:
         tree.close()
 
@@ -81,8 +82,45 @@ def test_both_formats_sharded_have_one_index_each():
 def test_one_format_only(fmt, weights):
     tree = opened(LLAMA, hf_format=fmt)
     try:
-        assert names(tree) == {"README.txt", "config.json", "generation_config.json"} | weights
+        assert names(tree) == {"README.txt", "config.json", "generation_config.json", "hub"} | weights
+        assert names(tree, "hub") == {"config.json", "generation_config.json"} | weights
         assert "bin/" not in text(tree, "README.txt")
+    finally:
+        tree.close()
+
+
+@pytest.mark.parametrize("case, model, repo", [
+    ("llama", None, {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                     "tokenizer_config.json", "chat_template.jinja"}),
+    ("dpo_llama", None, {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                         "tokenizer_config.json", "chat_template.jinja"}),  # the policy model: no ref_model/
+    # no model at the root: each model folder, and the files laid over the root
+    ("llava", "llava", {"image_model", "text_model", "tokenizer.json", "tokenizer_config.json",
+                        "chat_template.jinja"}),
+])
+def test_hub_is_exactly_the_repository(tmp_path, case, model, repo):
+    """hub/ (issue 34): the files of the model's Hugging Face repository — the same file objects as the root's,
+    overlay files included, no bin/, no other view, no folder ckptfs adds beside the model — and README.txt says to
+    publish it, naming what else the mount has."""
+    tok = make_tokenizer(tmp_path / "tok")
+    tree = ckptfs.open(FIXTURES / case / "cs" / "checkpoint.mdl", model=model, overlay=tok)
+    try:
+        assert names(tree, "hub") == repo
+        hub = [p for p in tree.file_paths() if p.startswith("hub/")]
+        for p in hub:
+            assert tree.lookup(p).file is tree.lookup(p[4:]).file, p
+        if case == "llava":
+            assert {p[4:].split("/", 1)[1] for p in hub if p.count("/") == 2} == {
+                "config.json", "generation_config.json", "model.safetensors", "preprocessor_config.json"}
+        readme = text(tree, "README.txt")
+        head = " ".join(readme.split("\n\nviews:")[0].split())
+        assert ("publish: hub/ is exactly the model's Hugging Face repository (config, weights, tokenizer and "
+                "overlay files): publish or copy that folder (hf upload ORG/NAME MOUNT/hub; cp -r MOUNT/hub DEST), "
+                "not the mount root, which also has README.txt (this file), hub/ (the repository again), ") in head
+        want = {"llama": "bin/ (the model again, as .bin files), cs/, tensors/, torch/ (the whole checkpoint",
+                "dpo_llama": "bin/ (the model again, as .bin files), ref_model/, cs/, tensors/, torch/",
+                "llava": "image_model/bin/ (the model again, as .bin files), text_model/bin/ (the model again"}
+        assert want[case] in head
     finally:
         tree.close()
 
@@ -135,7 +173,8 @@ def test_a_new_weight_format_is_one_layout_and_one_row_of_the_table(monkeypatch)
         header = json.loads(both.read("model.safetensors", 8, int.from_bytes(st, "little")))
         first = min((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
         assert names(both, "raw") == {"config.json", "generation_config.json", "weights.raw"}
-        assert "raw/: the same model as raw tensor bytes" in text(both, "README.txt")
+        assert "raw/: the raw tensor bytes (weights.raw) are here" in text(both, "README.txt")
+        assert not any(p.startswith("hub/raw/") for p in both.file_paths())  # the model again: not in hub/
         assert set(names(both)) >= {"model.safetensors", "bin", "raw"}
         index = json.loads(text(sharded, "weights.raw.index.json"))
         assert len(set(index["weight_map"].values())) > 1 and first in index["weight_map"]
@@ -163,7 +202,10 @@ def test_overlay_tokenizer_appears_and_its_ids_win(tmp_path):
         assert {"tokenizer.json", "tokenizer_config.json", "README.md"} <= names(tree, "bin")
         assert config(tree, "bin/config.json") == cfg
         readme = text(tree, "README.txt")
-        assert f"overlay {tok}" in readme and "eos_token_id 7 (tokenizer_config.json)" in readme
+        assert f"overlay {tok}" in readme
+        assert (f"token ids of config.json and generation_config.json and bin/'s: bos_token_id 1 (tokenizer_config.json "
+                f"bos_token '<s>' in {tok}), eos_token_id 7 (tokenizer_config.json eos_token '</s>' in {tok}), "
+                f"pad_token_id 0 (tokenizer_config.json pad_token '<pad>' in {tok})") in readme
         assert "no tokenizer files" not in readme
     finally:
         tree.close()
@@ -182,6 +224,58 @@ def test_overlay_replaces_generated_files_and_readme_says_so(tmp_path):
         readme = text(tree, "README.txt")
         for name in ("config.json", "generation_config.json"):
             assert f"{name} is the overlay's ({over}/{name}), replacing the generated one" in readme
+    finally:
+        tree.close()
+
+
+@pytest.mark.parametrize("bring", ["config", "generation_config", "both"])
+def test_one_set_of_token_ids_per_mount_whatever_brings_them(tmp_path, bring):
+    """Issue 34: an overlay config.json (50256) over a tokenizer whose ids differ (1, 2, 0): config.json and
+    generation_config.json, at the root and in bin/, carry the same ids, and README.txt says where each came from."""
+    over = make_tokenizer(tmp_path / "over", pad=0, bos=1, eos=2)
+    ids = {"bos_token_id": 50256, "eos_token_id": 50256}
+    if bring in ("config", "both"):
+        cfg = json.loads(text_of(LLAMA, "config.json"))
+        (over / "config.json").write_text(json.dumps({**cfg, **ids, "pad_token_id": None}))
+    if bring in ("generation_config", "both"):
+        (over / "generation_config.json").write_text(json.dumps({**ids, "pad_token_id": 3 if bring == "both" else 0,
+                                                                "do_sample": False}))
+    tree = opened(LLAMA, overlay=over)
+    try:
+        got = {p: {k: config(tree, p).get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+               for p in ("config.json", "generation_config.json", "bin/config.json", "bin/generation_config.json")}
+        pad = 0 if bring == "generation_config" else None  # null in the overlay's config.json: unset
+        if bring == "both":  # the user's two files disagree on pad_token_id: served as given, and said
+            assert got["generation_config.json"]["pad_token_id"] == 3
+            got = {p: {**v, "pad_token_id": None} for p, v in got.items()}
+        assert all(v == {**ids, "pad_token_id": pad} for v in got.values()), got
+        readme = text(tree, "README.txt")
+        source = "config.json" if bring != "generation_config" else "generation_config.json"
+        assert f"eos_token_id 50256 ({source} in {over})" in readme
+        assert ("disagree on pad_token_id (None / 3); both are served as given" in readme) == (bring == "both")
+    finally:
+        tree.close()
+
+
+def test_readme_names_the_source_of_ids_without_any_tokenizer():
+    tree = opened(LLAMA)
+    try:
+        assert ("token ids of config.json and generation_config.json and bin/'s: bos_token_id 1 (the transformers "
+                "config class's default), eos_token_id 2 (the transformers config class's default)") in text(
+                    tree, "README.txt")
+    finally:
+        tree.close()
+    tree = opened(FIXTURES / "starcoder" / "cs" / "checkpoint.mdl", hf_format="safetensors")
+    try:
+        assert "eos_token_id 0 (the family's mapping, as the converter writes it)" in text(tree, "README.txt")
+    finally:
+        tree.close()
+
+
+def text_of(ckpt, path: str, **options) -> str:
+    tree = opened(ckpt, **options)
+    try:
+        return text(tree, path)
     finally:
         tree.close()
 

@@ -161,7 +161,7 @@ def test_head_dim_from_attention_inner_dim_is_not_dropped():
 
 
 @pytest.mark.parametrize("changes,expected", [
-    ({"pos_scaling_factor": 2.0, "pos_scaling_type": "linear"}, {"type": "linear", "factor": 2.0}),
+    ({"pos_scaling_factor": 2.0, "pos_scaling_type": "linear"}, {"rope_type": "linear", "factor": 2.0}),
     ({"pos_scaling_factor": 8.0, "pos_scaling_type": "llama3",
       "pos_scaling_extra_args": {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                  "original_max_position_embeddings": 32}},
@@ -177,6 +177,20 @@ def test_rope_scaling_round_trips_into_transformers(tmp_path, changes, expected)
     cfg = AutoConfig.from_pretrained(tmp_path)
     rope = cfg.rope_parameters
     assert rope["rope_theta"] == 500000.0 and rope["factor"] == expected["factor"]
+    assert "type" not in rope  # only rope_type, as a config built by transformers holds it
+
+
+@pytest.mark.parametrize("family", ["falcon", "gpt_neox", "mistral", "mixtral"])
+def test_rope_scaling_loads_as_transformers_builds_it(tmp_path, family):
+    """config.json's rope settings load to what the transformers config class builds from them (no legacy
+    ``type`` beside ``rope_type``)."""
+    from transformers import AutoConfig, CONFIG_MAPPING
+
+    hf = hf_config(family, {"pos_scaling_factor": 2.0, "pos_scaling_type": "linear"}).hf
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    loaded = AutoConfig.from_pretrained(tmp_path).rope_parameters
+    built = CONFIG_MAPPING[hf["model_type"]](**{k: v for k, v in hf.items() if k != "model_type"}).rope_parameters
+    assert loaded == built and loaded["rope_type"] == "linear" and "type" not in loaded
 
 
 def test_token_ids_reach_generation_config():

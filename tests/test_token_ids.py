@@ -68,6 +68,7 @@ def test_class_defaults_fill_what_the_params_lack():
     res = hf_config("gpt2", {"eos_token_id": 7})
     assert res.hf["bos_token_id"] == 50256 and res.hf["eos_token_id"] == 7 and "pad_token_id" not in res.hf
     assert res.generation == {"bos_token_id": 50256, "eos_token_id": 7}
+    assert res.token_id_sources == {"bos_token_id": "class", "eos_token_id": "params"}  # what README.txt says
 
 
 def test_headless_models_and_encoders_have_no_generation_config():

@@ -74,9 +74,9 @@ def test_single_component_tree_is_unchanged():
     generation = {"generation_config.json"} if hf.generation_config else set()
     tree = open_case("gpt2", None)
     try:
-        assert set(tree.listdir("")) == {"README.txt", "config.json", "cs", "torch", "tensors"} | WEIGHTS | generation
+        assert set(tree.listdir("")) == {"README.txt", "config.json", "cs", "torch", "tensors", "hub"} | WEIGHTS | generation
         dirs = {n for n in tree.listdir("") if stat.S_ISDIR(tree.attr(n).mode)}
-        assert dirs == {"cs", "torch", "tensors", "bin"}
+        assert dirs == {"cs", "torch", "tensors", "bin", "hub"}
         assert " holds " not in tree.read("README.txt", 0, 1 << 20).decode()
     finally:
         tree.close()

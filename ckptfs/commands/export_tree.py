@@ -6,6 +6,10 @@ renamed to its name once complete (after an fsync), with the mount's modificatio
 through ``ckptfs.outfiles`` (no link followed below OUTDIR, no FIFO opened, nothing but a regular file replaced). A
 re-run keeps a file only when the record of an earlier export (``export_record``) says it finished that very file
 from the same content, and redoes the rest; leftover ``.part`` files are rewritten from the start.
+
+A file the tree serves at several paths (the repository folder ``hub/`` mirrors the HF model's files) is written
+once, at its shallowest path: its other paths become hard links to it (``OutputDir.link``: a copy where the file
+system has no hard links), so the export costs no disk for them.
 """
 from __future__ import annotations
 
@@ -107,11 +111,19 @@ def _opener(outdir: OutputDir, rel: str):
 
 
 def _plan(tree: Tree, outdir: OutputDir, record: ExportRecord, block: int) -> tuple:
-    """([(part file, offset, length)], {part files}, kept count, bytes to write)."""
-    jobs, parts, kept, total = [], [], 0, 0
+    """([(part file, offset, length)], {part files}, kept count, bytes to write, [(written path, its other path)])."""
+    jobs, parts, kept, total, links = [], [], 0, 0, []
     identity = getattr(tree, "identity", None)
-    for path in tree.walk():
-        e = tree.lookup(path)
+    paths = list(tree.walk())
+    entries = {path: tree.lookup(path) for path in paths}
+    first: dict = {}  # id(VirtualFile) -> the path it is written at: its shallowest (the root's, not hub/'s)
+    for path in sorted(paths, key=lambda p: (p.count("/"), p)):
+        first.setdefault(id(entries[path].file), path)
+    for path in paths:
+        e = entries[path]
+        if first[id(e.file)] != path:
+            links.append((first[id(e.file)], path))
+            continue
         mtime_ns = tree.attr(e).mtime_ns
         key = content_key(identity, path, e.size) if identity else None
         if key is not None and record.finished(path, key, outdir.lstat(path), _opener(outdir, path)):
@@ -124,7 +136,7 @@ def _plan(tree: Tree, outdir: OutputDir, record: ExportRecord, block: int) -> tu
         parts.append(pf)
         total += e.size
         jobs += [(pf, off, min(block, e.size - off)) for off in range(0, max(e.size, 1), block)]
-    return jobs, parts, kept, total
+    return jobs, parts, kept, total, links
 
 
 def _make_dirs(tree: Tree, outdir: OutputDir) -> None:
@@ -152,7 +164,7 @@ def export_tree(tree: Tree, outdir, *, threads: int | None = None, progress: boo
 
 def _export(tree: Tree, out: OutputDir, record: ExportRecord, threads, progress: bool, block: int) -> ExportReport:
     _make_dirs(tree, out)
-    jobs, parts, kept, total = _plan(tree, out, record, block)
+    jobs, parts, kept, total, links = _plan(tree, out, record, block)
     record.flush()  # files found changed are forgotten before any is rewritten
     report = ExportReport(kept=kept)
     bar = progress_bar(total, f"export {out.path.name or out.path}") if progress and total else None
@@ -182,6 +194,11 @@ def _export(tree: Tree, out: OutputDir, record: ExportRecord, threads, progress:
                 pending = _drain(pending, report, bar, FIRST_COMPLETED)
         while pending:
             pending = _drain(pending, report, bar, FIRST_EXCEPTION)
+        for src, rel in links:
+            if out.link(src, rel):
+                report.files += 1
+            else:
+                report.kept += 1
         ok = True
     finally:
         if not ok:

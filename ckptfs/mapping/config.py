@@ -14,6 +14,7 @@ from typing import Mapping
 
 from ..errors import ConfigError, MappingError
 from .expr import BASE_FUNCTIONS, OMIT, ExprError, MissingName, Scope, evaluate
+from .hf_defaults import TOKEN_ID_KEYS
 from .spec import FamilySpec, Guard, ModelVariant
 
 
@@ -79,6 +80,7 @@ class ConfigResult:
     warnings: list
     scope: Scope  # CS keys + derived values + model vars, for the tensor rules
     cs_scope: ConfigScope = field(repr=False, default=None)
+    token_id_sources: dict = field(default_factory=dict)  # token id key in ``hf`` -> TOKEN_ID_SOURCES entry
 
 
 def config_functions(cs: ConfigScope, where: str, path) -> dict:
@@ -105,7 +107,14 @@ def config_functions(cs: ConfigScope, where: str, path) -> dict:
 
     return {**BASE_FUNCTIONS, "lookup": lookup, "error": fail, "has": has, "get": get,
             "keys_with_prefix": keys_with_prefix, "default_id2label": default_id2label,
-            "default_label2id": default_label2id}
+            "default_label2id": default_label2id, "null_if": null_if}
+
+
+def null_if(value, default):
+    """None (JSON null) when ``value`` equals ``default``, else ``value``: for HF settings whose class computes
+    ``default`` itself from a null (GPT-2's ``n_inner`` is 4 x ``n_embd``), so that config.json says null as
+    save_pretrained of a model built with the default does."""
+    return None if value == default else value
 
 
 def default_id2label(count: int) -> dict:
@@ -198,8 +207,18 @@ def convert_config(spec: FamilySpec, variant: ModelVariant, cs_model: dict, para
         value = attempt(text, f"config.generation.{key}")
         if value is not OMIT:
             gen[key] = value
+    stated = {k: ("params" if cs_scope.has(k) else "mapping") for k in TOKEN_ID_KEYS if k in hf}
     generates = fill_token_ids(hf, gen, cfg.generation, spec.model_type, variant)
-    return ConfigResult(hf, gen if generates else None, warnings, scope, cs_scope)
+    sources = {k: stated.get(k, "class") for k in TOKEN_ID_KEYS if k in hf}
+    return ConfigResult(hf, gen if generates else None, warnings, scope, cs_scope, sources)
+
+
+#: where a config.json token id the mapping wrote comes from (``ConfigResult.token_id_sources``)
+TOKEN_ID_SOURCES = {
+    "params": "the params YAML",
+    "mapping": "the family's mapping, as the converter writes it",
+    "class": "the transformers config class's default",
+}
 
 
 def fill_token_ids(hf: dict, gen: dict, gen_spec: dict, model_type: str, variant: ModelVariant) -> bool:

@@ -37,6 +37,8 @@ class HFModel:
     # content being JSON (a dict) or a safetensors file's [(name, tensor)]
     extra_folders: dict = field(default_factory=dict)
     chosen: str = ""  # why this model replaced the one the params or --model named (README.txt), "" if none did
+    # config.json's token ids: where each came from ({key: ckptfs.mapping.config.TOKEN_ID_SOURCES key})
+    token_id_sources: dict = field(default_factory=dict)
 
     def folders(self) -> dict:
         """{sub-folder ('' = the mount root): HFModel} for every HF model directory this checkpoint gives."""
@@ -105,4 +107,5 @@ def map_model(spec: FamilySpec, variant: ModelVariant, cfg: ConfigResult, cs: di
         warnings.append(f"CS tensor model.{scoped.key(key)} {list(t.shape)} {t.dtype.name} matches no rule of "
                         f"{spec.path.name}{folder}; not converted")
     return HFModel(family=family, model_name=model_name, hf_class=variant.hf_class, tensors=mapping.tensors,
-                   config=config, generation_config=cfg.generation, warnings=warnings, params_path=params_path)
+                   config=config, generation_config=cfg.generation, warnings=warnings, params_path=params_path,
+                   token_id_sources=dict(cfg.token_id_sources))

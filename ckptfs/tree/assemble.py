@@ -115,6 +115,16 @@ def family_of(outcomes: list) -> str | None:
     return None
 
 
+def _publishing(outcomes: list) -> list:
+    """README.txt's lines on what to publish, when the hf view serves the repository folder (``views/hf_dir.py``)."""
+    from ..views.hf_dir import HUB_FOLDER, publishing_lines  # here: the mount command starts without it (yaml…)
+
+    paths = [p for o in outcomes if o.present for p in o.files]
+    if not any(p.startswith(HUB_FOLDER + "/") for p in paths):
+        return []
+    return publishing_lines(paths, [folder_of(o.name) for o in outcomes if o.present and folder_of(o.name)])
+
+
 def readme_text(info: SourceInfo, outcomes: list) -> str:
     """The root README.txt: what was mounted, which views are present, why any is missing, and all notes."""
     lines = ["ckptfs: a read-only view of a Cerebras checkpoint; every file is generated on read.", ""]
@@ -131,13 +141,14 @@ def readme_text(info: SourceInfo, outcomes: list) -> str:
     if info.resolved_from is not None:
         lines.append(f"resolved from:  {info.resolved_from} (its latest checkpoint when mounted; this mount keeps "
                      "serving that one: remount to see a newer checkpoint)")
+    lines += _publishing(outcomes)
     lines += ["", "views:"]
     for o in outcomes:
         if o.present:
             ready = [f for f in o.files.values() if not getattr(f, "deferred", False)]
             status = f"{len(o.files)} file{'' if len(o.files) == 1 else 's'}"
-            if ready:
-                status += f", {human_size(sum(f.size for f in ready))}"
+            if ready:  # a file served at several paths (hub/ mirrors the model) counts once, as export stores it
+                status += f", {human_size(sum(f.size for f in {id(f): f for f in ready}.values()))}"
             if len(ready) < len(o.files):
                 status += f" ({len(o.files) - len(ready)} sized on first access)"
             if o.missing:

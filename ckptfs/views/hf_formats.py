@@ -58,7 +58,7 @@ def _torch_zip(named: list, name: str, *, cache=None, zip_crc: str = "exact", cr
 
 FORMATS: tuple = (
     WeightFormat("safetensors", "model", ".safetensors", "", "safetensors", _safetensors, untie=True),
-    WeightFormat("bin", "pytorch_model", ".bin", "bin", "pytorch_model .bin files", _torch_zip),
+    WeightFormat("bin", "pytorch_model", ".bin", "bin", ".bin files", _torch_zip),
 )
 
 

@@ -1,10 +1,20 @@
-"""Special token ids (``bos_token_id``, ``eos_token_id``, ``pad_token_id``) as a tokenizer folder states them.
+"""Special token ids (``bos_token_id``, ``eos_token_id``, ``pad_token_id``) of one HF model folder: one value per
+id, which every generated file of the folder (config.json, generation_config.json, and those of its ``bin/``) carries.
 
-Read from, per id, the first file that gives it: ``tokenizer_config.json`` (``bos_token``… as text or as an
-AddedToken ``{"content": …}``), ``special_tokens_map.json`` (same), then ``generation_config.json`` (ids as numbers).
-A token text becomes an id through the folder's vocabulary: ``added_tokens_decoder`` of tokenizer_config.json,
-``added_tokens`` and ``model.vocab`` of tokenizer.json, ``added_tokens.json``, ``vocab.json`` or ``vocab.txt``
-(``tokenizer.model`` alone, a sentencepiece protobuf, is not read: such a folder normally has a tokenizer.json too).
+Per id, the first source that states it decides (README "Tokenizer and generation settings"):
+
+1. the folder's own ``config.json`` laid over by ``--overlay`` (the user's model configuration), else its
+   ``generation_config.json`` from the overlay (the original model's generation settings): that file is served as
+   given, so it decides every id — one it does not name stays unset;
+2. else, per id, the tokenizer's special tokens: ``tokenizer_config.json`` (``bos_token``… as text or as an AddedToken
+   ``{"content": …}``), then ``special_tokens_map.json``, each text made an id through the folder's vocabulary:
+   ``added_tokens_decoder`` of tokenizer_config.json, ``added_tokens`` and ``model.vocab`` of tokenizer.json,
+   ``added_tokens.json``, ``vocab.json`` or ``vocab.txt`` (``tokenizer.model`` alone, a sentencepiece protobuf, is
+   not read: such a folder normally has a tokenizer.json too),
+3. else what the mapping made without them (``fallback``): the params YAML, the family's mapping, the transformers
+   config class's defaults (``ckptfs.mapping.config``).
+
+An unset id is left out of the generated files.
 A file above ``MAX_FILE_BYTES`` is not read for ids (it may still be served, by range): parsing reads it whole.
 """
 from __future__ import annotations
@@ -15,6 +25,9 @@ from typing import Callable
 
 from ..mapping.hf_defaults import TOKEN_ID_KEYS
 
+#: overlay files whose ids (numbers) decide before the tokenizer's, in this order
+NUMERIC_SOURCES = ("config.json", "generation_config.json")
+#: tokenizer files whose special token texts decide next, in this order
 TEXT_SOURCES = ("tokenizer_config.json", "special_tokens_map.json")
 #: the largest tokenizer file read for token ids (the largest tokenizer.json on the Hub are ~35 MB; a file is read
 #: whole and parsed, which takes several times its size in memory while the view is built)
@@ -23,10 +36,11 @@ MAX_FILE_BYTES = 64 << 20
 
 @dataclass
 class TokenIds:
-    """The ids found, the file each came from, and problems worth a README.txt line."""
+    """The ids decided (None: unset), where each came from, and problems worth a README.txt line."""
 
     ids: dict = field(default_factory=dict)
-    sources: dict = field(default_factory=dict)  # key -> file name
+    sources: dict = field(default_factory=dict)  # key -> what gave it: a file and what in it, or the fallback's source
+    files: dict = field(default_factory=dict)  # key -> the name of the folder's file that gave it (not for fallbacks)
     problems: list = field(default_factory=list)
 
 
@@ -87,9 +101,31 @@ class Vocabulary:
         return self._map.get(text)
 
 
-def token_ids(read: Callable) -> TokenIds:
-    """The special token ids a tokenizer folder states; ``read(name)`` gives a file's bytes or None when absent."""
+def _is_id(value) -> bool:
+    """An id as config files give it: an int, a non-empty list of ints (several EOS tokens), or null."""
+    if value is None:
+        return True
+    if isinstance(value, list):
+        return bool(value) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def token_ids(read: Callable, fallback: dict | None = None, fallback_sources: dict | None = None) -> TokenIds:
+    """The special token ids of a folder (see the module docstring); ``read(name)`` gives the bytes of a file laid
+    over the folder (overlay or tokenizer files) or None when there is none; ``fallback`` holds the mapping's ids
+    and ``fallback_sources`` where each came from."""
     result = TokenIds()
+    for name in NUMERIC_SOURCES:
+        doc = _json(read, name, result.problems)
+        if not isinstance(doc, dict):
+            continue
+        for key in TOKEN_ID_KEYS:  # a file the overlay brings is served as given: it decides every id
+            value = doc.get(key)
+            if not _is_id(value):
+                result.problems.append(f"{name}: {key} {value!r} is not a token id; left unset")
+                value = None
+            result.ids[key], result.sources[key], result.files[key] = value, name, name
+        return result
     vocab = Vocabulary(read, result.problems)
     for name in TEXT_SOURCES:
         doc = _json(read, name, result.problems)
@@ -106,12 +142,8 @@ def token_ids(read: Callable) -> TokenIds:
                 result.problems.append(f"{name}: {key[:-3]} {text!r} is not in the tokenizer's vocabulary; "
                                        f"{key} not taken from it")
                 continue
-            result.ids[key], result.sources[key] = tid, name
-    gen = _json(read, "generation_config.json", result.problems)
-    if isinstance(gen, dict):
-        for key in TOKEN_ID_KEYS:
-            value = gen.get(key)
-            ok = isinstance(value, int) or (isinstance(value, list) and value and all(isinstance(v, int) for v in value))
-            if key not in result.ids and ok and not isinstance(value, bool):
-                result.ids[key], result.sources[key] = value, "generation_config.json"
+            result.ids[key], result.sources[key], result.files[key] = tid, f"{name} {key[:-3]} {text!r}", name
+    for key, value in (fallback or {}).items():
+        if key in TOKEN_ID_KEYS and key not in result.ids:
+            result.ids[key], result.sources[key] = value, (fallback_sources or {}).get(key, "generated")
     return result
