@@ -128,9 +128,10 @@ class OutputDir:
         return OutputFile(self, rel, dfd, tmp, name, fd)
 
 
-    def link(self, src_rel: str, rel: str) -> bool:
+    def link(self, src_rel: str, rel: str) -> os.stat_result | None:
         """``rel`` as a hard link to the placed file ``src_rel`` (a copy where the file system refuses hard links),
-        made under ``<rel>.part`` and renamed as ``create``'s files are; False when ``rel`` already is that file."""
+        made under ``<rel>.part`` and renamed as ``create``'s files are. The ``lstat`` of ``src_rel`` afterwards (a
+        link changes its ctime), or None when ``rel`` already was that file."""
         sparent, _, sname = src_rel.rpartition("/")
         sfd = self.folder(sparent)
         src = self._lstat(sfd, sname)
@@ -140,22 +141,23 @@ class OutputDir:
         dfd = self.folder(parent)
         now = self._lstat(dfd, name)
         if now is not None and (now.st_dev, now.st_ino) == (src.st_dev, src.st_ino):
-            return False
+            return None
         out = self.create(rel, ".part")  # the leftover checks; the empty file is replaced by the link
         os.close(out.fd)
         os.unlink(out.tmp, dir_fd=dfd)
+        mtime_ns = None  # a link shares the file's modification time
         try:
             os.link(sname, out.tmp, src_dir_fd=sfd, dst_dir_fd=dfd, follow_symlinks=False)
             out.fd = os.open(out.tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
         except OSError as e:
             if e.errno not in (errno.EPERM, errno.EXDEV, errno.EMLINK, errno.EOPNOTSUPP, errno.ENOTSUP):
                 raise OutputError(self.path / rel, f"cannot link: {e.strerror or e}") from None
-            out = self._copy(sfd, sname, rel)
+            out, mtime_ns = self._copy(sfd, sname, rel), src.st_mtime_ns
         try:
-            out.place(src.st_mtime_ns)
+            out.place(mtime_ns)
         finally:
             out.abandon()
-        return True
+        return self._lstat(sfd, sname)
 
     def _copy(self, sfd: int, sname: str, rel: str) -> "OutputFile":
         out = self.create(rel, ".part")

@@ -168,7 +168,7 @@ def test_a_new_weight_format_is_one_layout_and_one_row_of_the_table(monkeypatch)
     both = opened(GPT2)
     sharded = opened(GPT2, hf_format="raw", max_shard_size="20KB")
     try:
-        assert names(only) == {"README.txt", "config.json", "generation_config.json", "weights.raw"}
+        assert names(only) == {"README.txt", "config.json", "generation_config.json", "weights.raw", "hub"}
         st = both.read("model.safetensors", 0, 8)
         header = json.loads(both.read("model.safetensors", 8, int.from_bytes(st, "little")))
         first = min((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])

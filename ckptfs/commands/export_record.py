@@ -105,6 +105,14 @@ class ExportRecord:
         if time.monotonic() - self._flushed >= FLUSH_SECONDS:
             self.flush()
 
+    def relinked(self, rel: str, st: os.stat_result) -> None:
+        """The recorded file at ``rel`` got another name (a hard link this export made): its new identity ``st``."""
+        with self._lock:
+            rec = self.files.get(rel)
+            if rec is not None and rec[1][:2] == [st.st_dev, st.st_ino]:
+                rec[1] = identity_of(st)
+                self._dirty = True
+
     def forget(self, rel: str) -> None:
         with self._lock:
             if self.files.pop(rel, None) is not None:

@@ -195,10 +195,12 @@ def _export(tree: Tree, out: OutputDir, record: ExportRecord, threads, progress:
         while pending:
             pending = _drain(pending, report, bar, FIRST_EXCEPTION)
         for src, rel in links:
-            if out.link(src, rel):
-                report.files += 1
-            else:
+            st = out.link(src, rel)
+            if st is None:
                 report.kept += 1
+                continue
+            report.files += 1
+            record.relinked(src, st)  # the written file's ctime moved: it is still the one this export finished
         ok = True
     finally:
         if not ok:
