@@ -16,6 +16,7 @@ import numpy as np
 from ..errors import CheckpointError, SourceChangedError
 from ..statedirs import cache_dir
 from ..storage.local import FileIdentity
+from ..storage.s3url import is_s3_url
 from . import catalog_index
 from .catalog import Checkpoint, Container, ValueLeaf
 from .confine import Confinement
@@ -85,7 +86,12 @@ def open_checkpoint(path, *, allow_partial: bool = False, allow_external=()) -> 
     """Open a Cerebras checkpoint (a file, or a model_dir meaning its latest checkpoint).
 
     Files the checkpoint refers to are read only from its own folder and the ``allow_external`` folders
-    (``confine``); the file's version is remembered so that reads fail once it changes (``watch``)."""
+    (``confine``); the file's version is remembered so that reads fail once it changes (``watch``). An S3 location
+    (``s3://…``) is opened by ``s3open``: nothing outside its bucket and prefix is read."""
+    if is_s3_url(path):
+        from .s3open import open_s3_checkpoint
+
+        return open_s3_checkpoint(path, allow_partial=allow_partial)
     file_path = resolve_checkpoint(path)
     indexed = _open_indexed(file_path, allow_external)
     if indexed is not None:
@@ -98,6 +104,16 @@ def open_checkpoint(path, *, allow_partial: bool = False, allow_external=()) -> 
         raise CheckpointError(file_path, f"cannot stat the checkpoint ({e.strerror or e})") from None
     store = H5Store(file_path, file_path, file=f, identity=identity)
     externals = ExternalFiles(file_path, Confinement.of(file_path, allow_external))
+    ckpt = read_hdf5_catalog(file_path, f, store, externals, allow_partial=allow_partial)
+    folder = _index_folder(allow_external)
+    if folder is not None:
+        catalog_index.save(folder, os.path.realpath(file_path), identity, ckpt, store)
+    return ckpt
+
+
+def read_hdf5_catalog(file_path, f, store: H5Store, externals: ExternalFiles, *, allow_partial: bool) -> Checkpoint:
+    """The catalog of the open HDF5 checkpoint ``f`` (whatever storage it is read from: ``store`` serves its
+    tensors, ``externals`` the files it refers to); both are closed with the checkpoint, or here on failure."""
     try:
         _check_cerebras(f, file_path)
         version = _format_version(f, file_path)
@@ -133,9 +149,6 @@ def open_checkpoint(path, *, allow_partial: bool = False, allow_external=()) -> 
     ckpt = Checkpoint(path=file_path, format_version=version, release=release, success=success, root=result.root,
                       leaves=result.leaves, links=result.links, warnings=result.warnings)
     ckpt._closers.extend([externals.close, store.close])
-    folder = _index_folder(allow_external)
-    if folder is not None:
-        catalog_index.save(folder, os.path.realpath(file_path), identity, ckpt, store)
     return ckpt
 
 
