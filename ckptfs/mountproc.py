@@ -36,6 +36,7 @@ from .options import MountOptions, check_options, to_argv
 from .statedirs import CACHE_DIR_ENV, log_dir as wanted_log_dir
 from .tree.assemble import TreeBuilder, build_tree
 from .views.base import README_NAME
+from .storage.s3url import is_s3_url
 
 log = logging.getLogger("ckptfs.mount")
 
@@ -168,10 +169,14 @@ def log_dir() -> Path:
                              f"set {CACHE_DIR_ENV} to a writable folder")
 
 
+def _argument(ckpt) -> str:
+    """A checkpoint argument as the server is given it: an absolute path, or the ``s3://`` URL as it is."""
+    return str(ckpt) if is_s3_url(ckpt) else os.path.abspath(str(ckpt))
+
+
 def server_argv(ckpt, mountpoint, options: MountOptions, *, allow_other: bool = False, debug: bool = False) -> list:
     """The ``ckptfs`` arguments that run this mount in the foreground (what the background process executes)."""
-    argv = ["mount", os.path.abspath(str(ckpt)), os.path.abspath(str(mountpoint)), "--foreground",
-            *to_argv(options)]
+    argv = ["mount", _argument(ckpt), os.path.abspath(str(mountpoint)), "--foreground", *to_argv(options)]
     if allow_other:
         argv.append("--allow-other")
     if debug:
@@ -494,7 +499,7 @@ def _mount(ckpt, mountpoint, options: MountOptions, *, foreground: bool, allow_o
     setup_logging(debug)
     log.info("mounting %s at %s (%d %s)", ckpt, mp, tree.file_count, "checkpoints" if run else "files")
     try:
-        serve(tree, mp, fsname=f"ckptfs:{os.path.abspath(str(ckpt))}", allow_other=allow_other,
+        serve(tree, mp, fsname=f"ckptfs:{_argument(ckpt)}", allow_other=allow_other,
               cache_timeout=RUN_CACHE_TIMEOUT if run else CACHE_TIMEOUT)
     finally:
         tree.close()

@@ -1,19 +1,18 @@
-"""A real S3-compatible endpoint on 127.0.0.1 for the tests (moto's server, in a thread of the test process), the
-fixtures' objects uploaded into it with their user metadata, and the requests it served, counted at the server.
-
-The server is moto's own WSGI application behind werkzeug's threaded server, wrapped only to count requests (method,
-whether it is a listing, the key): what the endpoint saw, however the client sends it. ``stop()`` closes the listening
-socket, so a client then gets "connection refused", as from an endpoint that went away.
+"""A real S3-compatible endpoint on 127.0.0.1 for the tests (moto's server, started by the tests in a process of its
+own: ``s3server.py``), the fixtures' objects uploaded into it with their user metadata, and the requests it served,
+counted at the server: what the endpoint saw, however the client sends it.
 """
 from __future__ import annotations
 
 import json
 import os
-import threading
+import subprocess
+import sys
+import time
+import urllib.request
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import parse_qs, unquote
 
 FIXTURES_S3 = Path(__file__).parent / "fixtures" / "s3"
 BUCKET = "ckpts"
@@ -23,6 +22,8 @@ ACCESS_KEY, SECRET_KEY = "AKIDCKPTFSTEST000001", "ckptfs-test-secret-never-print
 
 @dataclass
 class Request:
+    """One request the endpoint served."""
+
     method: str
     path: str
     query: dict
@@ -30,111 +31,107 @@ class Request:
 
     @property
     def is_list(self) -> bool:
-        return self.method == "GET" and ("list-type" in self.query or self.path.count("/") <= 1 and "/" not in
-                                         self.path.strip("/"))
+        return self.method == "GET" and "list-type" in self.query
 
-
-@dataclass
-class Counts:
-    """Requests seen since ``reset``, thread-safe."""
-
-    requests: list = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def add(self, r: Request) -> None:
-        with self.lock:
-            self.requests.append(r)
-
-    def reset(self) -> None:
-        with self.lock:
-            self.requests.clear()
-
-    def snapshot(self) -> list:
-        with self.lock:
-            return list(self.requests)
-
-    def by_kind(self) -> Counter:
-        c = Counter()
-        for r in self.snapshot():
-            c["LIST" if r.is_list else r.method] += 1
-        return c
-
-
-class _Counting:
-    def __init__(self, app, counts: Counts):
-        self.app, self.counts = app, counts
-
-    def __call__(self, environ, start_response):
-        if not environ.get("PATH_INFO", "").startswith("/moto-api"):
-            self.counts.add(Request(environ.get("REQUEST_METHOD", ""), unquote(environ.get("PATH_INFO", "")),
-                                    parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True),
-                                    environ.get("HTTP_RANGE")))
-        return self.app(environ, start_response)
-
-
-def _quiet_handler():
-    from moto.moto_server.werkzeug_app import MotoRequestHandler
-
-    class Quiet(MotoRequestHandler):
-        def log_request(self, *args, **kw):  # the tests count requests; they need no access log
-            pass
-
-    return Quiet
+    @property
+    def kind(self) -> str:
+        return "LIST" if self.is_list else self.method
 
 
 class LocalS3:
-    """moto's S3 on 127.0.0.1 (an unused port), started in a thread of this process."""
+    """moto's S3 on 127.0.0.1 (an unused port), in a process of its own (``s3server.py``)."""
 
-    def __init__(self):
-        from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
-        from werkzeug.serving import make_server
-
-        self.counts = Counts()
-        app = _Counting(DomainDispatcherApplication(create_backend_app), self.counts)
-        self._server = make_server("127.0.0.1", 0, app, threaded=True, request_handler=_quiet_handler())
-        self.port = self._server.server_address[1]
+    def __init__(self, tmp: Path):
+        self.tmp = Path(tmp)
+        port_file = self.tmp / "s3-port"
+        port_file.unlink(missing_ok=True)
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("s3server.py")), str(port_file)],
+                                     stdout=subprocess.DEVNULL, stderr=open(self.tmp / "s3-server.log", "wb"))
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the local S3 server did not start: {(self.tmp / 's3-server.log').read_text()}")
+            time.sleep(0.05)
+        self.port = int(port_file.read_text())
         self.url = f"http://127.0.0.1:{self.port}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
         self.running = True
 
     def stop(self) -> None:
-        """Stop answering and close the port (clients get "connection refused")."""
+        """Stop the endpoint (clients then get "connection refused", as from an endpoint that went away)."""
         if self.running:
             self.running = False
-            self._server.shutdown()
-            self._server.server_close()
-            self._thread.join(10)
+            self.proc.terminate()
+            self.proc.wait(10)
+
+    def _call(self, method: str, path: str, data: bytes | None = None) -> bytes:
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.read()
+
+    def reset(self) -> None:
+        """Forget the requests counted so far."""
+        self._call("POST", "/__reset__", b"")
+
+    def requests(self) -> list:
+        """Every request served since the last ``reset``."""
+        lines = self._call("GET", "/__counts__").decode().splitlines()
+        return [Request(**json.loads(line)) for line in lines if line]
+
+    def counts(self) -> Counter:
+        """Requests since the last ``reset`` by kind: GET, HEAD, LIST, PUT…"""
+        return Counter(r.kind for r in self.requests())
+
+    def put_many(self, bucket: str, objects: list) -> None:
+        """Put ``[(key, body, user metadata)]`` straight into the endpoint's store (thousands per second; the bucket
+        must exist)."""
+        import base64
+
+        spec = {"bucket": bucket, "objects": [[k, base64.b64encode(b).decode(), m] for k, b, m in objects]}
+        self._call("POST", "/__put_many__", json.dumps(spec).encode())
+
+    def set_auth(self, on: bool) -> None:
+        """Make the endpoint check credentials (moto's IAM emulation) or accept any."""
+        self._call("POST", "/moto-api/reset-auth", b"0" if on else b"inf")
 
     def env(self, **extra) -> dict:
         """An environment for a ckptfs process using this endpoint (no AWS configuration of the machine)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
         env.update(AWS_ENDPOINT_URL=self.url, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY,
-                   AWS_DEFAULT_REGION="us-east-1", AWS_CONFIG_FILE="/nonexistent", AWS_SHARED_CREDENTIALS_FILE="/nonexistent",
-                   AWS_EC2_METADATA_DISABLED="true")
+                   AWS_DEFAULT_REGION="us-east-1", AWS_CONFIG_FILE=str(self.tmp / "no-aws-config"),
+                   AWS_SHARED_CREDENTIALS_FILE=str(self.tmp / "no-aws-credentials"), AWS_EC2_METADATA_DISABLED="true")
         env.update(extra)
         return env
 
-    def client(self):
+    def client(self, access_key: str = ACCESS_KEY, secret_key: str = SECRET_KEY):
         """A boto3 client of the test itself (to upload, overwrite, delete)."""
         import boto3
 
-        return boto3.client("s3", endpoint_url=self.url, aws_access_key_id=ACCESS_KEY,
-                            aws_secret_access_key=SECRET_KEY, region_name="us-east-1")
+        return boto3.client("s3", endpoint_url=self.url, aws_access_key_id=access_key, aws_secret_access_key=secret_key,
+                            region_name="us-east-1")
 
 
-def upload_case(client, case: str, *, bucket: str = BUCKET, rename: tuple = ("", "")) -> int:
-    """Put every object of fixture case ``case`` (``tests/fixtures/s3/<case>``) at its key with its user metadata;
-    ``rename``: (old key prefix, new) to place it elsewhere. Returns the number of objects."""
+def case_objects(case: str, rename: tuple = ("", "")) -> list:
+    """``[(key, body, user metadata)]`` of fixture case ``case`` (``tests/fixtures/s3/<case>``); ``rename``: (old key
+    prefix, new) to place it elsewhere."""
     root = FIXTURES_S3 / case
     listing = json.loads((root / "objects.json").read_text())
-    try:
-        client.create_bucket(Bucket=bucket)
-    except client.exceptions.BucketAlreadyOwnedByYou:
-        pass
     old, new = rename
-    for key, entry in listing.items():
-        body = (root / "objects" / key).read_bytes()
-        target = new + key[len(old):] if old and key.startswith(old) else key
-        client.put_object(Bucket=bucket, Key=target, Body=body, Metadata=entry["metadata"])
-    return len(listing)
+    return [(new + key[len(old):] if old and key.startswith(old) else key, (root / "objects" / key).read_bytes(),
+             entry["metadata"]) for key, entry in listing.items()]
+
+
+def upload_case(s3: LocalS3, case: str, *, bucket: str = BUCKET, rename: tuple = ("", ""), client=None) -> int:
+    """Put every object of fixture case ``case`` at its key with its user metadata (into the endpoint's store at
+    once; with ``client``, by one PUT request each, as a writer does). Returns the number of objects."""
+    objects = case_objects(case, rename)
+    c = client or s3.client()
+    try:
+        c.create_bucket(Bucket=bucket)
+    except c.exceptions.BucketAlreadyOwnedByYou:
+        pass
+    if client is None:
+        s3.put_many(bucket, objects)
+    else:
+        for key, body, metadata in objects:
+            client.put_object(Bucket=bucket, Key=key, Body=body, Metadata=metadata)
+    return len(objects)

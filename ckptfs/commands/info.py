@@ -28,7 +28,8 @@ def add_parser(subparsers):
                                                 "that), or a Hugging Face model folder: its files, and the Cerebras "
                                                 "checkpoint a mount of it serves")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    mount_options.add_arguments(p, only=("allow_partial", "allow_external", "single", "model", "added_tensors"))
+    mount_options.add_arguments(p, only=("allow_partial", "allow_external", "single", "model", "added_tensors", "endpoint_url",
+                                           "profile"))
     return p
 
 
@@ -180,21 +181,21 @@ def format_hf(src: HFSourceInfo, s: Summary) -> str:
 
 def run(args) -> int:
     from ..source import open_checkpoint
-    from .runinfo import as_json, format_run, is_hf_source, is_run_argument, scan_run
+    from .runinfo import as_json, checkpoint_argument, format_run, is_hf_source, is_run_argument, scan_run
 
-    if is_hf_source(args.ckpt):  # a Hugging Face model: its files, and the checkpoint a mount of it serves
+    where = checkpoint_argument(args)
+    if is_hf_source(where):  # a Hugging Face model: its files, and the checkpoint a mount of it serves
         from ..views.from_hf import open_hf_checkpoint
 
-        hc = open_hf_checkpoint(args.ckpt, mount_options.from_args(args))
+        hc = open_hf_checkpoint(where, mount_options.from_args(args))
         src, s = hf_summary(hc)
         if args.json:
             print(json.dumps({"hugging_face": asdict(src), "checkpoint": asdict(s)}, indent=2, default=str))
         else:
             print(format_hf(src, s))
         return 0
-
-    if is_run_argument(args.ckpt, args.single):  # a model_dir: the run, then its latest checkpoint
-        listing = scan_run(args.ckpt)
+    if is_run_argument(where, args.single):  # a model_dir: the run, then its latest checkpoint
+        listing = scan_run(where)
         s = None
         if listing.latest is not None:
             with open_checkpoint(listing.latest.path, allow_external=args.allow_external or ()) as ckpt:
@@ -205,7 +206,7 @@ def run(args) -> int:
         else:
             print(format_run(listing) + ("\n\nlatest checkpoint:\n" + format_text(s) if s else ""))
         return 0
-    with open_checkpoint(args.ckpt, allow_partial=args.allow_partial,
+    with open_checkpoint(where, allow_partial=args.allow_partial,
                          allow_external=args.allow_external or ()) as ckpt:
         s = summarize(ckpt)
     if args.json:

@@ -18,6 +18,8 @@ bucket and prefix.
 """
 from __future__ import annotations
 
+import hashlib
+
 from .. import dtypes
 from ..dtypes import BFLOAT16
 from ..errors import CheckpointError, StorageError
@@ -194,4 +196,14 @@ def open_layout(client: S3Client, location: S3Location, objects: dict, *, allow_
     release = meta.get("__cstorch_version__")
     return Checkpoint(path=location, format_version=float(version),
                       release=release if isinstance(release, str) and release else None, success=success,
-                      root=result.root, leaves=result.leaves, links=result.links, warnings=result.warnings)
+                      root=result.root, leaves=result.leaves, links=result.links, warnings=result.warnings,
+                      version=objects_version(objects), mtime_ns=info.mtime_ns)
+
+
+def objects_version(objects: dict) -> str:
+    """One digest of every object's name, size and ETag: changes when any object of the checkpoint does."""
+    h = hashlib.sha256()
+    for name in sorted(objects):
+        o = objects[name]
+        h.update(f"{name}\0{o.size}\0{o.etag}\n".encode())
+    return h.hexdigest()[:32]

@@ -135,7 +135,9 @@ def open_hdf5_object(location: S3Location, blob: S3Object, *, allow_partial: boo
     except CheckpointError:
         store.close()
         raise
-    return read_hdf5_catalog(location, f, store, NoExternalFiles(location), allow_partial=allow_partial)
+    ckpt = read_hdf5_catalog(location, f, store, NoExternalFiles(location), allow_partial=allow_partial)
+    ckpt.version, ckpt.mtime_ns = f"{blob.size}:{blob.etag}", blob.mtime_ns
+    return ckpt
 
 
 class BlobH5Store(H5Store):

@@ -48,8 +48,10 @@ from typing import Any, Callable
 
 from ..cache import BlockCache
 from ..errors import CheckpointError, CkptfsError
-from ..options import MountOptions
+from ..options import MountOptions, s3_settings
 from ..source.rundir import RunCheckpoint, RunListing, RunScanner
+from ..storage.locate import locate
+from ..storage.s3url import is_s3_url
 from ..views.base import README_NAME, BytesFile
 from .assemble import TreeBuilder, build_tree
 from .base import (DIR_MODE, FILE_MODE, LINK_MODE, Attr, Tree, VirtualPathError, read_entry, readinto_entry,
@@ -454,11 +456,17 @@ def run_readme(listing: RunListing, poll: float = POLL_SECONDS, held: list = ())
 
 
 def is_run(path, options: MountOptions | None = None) -> bool:
-    """Whether ``path`` is mounted as a whole run: a directory (not a Hugging Face model folder), unless ``--single``
-    was given."""
+    """Whether ``path`` is mounted as a whole run: a directory (not a Hugging Face model folder) or an S3 prefix
+    holding checkpoints, unless ``--single`` was given."""
+    if getattr(options, "single", False):
+        return False
+    if is_s3_url(path):
+        from ..source.s3open import RUN, classify
+
+        return classify(locate(path, s3_settings(options or MountOptions()))).kind == RUN
     from ..source.hf_layout import is_hf_folder
 
-    return Path(path).is_dir() and not getattr(options, "single", False) and not is_hf_folder(path)
+    return Path(path).is_dir() and not is_hf_folder(path)
 
 
 def check_run(model_dir) -> None:
