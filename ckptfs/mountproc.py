@@ -492,7 +492,7 @@ def _mount(ckpt, mountpoint, options: MountOptions, *, foreground: bool, allow_o
 
     run = is_run(ckpt, options)  # a model_dir: the whole training run, live (tree/run.py), unless --single
     if run and background_server:
-        check_run(ckpt)  # a directory that cannot be followed as a run fails the background start
+        check_run(ckpt, options)  # a directory that cannot be followed as a run fails the background start
     tree = open_run(ckpt, options, build_tree=build) if run else build(ckpt, options, fork_builds=True)
     trim_memory()  # what building the tree used and freed (the catalog's HDF5 handle, temporaries) goes back
     tree.warm()  # expensive layouts (the cs view's HDF5 skeleton) build while the mount already answers

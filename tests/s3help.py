@@ -64,7 +64,8 @@ class LocalS3:
             self.proc.wait(10)
 
     def _call(self, method: str, path: str, data: bytes | None = None) -> bytes:
-        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/octet-stream"})
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.read()
 
@@ -111,13 +112,13 @@ class LocalS3:
 
 
 def case_objects(case: str, rename: tuple = ("", "")) -> list:
-    """``[(key, body, user metadata)]`` of fixture case ``case`` (``tests/fixtures/s3/<case>``); ``rename``: (old key
-    prefix, new) to place it elsewhere."""
+    """``[(key, body, user metadata)]`` of fixture case ``case`` (``tests/fixtures/s3/<case>``: bodies stored by
+    content, ``BLOBS.md``); ``rename``: (old key prefix, new) to place it elsewhere."""
     root = FIXTURES_S3 / case
     listing = json.loads((root / "objects.json").read_text())
     old, new = rename
-    return [(new + key[len(old):] if old and key.startswith(old) else key, (root / "objects" / key).read_bytes(),
-             entry["metadata"]) for key, entry in listing.items()]
+    return [(new + key[len(old):] if old and key.startswith(old) else key, (root / "blobs" / e["sha256"]).read_bytes(),
+             e["metadata"]) for key, e in listing.items()]
 
 
 def upload_case(s3: LocalS3, case: str, *, bucket: str = BUCKET, rename: tuple = ("", ""), client=None) -> int:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fusehelp import FIXTURES, is_mounted, mounted, needs_fuse
-from s3help import BUCKET, LocalS3, upload_case
+from s3help import BUCKET, LocalS3, case_objects, upload_case
 
 pytestmark = [needs_fuse, pytest.mark.timeout(300)]
 
@@ -203,3 +203,142 @@ def test_a_vanished_endpoint_gives_eio_within_a_bound_and_umount_works(tmp_path)
         assert not is_mounted(mnt)
     finally:
         srv.stop()
+
+
+def _wait_for(predicate, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return predicate()
+
+
+def test_a_run_in_a_bucket_is_mounted_live(s3, env):
+    import numpy as np
+    from safetensors.numpy import load as st_load
+
+    upload_case(s3, "s3_run", rename=("s3_run/model_dir/", "live/model_dir/"))
+    base = st_load((FIXTURES / "llama" / "hf" / "model.safetensors").read_bytes())
+    client = s3.client()
+    with mounted("s3://ckpts/live/model_dir/", env=env) as mnt:
+        assert sorted(os.listdir(mnt)) == ["README.txt", "checkpoint_0", "checkpoint_100", "checkpoint_200", "latest"]
+        assert os.readlink(mnt / "latest") == "checkpoint_200"
+        readme = (mnt / "README.txt").read_text()
+        assert "model_dir:   s3://ckpts/live/model_dir" in readme and "checkpoint_300.mdl: no __METADATA__" in readme
+        got = st_load((mnt / "latest" / "model.safetensors").read_bytes())  # the weights of llama plus the step
+        name = "model.layers.0.mlp.up_proj.weight"
+        assert np.array_equal(got[name], base[name] + np.float32(200))
+
+        # a save to S3: the tensor objects, then __METADATA__; hidden until that last object is there
+        objects = [o for o in case_objects("s3_run", ("s3_run/model_dir/checkpoint_200.mdl/",
+                                                      "live/model_dir/checkpoint_400.mdl/"))
+                   if o[0].startswith("live/model_dir/checkpoint_400.mdl/")]
+        objects.sort(key=lambda o: o[0].endswith("/__METADATA__"))
+        for key, body, metadata in objects[:-1]:
+            client.put_object(Bucket=BUCKET, Key=key, Body=body, Metadata=metadata)
+        time.sleep(2.5)  # past the rescan interval and the kernel's entry timeout
+        assert "checkpoint_400" not in os.listdir(mnt)
+        key, body, metadata = objects[-1]
+        client.put_object(Bucket=BUCKET, Key=key, Body=body, Metadata=metadata)
+        assert _wait_for(lambda: "checkpoint_400" in os.listdir(mnt))
+        assert _wait_for(lambda: os.readlink(mnt / "latest") == "checkpoint_400")
+
+        # KeepNCheckpoints deletes the oldest checkpoint's objects: its folder goes
+        for o in client.list_objects_v2(Bucket=BUCKET, Prefix="live/model_dir/checkpoint_0.mdl/")["Contents"]:
+            client.delete_object(Bucket=BUCKET, Key=o["Key"])
+        assert _wait_for(lambda: "checkpoint_0" not in os.listdir(mnt))
+
+
+@pytest.fixture
+def iam_keys(s3):
+    """Access keys of an IAM user with no permission at all (the endpoint checks credentials while this runs)."""
+    import boto3
+
+    iam = boto3.client("iam", endpoint_url=s3.url, aws_access_key_id="x", aws_secret_access_key="y",
+                       region_name="us-east-1")
+    iam.create_user(UserName="nobody")
+    key = iam.create_access_key(UserName="nobody")["AccessKey"]
+    s3.set_auth(True)
+    try:
+        yield key["AccessKeyId"], key["SecretAccessKey"]
+    finally:
+        s3.set_auth(False)
+
+
+def test_one_line_errors_and_nothing_mounted(s3, env, iam_keys, tmp_path):
+    nobody_id, nobody_secret = iam_keys
+    bogus_secret = "Bogus/Secret+Key0123456789abcdefghijklmn"
+    cases = [("s3://no-such-bucket/run/checkpoint_1.mdl", {}, "s3://no-such-bucket: no such bucket"),
+             ("s3://ckpts/nothing/here.mdl", {}, "s3://ckpts/nothing/here.mdl: no such object or prefix"),
+             (LLAMA, {"AWS_ACCESS_KEY_ID": nobody_id, "AWS_SECRET_ACCESS_KEY": nobody_secret}, "access denied"),
+             (LLAMA, {"AWS_ACCESS_KEY_ID": "AKIDNOSUCHKEY0000000", "AWS_SECRET_ACCESS_KEY": bogus_secret},
+              "refused the credentials")]
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    for url, creds, expected in cases:
+        if not creds:  # the endpoint checks credentials now: the keys of a user allowed nothing still get 404s
+            creds = {"AWS_ACCESS_KEY_ID": nobody_id, "AWS_SECRET_ACCESS_KEY": nobody_secret}
+            s3.set_auth(False)
+        else:
+            s3.set_auth(True)
+        r = subprocess.run([sys.executable, "-m", "ckptfs", "mount", url, str(mnt)], env={**env, **creds},
+                           capture_output=True, text=True, timeout=120)
+        out = r.stdout + r.stderr
+        assert r.returncode == 2, out
+        assert len(r.stderr.strip().splitlines()) == 1 and expected in r.stderr, r.stderr
+        assert creds["AWS_SECRET_ACCESS_KEY"] not in out and not is_mounted(mnt)
+        for log in (Path(env["CKPTFS_CACHE_DIR"]) / "logs").glob("*.log"):
+            assert creds["AWS_SECRET_ACCESS_KEY"] not in log.read_text(errors="replace")
+
+
+def test_untrusted_metadata_is_refused_or_checked(s3, monkeypatch):
+    """``__METADATA__`` is decoded without running anything; what it says of each object is checked against the
+    object the listing shows and, on first read, against the object's own metadata."""
+    import json
+    import pickle
+
+    from ckptfs.errors import CheckpointError, TensorReadError
+    from ckptfs.source import open_checkpoint
+    from ckptfs.source.catalog import TensorLeaf, UnreadableLeaf
+    from ckptfs.storage.s3url import S3Settings, parse_s3_url
+
+    for k, v in s3.env().items():
+        if k.startswith("AWS_"):
+            monkeypatch.setenv(k, v)
+    settings = S3Settings(s3.url)
+    client = s3.client()
+    upload_case(s3, "s3_llama", rename=("s3_llama/", "crafted/"))
+    prefix = "crafted/checkpoint_100.mdl/"
+
+    class Boom:  # any object that is not a plain value pickles as a global: refused, never run
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    client.put_object(Bucket=BUCKET, Key="evil/checkpoint_1.mdl/__METADATA__",
+                      Body=pickle.dumps({"__spec__": "[]", "x": Boom()}, protocol=4))
+    with pytest.raises(CheckpointError) as e:
+        open_checkpoint(parse_s3_url("s3://ckpts/evil/checkpoint_1.mdl", settings))
+    assert "s3://ckpts/evil/checkpoint_1.mdl/__METADATA__: refused" in str(e.value) and "\n" not in str(e.value)
+
+    # an object shorter than its metadata says; an object whose own metadata disagrees with __METADATA__ (same
+    # size, another dtype)
+    short = prefix + "model.ln_f.weight"
+    client.put_object(Bucket=BUCKET, Key=short, Body=b"\0" * 64, Metadata={"metadata": "{}"})
+    odd = prefix + "model.transformer_decoder.norm.weight"
+    own = json.loads(client.head_object(Bucket=BUCKET, Key=odd)["Metadata"]["metadata"])
+    own["dtypes"] = ["torch.int32"]
+    body = client.get_object(Bucket=BUCKET, Key=odd)["Body"].read()
+    client.put_object(Bucket=BUCKET, Key=odd, Body=body, Metadata={"metadata": json.dumps(own)})
+
+    ck = open_checkpoint(parse_s3_url("s3://ckpts/crafted/checkpoint_100.mdl", settings))
+    try:
+        assert isinstance(ck.leaves["model.ln_f.weight"], UnreadableLeaf)
+        assert "stored size 128 but the object holds 64 bytes" in ck.leaves["model.ln_f.weight"].reason
+        leaf = ck.leaves["model.transformer_decoder.norm.weight"]
+        assert isinstance(leaf, TensorLeaf)
+        with pytest.raises(TensorReadError, match="own metadata .* disagrees with its entry in __METADATA__"):
+            leaf.tensor.read_all()
+        assert ck.leaves["model.transformer_decoder.layers.0.norm1.weight"].tensor.read_all().size == 32
+    finally:
+        ck.close()

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from ..errors import CkptfsError
+from ..storage.s3url import is_s3_url
 from ..units import human_size
 from .. import options as mount_options
 
@@ -71,8 +72,14 @@ def detect(ckpt: Checkpoint) -> FamilyInfo:
         from ..mapping.detect import detect_family
     except ImportError:
         return FamilyInfo(None, None, "mapping core not available")
+    config = None
+    if is_s3_url(ckpt.path):  # its params are beside it in the bucket
+        from ..source.s3params import params_for
+        from ..statedirs import cache_dir
+
+        config = params_for(ckpt, cache_dir())
     try:
-        d = detect_family(ckpt, config=None, model=None)
+        d = detect_family(ckpt, config=config, model=None)
     except CkptfsError as e:
         return FamilyInfo(None, None, e.problem)
     return FamilyInfo(getattr(d, "family", None), getattr(d, "model_name", None), str(getattr(d, "reason", "") or ""))

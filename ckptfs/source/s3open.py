@@ -61,13 +61,20 @@ def classify(path) -> S3Target:
     loc = as_location(path)
     client = client_for(loc.settings)
     try:
-        requests = 0
+        requests, denied = 0, None
         if loc.key:
             requests += 1
-            info = client.head(loc.bucket, loc.key)
+            try:
+                info = client.head(loc.bucket, loc.key)
+            except StorageError as e:  # a HEAD's 403 has no body to say why: the listing below will
+                if e.kind != "denied":
+                    raise
+                info, denied = None, e
             if info is not None:
                 return S3Target(OBJECT, loc, info=info, requests=requests)
         listing = client.list(loc.bucket, loc.prefix, delimiter="/")
+        if denied is not None and not listing.objects and not listing.prefixes:
+            raise denied
         requests += listing.requests
         direct = {o.key[len(loc.prefix):]: o for o in listing.objects}
         subs = [p[len(loc.prefix):].rstrip("/") for p in listing.prefixes]
@@ -101,9 +108,8 @@ def open_s3_checkpoint(path, *, allow_partial: bool = False) -> Checkpoint:
     target = classify(path)
     if target.kind == RUN:
         from .rundir import RunScanner
-        from ..storage.s3folder import S3Folder
 
-        listing = RunScanner(S3Folder(target.location)).scan()
+        listing = RunScanner(target.location).scan()
         if listing.latest is None:
             raise CheckpointError(target.location, f"a run with no complete checkpoint ({listing.latest_reason})")
         target = classify(listing.latest.path)

@@ -102,3 +102,16 @@ def _write_private(folder: Path, target: Path, data: bytes) -> None:
         except OSError:
             pass
         raise
+
+
+def params_for(ckpt, cache: Path) -> Path | None:
+    """The local copy of the params file beside the S3 checkpoint ``ckpt`` (None when there is none, or the bucket
+    cannot be read for it); a line in the checkpoint's warnings says where it came from, or why not."""
+    try:
+        local, where = fetch_params(ckpt.path, cache)
+    except StorageError as e:
+        ckpt.warnings.append(f"params beside the checkpoint not fetched: {e}")
+        return None
+    if local is not None:
+        ckpt.warnings.append(f"params: {where} (fetched to {local})")
+    return local

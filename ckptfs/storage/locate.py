@@ -20,6 +20,17 @@ def locate(value, settings: S3Settings | None = None) -> Path | S3Location:
     return Path(value)
 
 
+def folder_of(location):
+    """The storage folder of a local directory or an S3 prefix."""
+    if isinstance(location, S3Location):
+        from .s3folder import S3Folder
+
+        return S3Folder(location)
+    from .local import LocalFolder
+
+    return LocalFolder(location)
+
+
 def local_folder(path) -> Path | None:
     """The local folder holding the checkpoint at ``path``; None for a checkpoint in S3 (it has no local folder)."""
     return None if is_s3_url(path) else Path(path).parent
