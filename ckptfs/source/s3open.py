@@ -123,7 +123,7 @@ def open_s3_checkpoint(path, *, allow_partial: bool = False) -> Checkpoint:
 
 def open_hdf5_object(location: S3Location, blob: S3Object, *, allow_partial: bool = False) -> Checkpoint:
     """The catalog of an HDF5 checkpoint stored as one object, read by ranges."""
-    from .open import read_hdf5_catalog
+    from .hdf5_catalog import read_hdf5_catalog
 
     store = BlobH5Store(location, blob)
     try:
