@@ -51,3 +51,55 @@ def test_object_names_outside_the_prefix_are_refused(name):
 def test_plain_object_names_are_read():
     assert name_problem("model.transformer_decoder.layers.0.norm1.weight") is None
     assert name_problem("optimizer.state.0.exp_avg.0") is None
+
+
+def test_a_silent_endpoint_fails_within_the_bound_then_at_once(monkeypatch):
+    """An endpoint that accepts connections and never answers: a request fails within ``worst_case_seconds()``
+    (timeouts, bounded retries), and for ``DOWN_SECONDS`` afterwards requests fail at once."""
+    import socket
+    import threading
+    import time
+
+    from ckptfs.errors import StorageError
+    from ckptfs.storage import s3client
+
+    monkeypatch.setattr(s3client, "CONNECT_TIMEOUT", 0.5)
+    monkeypatch.setattr(s3client, "READ_TIMEOUT", 0.5)
+    for k, v in {"AWS_ACCESS_KEY_ID": "AKIDSILENT0000000000", "AWS_SECRET_ACCESS_KEY": "silent-secret",
+                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": "/nonexistent",
+                 "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent"}.items():
+        monkeypatch.setenv(k, v)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    held = []
+    stop = threading.Event()
+
+    def accept():  # take every connection, answer nothing
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                pass
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    try:
+        client = s3client.S3Client(S3Settings(f"http://127.0.0.1:{listener.getsockname()[1]}"))
+        start = time.monotonic()
+        with pytest.raises(StorageError) as e:
+            client.get("ckpts", "run/checkpoint_1.mdl", start=0, end=4096, etag='"x"')
+        took = time.monotonic() - start
+        assert e.value.kind == "timeout" and took <= s3client.worst_case_seconds(), (took, e.value)
+        assert "silent-secret" not in str(e.value)
+        start = time.monotonic()
+        with pytest.raises(StorageError, match="not asked again"):
+            client.head("ckpts", "run/checkpoint_2.mdl")
+        assert time.monotonic() - start < 0.5
+    finally:
+        stop.set()
+        t.join()
+        for c in held:
+            c.close()
+        listener.close()

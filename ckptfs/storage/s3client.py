@@ -6,7 +6,8 @@ profiles, ``AWS_ENDPOINT_URL``…); ``S3Settings`` can name a profile and an end
 ``--endpoint-url``). One client per settings per process (boto3 clients are thread-safe; a forked child makes its
 own, since the parent's pooled connections cannot be shared). Every request has a connect and a read timeout and
 is retried with exponential backoff and jitter (botocore's "standard" mode) a bounded number of times, so a
-vanished or stalled endpoint makes a request fail within ``worst_case_seconds()``, never hang.
+vanished or stalled endpoint makes a request fail within ``worst_case_seconds()``, never hang; for ``DOWN_SECONDS``
+after that, requests fail at once (a read that needs many objects fails within one request's bound).
 
 Failures become ``StorageError(location, one line, kind)``: the bucket or key that is missing, access denied,
 credentials refused or absent, the endpoint unreachable — never the server's raw message (which ckptfs does not
@@ -33,6 +34,9 @@ ATTEMPTS = 3
 POOL_CONNECTIONS = 16
 #: an answer body that fails while streaming is asked for again this many times
 BODY_RETRIES = 2
+#: after the endpoint could not be reached (or did not answer), requests fail at once for this many seconds instead
+#: of each waiting out the timeouts again: a read needing many objects fails within one request's bound
+DOWN_SECONDS = 5.0
 
 _UNREACHABLE = ("EndpointConnectionError", "ConnectionClosedError", "ProxyConnectionError", "ConnectionError",
                 "SSLError")
@@ -94,6 +98,7 @@ class S3Client:
         self._client = None
         self._lock = threading.Lock()
         self._pid = os.getpid()
+        self._down: tuple | None = None  # (monotonic time until which requests fail at once, the failure)
 
     # -- the boto3 client --------------------------------------------------------------------------------------
     @property
@@ -139,14 +144,30 @@ class S3Client:
         return safe_endpoint(url) if url else "the S3 endpoint"
 
     # -- requests ------------------------------------------------------------------------------------------------
+    def _check_up(self, where: str) -> None:
+        """Fail at once while the endpoint is known to be down (``DOWN_SECONDS`` after it last was)."""
+        down = self._down
+        if down is not None:
+            until, why = down
+            if time.monotonic() < until:
+                raise StorageError(where, f"{why}; not asked again for {until - time.monotonic():.0f} s", "unreachable")
+            self._down = None
+
+    def _failed(self, err: Exception) -> Exception:
+        """Remember an unreachable or silent endpoint (``_check_up``); returns ``err``."""
+        if isinstance(err, StorageError) and err.kind in ("unreachable", "timeout"):
+            self._down = (time.monotonic() + DOWN_SECONDS, err.problem)
+        return err
+
     def head(self, bucket: str, key: str) -> ObjectInfo | None:
         """The object's size, ETag and time; None when there is no such object."""
         where = f"s3://{bucket}/{key}"
+        self._check_up(where)
         try:
             r = self.client.head_object(Bucket=bucket, Key=key)
         except Exception as e:  # noqa: BLE001 - every botocore failure is translated
-            err = self._translate(e, where, bucket)
-            if err.kind == "missing" and "bucket" not in err.problem:
+            err = self._failed(self._translate(e, where, bucket))
+            if isinstance(err, StorageError) and err.kind == "missing" and "bucket" not in err.problem:
                 return None
             raise err from None
         return ObjectInfo(key, int(r.get("ContentLength", 0)), _etag(r.get("ETag")), _mtime_ns(r.get("LastModified")))
@@ -165,10 +186,11 @@ class S3Client:
         if etag:
             kw["IfMatch"] = etag
         for attempt in range(BODY_RETRIES + 1):
+            self._check_up(where)
             try:
                 r = self.client.get_object(**kw)
             except Exception as e:  # noqa: BLE001
-                raise self._translate(e, where, bucket, etag) from None
+                raise self._failed(self._translate(e, where, bucket, etag)) from None
             length = int(r.get("ContentLength", 0))
             want = None if start is None else end - start
             if want is not None and length != want:
@@ -189,7 +211,7 @@ class S3Client:
                 if attempt < BODY_RETRIES:
                     time.sleep(min(2.0, 0.1 * 2 ** attempt) * random.random())
                     continue
-                raise self._translate(e, where, bucket, etag) from None
+                raise self._failed(self._translate(e, where, bucket, etag)) from None
             if len(data) != length:
                 if attempt < BODY_RETRIES:
                     continue
@@ -212,10 +234,11 @@ class S3Client:
             kw["MaxKeys"] = min(1000, max_keys)
         objects, prefixes, pages = [], [], 0
         while True:
+            self._check_up(where)
             try:
                 r = self.client.list_objects_v2(**kw)
             except Exception as e:  # noqa: BLE001
-                raise self._translate(e, where, bucket) from None
+                raise self._failed(self._translate(e, where, bucket)) from None
             pages += 1
             for o in r.get("Contents") or ():
                 objects.append(ObjectInfo(o["Key"], int(o.get("Size", 0)), _etag(o.get("ETag")),
@@ -229,10 +252,11 @@ class S3Client:
 
     def check_bucket(self, bucket: str) -> None:
         """``StorageError`` when the bucket does not exist or cannot be read with these credentials."""
+        self._check_up(f"s3://{bucket}")
         try:
             self.client.head_bucket(Bucket=bucket)
         except Exception as e:  # noqa: BLE001
-            raise self._translate(e, f"s3://{bucket}", bucket) from None
+            raise self._failed(self._translate(e, f"s3://{bucket}", bucket)) from None
 
     # -- errors --------------------------------------------------------------------------------------------------
     def _translate(self, e: Exception, where: str, bucket: str, etag: str | None = None) -> Exception:
