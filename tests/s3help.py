@@ -43,6 +43,7 @@ class LocalS3:
 
     def __init__(self, tmp: Path):
         self.tmp = Path(tmp)
+        self.tmp.mkdir(parents=True, exist_ok=True)
         port_file = self.tmp / "s3-port"
         port_file.unlink(missing_ok=True)
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("s3server.py")), str(port_file)],

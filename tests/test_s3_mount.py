@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from fusehelp import FIXTURES, is_mounted, mounted, needs_fuse
+from conftest import FIXTURES, needs_fuse
+from fusehelp import is_mounted, mounted
 from s3help import BUCKET, LocalS3, case_objects, upload_case
 
 pytestmark = [needs_fuse, pytest.mark.timeout(300)]
@@ -107,25 +108,21 @@ def test_synced_mdl_object_mounts_byte_for_byte_as_the_local_file(s3, env, tmp_p
     assert all(int(r.split("=")[1].split("-")[0]) < size for r in ranges)
 
 
-def _data_offset(npy: Path) -> int:
-    with open(npy, "rb") as f:
-        head = f.read(10)
-    n = int.from_bytes(head[8:10], "little")
-    return 10 + n
+def test_a_4k_peek_costs_at_most_3_requests(s3, env):
+    import ckptfs
 
-
-@pytest.mark.parametrize("url", [LLAMA, SYNCED], ids=["s3-layout", "hdf5-object"])
-def test_a_4k_peek_costs_at_most_3_requests(s3, env, url):
-    with mounted(url, "--views", "tensors", env=env) as mnt:
-        npy = mnt / "tensors" / "model" / "transformer_decoder" / "layers" / "1" / "ffn" / "ffn" / "0" / \
-            "linear_layer" / "weight.npy"
-        start = _data_offset(npy)  # the header is metadata: no request
+    rel = "tensors/model/transformer_decoder/layers/1/ffn/ffn/0/linear_layer/weight.npy"
+    local = ckptfs.open(FIXTURES / "llama" / "cs" / "checkpoint.mdl", views="tensors")
+    head = local.read(rel, 0, 10)  # where the data starts, without touching the mount's file first (the kernel
+    local.close()  # would read its first pages ahead)
+    start = 10 + int.from_bytes(head[8:10], "little")
+    with mounted(LLAMA, "--views", "tensors", env=env) as mnt:
         s3.reset()
-        with open(npy, "rb") as f:
+        with open(mnt / rel, "rb") as f:
             f.seek(start + 4096)
             assert len(f.read(4096)) == 4096
         counts = s3.counts()
-    assert sum(counts.values()) <= 3, counts
+    assert 1 <= sum(counts.values()) <= 3, counts
 
 
 def test_listing_a_1000_key_checkpoint_costs_list_requests(s3, env):
