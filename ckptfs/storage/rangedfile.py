@@ -4,7 +4,8 @@ driver: HDF5 reads its superblock, object headers, B-tree nodes and heaps with i
 HDF5 reads its metadata in many small pieces (a few hundred bytes each, neighbouring ones often in turn), so small
 reads are served from blocks of ``BLOCK_BYTES``, aligned, fetched whole and kept (the last ``MAX_BLOCKS``, least
 recently used first out): opening a checkpoint costs a few requests, not one per object header. Reads of at least
-``BLOCK_BYTES`` go to the blob as they are (a large attribute, a chunk read by HDF5 itself).
+``BLOCK_BYTES`` go to the blob as they are (a large attribute, a chunk read by HDF5 itself); the last one of at most
+``LAST_BYTES`` is kept, so that reading the same bytes again at once (a check of where a chunk lies) costs no request.
 
 Not safe for concurrent use (``seek`` then ``readinto``); h5py calls it under its own global lock.
 """
@@ -18,6 +19,8 @@ from collections import OrderedDict
 BLOCK_BYTES = 64 << 10
 #: blocks kept per file
 MAX_BLOCKS = 128
+#: the last large read is kept when it is at most this long
+LAST_BYTES = 1 << 20
 
 
 class RangedFile(io.RawIOBase):
@@ -29,6 +32,7 @@ class RangedFile(io.RawIOBase):
         self.size = int(blob.size)
         self._pos = 0
         self._blocks: OrderedDict = OrderedDict()  # block number -> bytes
+        self._last: tuple = (0, b"")  # (offset, bytes) of the last large read
         self._lock = threading.Lock()
         self.name = getattr(blob, "name", "blob")
 
@@ -66,8 +70,14 @@ class RangedFile(io.RawIOBase):
         n = max(0, min(len(view), self.size - offset))
         if n == 0:
             return 0
+        last_at, last = self._last
+        if last_at <= offset and offset + n <= last_at + len(last):
+            view[:n] = last[offset - last_at:offset - last_at + n]
+            return n
         if n >= BLOCK_BYTES:
             got, _ = self.blob.read_into(view[:n], offset, n)
+            if got <= LAST_BYTES:
+                self._last = (offset, bytes(view[:got]))
             return got
         pos = 0
         while pos < n:

@@ -130,7 +130,7 @@ class S3Object(Blob):
         self.bucket, self.key = bucket, key
         self._size, self.etag, self.mtime_ns = int(size), etag, int(mtime_ns)
         self._id = (bucket, key, etag)
-        self._last_end = -1  # where the last large read ended (sequential access is read ahead)
+        self._last_end: int | None = None  # where the last large read ended (sequential access is read ahead)
         self.user_metadata: dict | None = None  # the object's user metadata, from the first answer
 
     @property
@@ -215,9 +215,9 @@ class S3Object(Blob):
         to be waited for."""
         end = offset + need
         first, last = offset // PART_BYTES, (end - 1) // PART_BYTES
-        sequential = abs(offset - self._last_end) <= PART_BYTES
+        sequential = self._last_end is not None and abs(offset - self._last_end) <= PART_BYTES
         futures = [self._part(i) for i in range(first, last + 1)]
-        if sequential or first == 0:  # a loader starts at the front: read ahead from the first large read on
+        if sequential:
             self.will_need(end, READ_AHEAD_PARTS * PART_BYTES)
         self._last_end = end
         pos, waited = 0, False
