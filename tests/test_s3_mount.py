@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES, needs_fuse
-from fusehelp import is_mounted, mounted
+from fusehelp import is_mounted, mounted, mounted_server
 from s3help import BUCKET, LocalS3, case_objects, upload_case
 
 pytestmark = [needs_fuse, pytest.mark.timeout(300)]
@@ -162,7 +162,10 @@ def test_an_object_replaced_during_the_mount_gives_eio_not_mixed_bytes(s3, env):
     client = s3.client()
     upload_case(s3, "s3_llama", rename=("s3_llama/", "replaced/"))
     key = "replaced/checkpoint_100.mdl/model.transformer_decoder.layers.0.self_attn.proj_q_dense_layer.weight"
-    with mounted("s3://ckpts/replaced/checkpoint_100.mdl", "--views", "tensors", env=env) as mnt:
+    token = "FwoGZXIvYXdzEXAMPLEsessiontoken0123456789"  # the endpoint takes any token; the log must show none
+    with mounted_server("s3://ckpts/replaced/checkpoint_100.mdl", "--views", "tensors", "--debug",
+                        env={**env, "AWS_SESSION_TOKEN": token}) as srv:
+        mnt = srv.mnt
         npy = mnt / "tensors" / "model" / "transformer_decoder" / "layers" / "0" / "self_attn" / \
             "proj_q_dense_layer" / "weight.npy"
         head = client.head_object(Bucket=BUCKET, Key=key)
@@ -172,6 +175,9 @@ def test_an_object_replaced_during_the_mount_gives_eio_not_mixed_bytes(s3, env):
             npy.read_bytes()
         assert e.value.errno == errno.EIO
         assert (mnt / "tensors" / "model" / "ln_f" / "weight.npy").read_bytes()  # other files keep working
+        log = srv.log()
+    assert "changed since it was opened" in log
+    assert token not in log and env["AWS_SECRET_ACCESS_KEY"] not in log
 
 
 def test_a_vanished_endpoint_gives_eio_within_a_bound_and_umount_works(tmp_path):

@@ -16,6 +16,7 @@ control) and never a key, token or signature. A ranged read of an object whose E
 """
 from __future__ import annotations
 
+import logging
 import os
 import random
 import threading
@@ -43,6 +44,12 @@ _UNREACHABLE = ("EndpointConnectionError", "ConnectionClosedError", "ProxyConnec
 _TIMEOUT = ("ConnectTimeoutError", "ReadTimeoutError")
 _CREDENTIALS_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
                       "TokenRefreshRequired", "InvalidSecurity", "AuthorizationHeaderMalformed"}
+
+
+# boto3's own loggers say at DEBUG level what they send (headers, a session token among them): never into ckptfs's
+# logs, whatever their level (``--debug``)
+for _name in ("boto3", "botocore", "s3transfer", "urllib3"):
+    logging.getLogger(_name).setLevel(logging.WARNING)
 
 
 def worst_case_seconds() -> float:
