@@ -16,6 +16,7 @@ outside itself: external references are refused (``NoExternalFiles``).
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import h5py
@@ -28,7 +29,9 @@ from ..storage.s3url import S3Location, parse_s3_url
 from .catalog import Checkpoint
 from .confine import RefusedReference
 from .h5store import CHUNK_CACHE_BYTES, CHUNK_CACHE_SLOTS, HDF5_SIGNATURE, H5Store, one_line, what_bytes_are
+from .hdf5_catalog import read_hdf5_catalog
 from .resolve import checkpoint_name
+from .rundir import RunScanner, parse_name
 from .s3layout import METADATA, open_layout
 
 OBJECT, LAYOUT, RUN = "object", "layout", "run"
@@ -98,8 +101,6 @@ def classify(path) -> S3Target:
 
 
 def _is_checkpoint_name(name: str) -> bool:
-    from .rundir import parse_name
-
     return parse_name(name) is not None
 
 
@@ -107,8 +108,6 @@ def open_s3_checkpoint(path, *, allow_partial: bool = False) -> Checkpoint:
     """The catalog of the checkpoint at an ``s3://`` location (a run means its latest checkpoint)."""
     target = classify(path)
     if target.kind == RUN:
-        from .rundir import RunScanner
-
         listing = RunScanner(target.location).scan()
         if listing.latest is None:
             raise CheckpointError(target.location, f"a run with no complete checkpoint ({listing.latest_reason})")
@@ -123,8 +122,6 @@ def open_s3_checkpoint(path, *, allow_partial: bool = False) -> Checkpoint:
 
 def open_hdf5_object(location: S3Location, blob: S3Object, *, allow_partial: bool = False) -> Checkpoint:
     """The catalog of an HDF5 checkpoint stored as one object, read by ranges."""
-    from .hdf5_catalog import read_hdf5_catalog
-
     store = BlobH5Store(location, blob)
     try:
         head = blob.read(0, 16) if blob.size else b""
@@ -161,8 +158,6 @@ class BlobH5Store(H5Store):
         self._file = None
         self._lock = threading.Lock()
         self._closed = False
-        from collections import OrderedDict
-
         self._open = OrderedDict()
         self._open_lock = threading.Lock()
 
