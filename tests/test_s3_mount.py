@@ -346,3 +346,25 @@ def test_untrusted_metadata_is_refused_or_checked(s3, monkeypatch):
         assert ck.leaves["model.transformer_decoder.layers.0.norm1.weight"].tensor.read_all().size == 32
     finally:
         ck.close()
+
+
+def test_params_beside_a_bucket_checkpoint_are_fetched_and_never_trusted_from_the_cache(s3, monkeypatch, tmp_path):
+    from ckptfs.errors import StorageError
+    from ckptfs.source.s3params import fetch_params
+    from ckptfs.storage.s3url import S3Settings, parse_s3_url
+
+    for k, v in s3.env().items():
+        if k.startswith("AWS_"):
+            monkeypatch.setenv(k, v)
+    loc = parse_s3_url(LLAMA, S3Settings(s3.url))
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    local, where = fetch_params(loc, cache)
+    want = (FIXTURES / "llama" / "cs" / "params.yaml").read_bytes()
+    assert str(where) == "s3://ckpts/s3_llama/params.yaml" and local.read_bytes() == want
+    local.write_bytes(b"model: {name: gpt2}\n")  # a cached copy edited behind ckptfs's back is not used
+    again, _ = fetch_params(loc, cache)
+    assert again == local and again.read_bytes() == want
+    (cache / "s3-params").chmod(0o777)  # a folder others may write to: refused, not used
+    with pytest.raises(StorageError, match="can be changed by other users"):
+        fetch_params(loc, cache)

@@ -3,15 +3,17 @@ fetched into ckptfs's cache folder so that everything that reads params reads it
 
 Candidates, in the order of a local checkpoint (``mapping.params.candidate_files``): ``<stem>.yaml`` and
 ``params*.yaml`` beside the checkpoint, ``train/params_train.yaml`` there and one level up, ``configs/*.yaml``. The
-first one that exists is fetched (at most ``MAX_BYTES``, by its ETag) to ``<cache>/s3-params/<digest>/<its name>``,
-where the digest names the endpoint, bucket, key and ETag: a mount of the same params finds the same file (and the
-same content identity, which keys cached zip CRCs); another version gets another folder. Costs one listing of the
-checkpoint's folder, at most two HEADs and the GET.
+first one that exists is fetched (at most ``MAX_BYTES``, by its ETag) and kept as ``<cache>/s3-params/<digest>/<its
+name>``, where the digest names the endpoint, bucket, key and ETag: a mount of the same params uses the same file
+(and so the same content identity, which keys cached zip CRCs). The file is trusted for nothing: it is used only when
+its bytes equal what was just fetched, else written again (in a folder of the user's own, never through a link).
+Costs one listing of the checkpoint's folder, at most two HEADs and the GET.
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import stat as stat_mod
 from pathlib import Path
 
 from ..errors import StorageError
@@ -60,22 +62,47 @@ def fetch_params(location: S3Location, cache: Path) -> tuple:
                                        etag]).encode()).hexdigest()[:32]
     folder = cache / "s3-params" / digest
     target = folder / loc.name
-    if _own_regular_file(target):
-        return target, loc
     data = client.get(loc.bucket, loc.key, etag=etag, max_bytes=MAX_BYTES).data
+    if _private_chain(cache, folder) and _holds(target, data):
+        return target, loc
     _write_private(folder, target, data)
+    if not _private_chain(cache, folder):
+        raise StorageError(folder, "the params cache folder can be changed by other users (a folder on the way is "
+                                   "theirs, or writable by them without the sticky bit): not used")
     return target, loc
 
 
-def _own_regular_file(path: Path) -> bool:
-    """A regular file (not a link) of this user's: a copy written before."""
+def _private_chain(cache: Path, folder: Path) -> bool:
+    """Whether nobody but this user can replace what lies in ``folder`` below ``cache``: every folder from ``cache``
+    down is a directory (not a link) of this user's that others cannot write to, and ``cache`` itself, if others
+    can write to it, has the sticky bit (they cannot rename this user's entries)."""
     try:
-        st = os.lstat(path)
+        st = os.lstat(cache)
+        if not stat_mod.S_ISDIR(st.st_mode) or (st.st_mode & 0o022 and not st.st_mode & stat_mod.S_ISVTX):
+            return False
+        for d in (cache / "s3-params", folder):
+            st = os.lstat(d)
+            if not stat_mod.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+                return False
     except OSError:
         return False
-    import stat as stat_mod
+    return True
 
-    return stat_mod.S_ISREG(st.st_mode) and st.st_uid == os.getuid()
+
+def _holds(path: Path, data: bytes) -> bool:
+    """Whether ``path`` is a regular file of this user's (not a link) holding exactly ``data``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat_mod.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size != len(data):
+            return False
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(len(data) + 1) == data
+    finally:
+        os.close(fd)
 
 
 def _write_private(folder: Path, target: Path, data: bytes) -> None:
@@ -86,10 +113,9 @@ def _write_private(folder: Path, target: Path, data: bytes) -> None:
         st = os.lstat(folder)
     except OSError as e:
         raise StorageError(folder, f"cannot create the params cache folder ({e.strerror or e})") from None
-    import stat as stat_mod
-
-    if not stat_mod.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        raise StorageError(folder, "the params cache folder is not a directory of this user's: not written")
+    if not stat_mod.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise StorageError(folder, "the params cache folder is not a directory of this user's that only they can "
+                                   "write to: not written")
     tmp = folder / f".{target.name}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC, 0o600)
     try:
