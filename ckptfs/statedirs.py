@@ -2,8 +2,8 @@
 
 ``$CKPTFS_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/ckptfs`` (default ``~/.cache/ckptfs``), holding ``crc/``
 (persisted zip CRCs, ``ckptfs.layouts.crc``), ``catalogs/`` (catalog indexes, ``ckptfs.source.catalog_index``),
-``logs/`` (background servers' logs, ``ckptfs.mountproc``) and the model registry's index
-(``ckptfs.mapping.registry``). Nothing here creates a folder: each user does, and copes when it cannot.
+``logs/`` (background servers' logs, ``ckptfs.mountproc``), ``s3-params/`` (copies of params files found beside
+checkpoints in S3, ``ckptfs.source.s3params``) and the model registry's index (``ckptfs.mapping.registry``). Nothing here creates a folder: each user does, and copes when it cannot.
 """
 from __future__ import annotations
 
