@@ -11,7 +11,6 @@
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 from .options import from_kwargs as _options
 from .tree.base import Tree
@@ -27,7 +26,7 @@ def open(ckpt, **options) -> Tree:  # noqa: A001 - mirrors the file-system verb
     """
     from .tree.assemble import build_tree
 
-    return build_tree(Path(ckpt), _options(**options))
+    return build_tree(ckpt, _options(**options))
 
 
 def open_run(model_dir, **options) -> Tree:
@@ -36,7 +35,7 @@ def open_run(model_dir, **options) -> Tree:
     followed), README.txt. Options as for ``open``; close it when done."""
     from .tree.run import open_run as _open_run
 
-    return _open_run(Path(model_dir), _options(**options))
+    return _open_run(model_dir, _options(**options))
 
 
 def export(ckpt, virtual_path: str, dest, **options) -> int:
@@ -50,24 +49,29 @@ def export(ckpt, virtual_path: str, dest, **options) -> int:
         tree.close()
 
 
-def load(ckpt, *, allow_partial: bool = False, allow_external=(), model: str | None = None):
+def load(ckpt, *, allow_partial: bool = False, allow_external=(), model: str | None = None,
+         endpoint_url: str | None = None, profile: str | None = None):
     """The checkpoint's state as torch objects — a safe ``cstorch.load``: pickled objects stay ``Opaque`` bytes, and
     files it refers to are read only from its own folder and the ``allow_external`` folders. A Hugging Face model
     folder gives the state of the Cerebras checkpoint planned from it (``model``: a converter name, where the
-    config is ambiguous)."""
+    config is ambiguous). ``ckpt`` may be an ``s3://`` location (``endpoint_url``, ``profile``: as
+    ``--endpoint-url``, ``--profile``)."""
     from .source import open_checkpoint, resolve_checkpoint
     from .source.hf_layout import is_hf_folder
     from .source.materialize import to_torch
+    from .storage.locate import locate
+    from .storage.s3url import S3Location, S3Settings
 
-    if is_hf_folder(ckpt):
+    where = locate(ckpt, S3Settings(endpoint_url, profile))
+    if not isinstance(where, S3Location) and is_hf_folder(where):
         from .views.from_hf import open_hf_checkpoint
 
-        hc = open_hf_checkpoint(ckpt, _options(allow_external=tuple(allow_external), model=model))
+        hc = open_hf_checkpoint(where, _options(allow_external=tuple(allow_external), model=model))
         try:
             return to_torch(hc.checkpoint)
         finally:
             hc.close()
-
-    with open_checkpoint(resolve_checkpoint(Path(ckpt), allow_external), allow_partial=allow_partial,
-                         allow_external=allow_external) as c:
+    if not isinstance(where, S3Location):
+        where = resolve_checkpoint(where, allow_external)
+    with open_checkpoint(where, allow_partial=allow_partial, allow_external=allow_external) as c:
         return to_torch(c)

@@ -34,3 +34,13 @@ class UsageError(CkptfsError):
 class SourceChangedError(TensorReadError):
     """A file the mount reads from (the checkpoint, or a file it refers to) was replaced or modified after it was
     opened: its bytes would no longer match what was already served, so reads fail instead."""
+
+
+class StorageError(CkptfsError):
+    """A storage backend (an S3 endpoint) refused or failed a request. ``kind`` says how: "missing" (no such bucket,
+    object or prefix), "denied", "credentials", "unreachable", "timeout", "refused" (an answer ckptfs will not use)
+    or "failed"."""
+
+    def __init__(self, path, problem: str, kind: str = "failed"):
+        super().__init__(path, problem)
+        self.kind = kind

@@ -37,6 +37,7 @@ from .statedirs import CACHE_DIR_ENV, cache_dir
 from .statefiles import StateDir
 from .tree.assemble import TreeBuilder, build_tree
 from .views.base import README_NAME
+from .storage.s3url import is_s3_url
 
 log = logging.getLogger("ckptfs.mount")
 
@@ -186,10 +187,14 @@ def open_log(stem: str) -> tuple:
     raise MountError(folder.path / f"{stem}.log", "cannot create the server's log: too many of that name")
 
 
+def _argument(ckpt) -> str:
+    """A checkpoint argument as the server is given it: an absolute path, or the ``s3://`` URL as it is."""
+    return str(ckpt) if is_s3_url(ckpt) else os.path.abspath(str(ckpt))
+
+
 def server_argv(ckpt, mountpoint, options: MountOptions, *, allow_other: bool = False, debug: bool = False) -> list:
     """The ``ckptfs`` arguments that run this mount in the foreground (what the background process executes)."""
-    argv = ["mount", os.path.abspath(str(ckpt)), os.path.abspath(str(mountpoint)), "--foreground",
-            *to_argv(options)]
+    argv = ["mount", _argument(ckpt), os.path.abspath(str(mountpoint)), "--foreground", *to_argv(options)]
     if allow_other:
         argv.append("--allow-other")
     if debug:
@@ -500,14 +505,14 @@ def _mount(ckpt, mountpoint, options: MountOptions, *, foreground: bool, allow_o
 
     run = is_run(ckpt, options)  # a model_dir: the whole training run, live (tree/run.py), unless --single
     if run and background_server:
-        check_run(ckpt)  # a directory that cannot be followed as a run fails the background start
+        check_run(ckpt, options)  # a directory that cannot be followed as a run fails the background start
     tree = open_run(ckpt, options, build_tree=build) if run else build(ckpt, options, fork_builds=True)
     trim_memory()  # what building the tree used and freed (the catalog's HDF5 handle, temporaries) goes back
     tree.warm()  # expensive layouts (the cs view's HDF5 skeleton) build while the mount already answers
     setup_logging(debug)
     log.info("mounting %s at %s (%d %s)", ckpt, mp, tree.file_count, "checkpoints" if run else "files")
     try:
-        serve(tree, mp, fsname=f"ckptfs:{os.path.abspath(str(ckpt))}", allow_other=allow_other,
+        serve(tree, mp, fsname=f"ckptfs:{_argument(ckpt)}", allow_other=allow_other,
               cache_timeout=RUN_CACHE_TIMEOUT if run else CACHE_TIMEOUT)
     finally:
         tree.close()

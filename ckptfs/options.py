@@ -205,10 +205,24 @@ class MountOptions:
                                      "needs but the HF model lacks (Model Zoo's converter draws them at random: a "
                                      "headless model's lm_head, a missing projector…): keep (made deterministically; "
                                      "README.txt says how) or omit")
+    endpoint_url: str | None = option(None, "--endpoint-url", TEXT,
+                                      help="S3-compatible endpoint for s3:// checkpoints (MinIO, Ceph, R2…; default: "
+                                           "AWS_ENDPOINT_URL, the AWS profile's endpoint_url, else AWS S3)")
+    profile: str | None = option(None, "--profile", TEXT,
+                                 help="AWS profile (~/.aws/config, ~/.aws/credentials) for s3:// checkpoints "
+                                      "(default: AWS_PROFILE, else the environment's credentials or the default "
+                                      "profile)")
     data_iter_dir: Path | None = option(None, "--data-iter-dir", PATH, content=True,
                                         help="dataloader state directory for the cs view")
     shuffle_seed: int | None = option(None, "--shuffle-seed", INT, content=True,
                                       help="dataloader shuffle seed for the cs view")
+
+
+def s3_settings(options: MountOptions):
+    """How ``s3://`` checkpoints are reached with these options (``--endpoint-url``, ``--profile``)."""
+    from .storage.s3url import S3Settings
+
+    return S3Settings(options.endpoint_url, options.profile)
 
 
 def check_options(options: MountOptions) -> None:

@@ -3,9 +3,11 @@
 ``$CKPTFS_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/ckptfs`` (default ``~/.cache/ckptfs``), holding ``crc/``
 (persisted zip CRCs, ``ckptfs.layouts.crc``), ``catalogs/`` (catalog indexes, ``ckptfs.source.catalog_index``),
 ``logs/`` (background servers' logs, ``ckptfs.mountproc``), ``exports/`` (what ``ckptfs export`` finished,
-``ckptfs.commands.export_record``), the model registry's index (``ckptfs.mapping.registry``) and ``key``, the secret
-that seals them. Nothing here creates a folder: each user does, through ``ckptfs.statefiles``, which decides when
-such a file is trusted, and copes when it cannot.
+``ckptfs.commands.export_record``), ``s3-params/`` (copies of params files found beside checkpoints in S3,
+``ckptfs.source.s3params``), the model registry's index (``ckptfs.mapping.registry``) and ``key``, the secret
+that seals them. Nothing here creates a folder: each user does, through ``ckptfs.statefiles`` (``s3params`` by its
+own rule: a copy is used only when it holds the bytes just fetched), which decides when such a file is trusted, and
+copes when it cannot.
 """
 from __future__ import annotations
 

@@ -15,10 +15,12 @@
    ceiling); first read of the weights with the checkpoint in the page cache, beside a trivial passthrough
    FUSE filesystem of the same binding (the ceiling); 4 KiB from every tensor vs every tensor whole; checkpoint ->
    loaded model end to end (mount + from_pretrained + umount) vs ``ckptfs export`` + local from_pretrained;
-   ``torch.load(mmap=True)`` first open of a .bin (cold and warm CRC store); 70B mount and ``ls -lR``
-   time and index read; that no tensor data is read to answer stat/index; for bf16, the local copy (an HF folder)
-   mounted as a Cerebras checkpoint: ``cp`` of its ``checkpoint.mdl`` vs ``cp`` of the source safetensors, and
-   ``ckptfs export`` of it (issue 30); the servers' peak RSS; at the start and
+   ``torch.load(mmap=True)`` first open of a .bin (cold and warm CRC store); for the first dtype, the checkpoint in
+   Cerebras' S3 layout on a local S3-compatible endpoint (``benchlib/s3.py``: ``cp`` from the S3-sourced mount vs
+   boto3's managed download, ``from_pretrained`` vs the local-file mount, requests per 4 KiB peek); 70B mount and
+   ``ls -lR`` time and index read; that no tensor data is read to answer stat/index; for bf16, the local copy (an HF
+   folder) mounted as a Cerebras checkpoint: ``cp`` of its ``checkpoint.mdl`` vs ``cp`` of the source safetensors,
+   and ``ckptfs export`` of it (issue 30); the servers' peak RSS; at the start and
    the end, what writing fresh memory costs on this machine (a VM whose balloon hands freed memory back to the
    host makes every page a FUSE server writes into the page cache wait for the host).
 3. Prints one line per target, writes the JSON report. Exit 0 when every item was measured (targets may FAIL),
@@ -47,6 +49,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO))
 
 from benchlib import gen, measure, report, sysutil  # noqa: E402
+from benchlib import s3 as s3bench  # noqa: E402
 from ckptfs.units import parse_size  # noqa: E402
 
 DEFAULT_SIZE = "1.5GiB"
@@ -67,6 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-shard-size", help="the mounts' --max-shard-size (default: ckptfs's)")
     p.add_argument("--keep", action="store_true", help="keep the generated checkpoints in the workdir")
     p.add_argument("--reuse", action="store_true", help="reuse kept checkpoints when their shape matches")
+    p.add_argument("--no-s3", action="store_true", help="leave out the S3 lines (the first dtype's checkpoint in "
+                                                         "Cerebras' S3 layout on a local moto endpoint)")
     args = p.parse_args(argv)
     args.size = args.size or (QUICK_SIZE if args.quick else DEFAULT_SIZE)
     try:
@@ -134,7 +139,7 @@ class Runner:
         return val
 
 
-def run_dtype(r: Runner, ctx: measure.Ctx, ck: measure.Ckpt) -> None:
+def run_dtype(r: Runner, ctx: measure.Ctx, ck: measure.Ckpt, s3: bool = False) -> None:
     d = ck.name
     local = ctx.workdir / "local" / d
     r.item(f"{d}.raw", measure.raw_read, ctx, ck)
@@ -159,6 +164,8 @@ def run_dtype(r: Runner, ctx: measure.Ctx, ck: measure.Ckpt) -> None:
     r.item(f"{d}.partial_reads", measure.partial_reads, ctx, ck, layout)
     r.item(f"{d}.end_to_end", measure.end_to_end, ctx, ck, layout)
     r.item(f"{d}.torch_first_open", measure.torch_first_open, ctx, ck, layout)
+    if s3:
+        r.item(f"{d}.s3", s3bench.measure_s3, ctx, ck, layout)
     shutil.rmtree(local, ignore_errors=True)
 
 
@@ -209,9 +216,9 @@ def main(argv=None) -> int:
                      reuse=args.reuse, store=False)
         if big:
             meta["checkpoints"]["70b"] = big.info
-        for d in args.dtypes:
+        for i, d in enumerate(args.dtypes):
             if d in cks:
-                run_dtype(r, ctx, cks[d])
+                run_dtype(r, ctx, cks[d], s3=i == 0 and not args.no_s3)
         if big:
             r.item("70b.metadata", measure.metadata_scale, ctx, big)
         r.item("memory.end", measure.memory_first_touch, ctx)

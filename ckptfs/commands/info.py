@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from ..errors import CkptfsError
+from ..storage.s3url import is_s3_url
 from ..units import human_size
 from .. import options as mount_options
 
@@ -28,7 +29,8 @@ def add_parser(subparsers):
                                                 "that), or a Hugging Face model folder: its files, and the Cerebras "
                                                 "checkpoint a mount of it serves")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    mount_options.add_arguments(p, only=("allow_partial", "allow_external", "single", "model", "added_tensors"))
+    mount_options.add_arguments(p, only=("allow_partial", "allow_external", "single", "model", "added_tensors", "endpoint_url",
+                                           "profile"))
     return p
 
 
@@ -70,8 +72,14 @@ def detect(ckpt: Checkpoint) -> FamilyInfo:
         from ..mapping.detect import detect_family
     except ImportError:
         return FamilyInfo(None, None, "mapping core not available")
+    config = None
+    if is_s3_url(ckpt.path):  # its params are beside it in the bucket
+        from ..source.s3params import params_for
+        from ..statedirs import cache_dir
+
+        config = params_for(ckpt, cache_dir())
     try:
-        d = detect_family(ckpt, config=None, model=None)
+        d = detect_family(ckpt, config=config, model=None)
     except CkptfsError as e:
         return FamilyInfo(None, None, e.problem)
     return FamilyInfo(getattr(d, "family", None), getattr(d, "model_name", None), str(getattr(d, "reason", "") or ""))
@@ -180,21 +188,21 @@ def format_hf(src: HFSourceInfo, s: Summary) -> str:
 
 def run(args) -> int:
     from ..source import open_checkpoint
-    from .runinfo import as_json, format_run, is_hf_source, is_run_argument, scan_run
+    from .runinfo import as_json, checkpoint_argument, format_run, is_hf_source, is_run_argument, scan_run
 
-    if is_hf_source(args.ckpt):  # a Hugging Face model: its files, and the checkpoint a mount of it serves
+    where = checkpoint_argument(args)
+    if is_hf_source(where):  # a Hugging Face model: its files, and the checkpoint a mount of it serves
         from ..views.from_hf import open_hf_checkpoint
 
-        hc = open_hf_checkpoint(args.ckpt, mount_options.from_args(args))
+        hc = open_hf_checkpoint(where, mount_options.from_args(args))
         src, s = hf_summary(hc)
         if args.json:
             print(json.dumps({"hugging_face": asdict(src), "checkpoint": asdict(s)}, indent=2, default=str))
         else:
             print(format_hf(src, s))
         return 0
-
-    if is_run_argument(args.ckpt, args.single):  # a model_dir: the run, then its latest checkpoint
-        listing = scan_run(args.ckpt, args.allow_external or ())
+    if is_run_argument(where, args.single):  # a model_dir: the run, then its latest checkpoint
+        listing = scan_run(where, args.allow_external or ())
         s = None
         if listing.latest is not None:
             with open_checkpoint(listing.latest.path, allow_external=args.allow_external or ()) as ckpt:
@@ -205,7 +213,7 @@ def run(args) -> int:
         else:
             print(format_run(listing) + ("\n\nlatest checkpoint:\n" + format_text(s) if s else ""))
         return 0
-    with open_checkpoint(args.ckpt, allow_partial=args.allow_partial,
+    with open_checkpoint(where, allow_partial=args.allow_partial,
                          allow_external=args.allow_external or ()) as ckpt:
         s = summarize(ckpt)
     if args.json:

@@ -24,7 +24,8 @@ def add_parser(subparsers):
                                                 "or a Hugging Face model folder: the keys of the Cerebras checkpoint "
                                                 "a mount of it serves")
     p.add_argument("-l", "--long", action="store_true", help="also show shapes, dtypes and values")
-    mount_options.add_arguments(p, only=("allow_partial", "allow_external", "single", "model", "added_tensors"))
+    mount_options.add_arguments(p, only=("allow_partial", "allow_external", "single", "model", "added_tensors", "endpoint_url",
+                                           "profile"))
     return p
 
 
@@ -76,19 +77,20 @@ def format_lines(ckpt, long: bool = False):
 
 def run(args) -> int:
     from ..source import open_checkpoint
-    from .runinfo import format_run, is_hf_source, is_run_argument, scan_run
+    from .runinfo import checkpoint_argument, format_run, is_hf_source, is_run_argument, scan_run
 
-    if is_run_argument(args.ckpt, args.single):  # a model_dir: the run's checkpoints
-        print(format_run(scan_run(args.ckpt, args.allow_external or ())))
+    where = checkpoint_argument(args)
+    if is_run_argument(where, args.single):  # a model_dir: the run's checkpoints
+        print(format_run(scan_run(where, args.allow_external or ())))
         return 0
-    if is_hf_source(args.ckpt):  # a Hugging Face model: the checkpoint its mount serves
+    if is_hf_source(where):  # a Hugging Face model: the checkpoint its mount serves
         from ..views.from_hf import open_hf_checkpoint
 
-        hc = open_hf_checkpoint(args.ckpt, mount_options.from_args(args))
+        hc = open_hf_checkpoint(where, mount_options.from_args(args))
         for line in format_lines(hc.checkpoint, args.long):
             sys.stdout.write(line + "\n")
         return 0
-    with open_checkpoint(args.ckpt, allow_partial=args.allow_partial,
+    with open_checkpoint(where, allow_partial=args.allow_partial,
                          allow_external=args.allow_external or ()) as ckpt:
         out = sys.stdout
         for line in format_lines(ckpt, args.long):

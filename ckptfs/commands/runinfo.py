@@ -7,6 +7,7 @@ from datetime import datetime
 from pathlib import Path
 
 from ..errors import CheckpointError
+from ..storage.s3url import is_s3_url
 from ..source.rundir import RunListing, RunScanner
 from ..units import human_size
 
@@ -24,15 +25,32 @@ class RunRow:
     latest: bool
 
 
+def checkpoint_argument(args):
+    """The command's CKPT as a local path or an ``s3://`` location (with ``--endpoint-url``, ``--profile``)."""
+    from ..storage.locate import locate
+    from ..storage.s3url import S3Settings
+
+    return locate(args.ckpt, S3Settings(getattr(args, "endpoint_url", None), getattr(args, "profile", None)))
+
+
 def is_run_argument(path, single: bool = False) -> bool:
-    """A directory given without ``--single`` means the whole run (a Hugging Face model folder never does)."""
+    """A directory (or an S3 prefix holding checkpoints) given without ``--single`` means the whole run (a Hugging
+    Face model folder never does)."""
+    if single:
+        return False
+    if is_s3_url(path):
+        from ..source.s3open import RUN, classify
+
+        return classify(path).kind == RUN
     from ..source.hf_layout import is_hf_folder
 
-    return Path(path).is_dir() and not single and not is_hf_folder(path)
+    return Path(path).is_dir() and not is_hf_folder(path)
 
 
 def is_hf_source(path) -> bool:
     """A Hugging Face model folder (or Hub cache snapshot): ``info`` and ``ls`` show the checkpoint it mounts as."""
+    if is_s3_url(path):
+        return False
     from ..source.hf_layout import is_hf_folder
 
     return is_hf_folder(path)

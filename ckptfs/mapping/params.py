@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
+from ..storage.locate import local_folder
 from .safe_yaml import load_params_yaml
 
 if TYPE_CHECKING:  # the source layer (h5py, numpy) is imported when a checkpoint is read, not with the CLI parser
@@ -35,9 +36,12 @@ class CSParams:
 
 
 def candidate_files(checkpoint_path: Path) -> list:
-    """Params YAML files that may belong to ``checkpoint_path``, most specific first."""
+    """Params YAML files that may belong to ``checkpoint_path``, most specific first (none for a checkpoint in S3:
+    those beside it in the bucket are fetched when it is mounted, ``source.s3params``)."""
+    here = local_folder(checkpoint_path)
+    if here is None:
+        return []
     ckpt = Path(checkpoint_path)
-    here = ckpt.parent
     out = [here / f"{ckpt.stem}.yaml"]
     params = sorted(here.glob("params*.yaml"), key=lambda p: (p.name != "params.yaml", p.name))
     out += params
@@ -145,7 +149,7 @@ def find_params(checkpoint: Checkpoint, explicit: Path | str | None = None,
     """The CS model section for ``checkpoint``; ConfigError saying where it looked when there is none."""
     if explicit is not None:
         return load_params_file(Path(explicit), trainer_index)
-    candidates = candidate_files(Path(checkpoint.path))
+    candidates = candidate_files(checkpoint.path)
     problems = []
     for path in candidates:
         try:

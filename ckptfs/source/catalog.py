@@ -72,6 +72,10 @@ class Checkpoint:
     leaves: dict  # dict[str, Leaf], every flat key in spec order
     links: dict = field(default_factory=dict)  # alias key -> target key
     warnings: list = field(default_factory=list)
+    #: a checkpoint that is not a local file (S3): what names its stored version (a digest of its objects' ETags)
+    #: and when it was written; None for a local file, whose identity comes from the file system
+    version: str | None = None
+    mtime_ns: int | None = None
     _closers: list = field(default_factory=list, repr=False)
 
     def tensors(self) -> dict:

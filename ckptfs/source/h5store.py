@@ -36,16 +36,26 @@ def one_line(text) -> str:
 def sniff_non_hdf5(path: Path) -> str | None:
     """Why ``path`` is not an HDF5 file (naming what it looks like), or None if it has the HDF5 signature."""
     size = path.stat().st_size
-    if size == 0:
-        return "empty file (0 bytes), not a Cerebras checkpoint"
     with open(path, "rb") as fh:
         head = fh.read(16)
-        for off in _SIGNATURE_OFFSETS:
-            if off + 8 > size:
-                break
+
+        def signature_at(off: int) -> bool:
             fh.seek(off)
-            if fh.read(8) == HDF5_SIGNATURE:
-                return None
+            return fh.read(8) == HDF5_SIGNATURE
+
+        return what_bytes_are(head, size, signature_at)
+
+
+def what_bytes_are(head: bytes, size: int, signature_at) -> str | None:
+    """Why a file of ``size`` bytes starting with ``head`` (its first 16 bytes) is not an HDF5 file, or None when
+    ``signature_at(offset)`` finds the HDF5 signature at one of the offsets HDF5 looks at."""
+    if size == 0:
+        return "empty file (0 bytes), not a Cerebras checkpoint"
+    for off in _SIGNATURE_OFFSETS:
+        if off + 8 > size:
+            break
+        if (head[:8] == HDF5_SIGNATURE) if off == 0 else signature_at(off):
+            return None
     if head.startswith(b"PK\x03\x04"):
         return "not an HDF5 file: it looks like a torch zip checkpoint (torch.save), not a Cerebras .mdl"
     if len(head) >= 9:

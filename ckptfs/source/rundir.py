@@ -10,11 +10,18 @@ latest checkpoint is the last one in that order among the complete ones — unle
 pointer (a symlink, or a text file naming a checkpoint, as ``resolve_checkpoint`` reads it) naming a complete one.
 
 ``RunScanner(model_dir).scan()`` lists the top level of the model_dir (checkpoints in subfolders belong to another
-run: mount that folder). A checkpoint name that is a symbolic link is served only when it leads, links resolved, to
-a file inside the model_dir (or an ``--allow-external`` folder); one leading elsewhere is listed as not served, with
-the reason, as the ``latest`` pointer is confined (``resolve``). It opens each checkpoint file only to read its root attributes, without HDF5 file locking
-(so a writer is never blocked), and remembers the answer until the file's size, mtime, ctime or inode change, so
-that scanning a run of hundreds of checkpoints every second costs one ``stat`` per file.
+run: mount that folder) through the storage layer's ``Folder``: a local directory, or a prefix of an S3 bucket. A
+checkpoint name that is a symbolic link is served only when it leads, links resolved, to a file inside the model_dir
+(or an ``--allow-external`` folder); one leading elsewhere is listed as not served, with the reason, as the
+``latest`` pointer is confined (``resolve``). It opens each checkpoint file only to read its root attributes, without
+HDF5 file locking (so a writer is never blocked), and remembers the answer until the file's version changes (size,
+mtime, ctime or inode; an object's ETag), so that scanning a run of hundreds of checkpoints every second costs one
+``stat`` per file — in a bucket, the listing alone.
+
+In a bucket a checkpoint may also be a prefix in Cerebras' S3 layout (``checkpoint_<step>.mdl/``, ``cstorch.save``
+to ``s3://``): it is complete once its ``__METADATA__`` object exists (written last). Its prefix is listed when it
+first appears (and while it is incomplete) for that object and the checkpoint's size; a complete one is remembered
+until its prefix leaves the listing (``KeepNCheckpoints`` deletes its objects).
 """
 from __future__ import annotations
 
@@ -29,8 +36,9 @@ from typing import Hashable
 import numpy as np
 
 from ..errors import CheckpointError
-from ..storage.base import Folder, FolderEntry
-from ..storage.local import LocalFolder
+from ..storage.base import Folder
+from ..storage.locate import folder_of
+from ..storage.s3url import is_s3_url
 from .h5store import one_line
 from .resolve import CHECKPOINT_FILE, checkpoint_name
 
@@ -39,6 +47,9 @@ TEMPORARY_FILE = re.compile(r"^(?P<final>checkpoint_.+\.mdl)\.[0-9a-fA-F]{8}\.tm
 
 COMPLETE = "complete"
 IN_PROGRESS = "temporary file of a save in progress (or of a failed save)"
+LAYOUT_IN_PROGRESS = "no __METADATA__ yet: a save in progress to S3 (or a failed one)"
+#: the object a checkpoint in Cerebras' S3 layout writes last
+LAYOUT_METADATA = "__METADATA__"
 
 
 @dataclass(frozen=True)
@@ -97,7 +108,8 @@ def parse_name(name: str):
 
 
 def probe(path) -> tuple:
-    """``(complete, status)`` of one checkpoint file, from its root attributes only (HDF5 opened without locking)."""
+    """``(complete, status)`` of one checkpoint file (a path, or a file object over a blob), from its root attributes
+    only (HDF5 opened without locking)."""
     import h5py  # the LZ4 filter is registered: this module imports .h5store, which registers it on import
 
     try:
@@ -119,59 +131,108 @@ def probe(path) -> tuple:
 
 
 class RunScanner:
-    """Scans one model_dir (a storage ``Folder``: a local directory unless ``folder`` says otherwise); remembers each
-    file's probe until the file changes (thread-safe)."""
+    """Scans one model_dir (a local path or an ``S3Location``, listed through ``folder``, by default the storage
+    layer's folder of it); remembers each file's probe until the file changes (thread-safe)."""
 
     def __init__(self, model_dir, folder: Folder | None = None, allow_external=()):
-        self.model_dir = Path(model_dir).absolute()
+        self.model_dir = model_dir if is_s3_url(model_dir) else Path(model_dir).absolute()
         self.allow_external = tuple(allow_external or ())
-        self.folder = folder if folder is not None else LocalFolder(self.model_dir, self.allow_external)
+        self.folder = folder if folder is not None else folder_of(self.model_dir, self.allow_external)
+        self.in_bucket = is_s3_url(self.model_dir)  # a checkpoint may then be a prefix (Cerebras' S3 layout)
         self._probes: dict = {}  # identity -> (complete, status)
+        self._layouts: dict = {}  # prefix name -> (identity, size, mtime_ns) of a complete S3-layout checkpoint
         self._lock = threading.Lock()
 
     def scan(self) -> RunListing:
         """The model_dir's checkpoints now. ``CheckpointError`` if the model_dir itself cannot be listed."""
         found = []
         try:
-            entries = self.folder.entries(match=lambda name: parse_name(name) is not None)
+            entries = self.folder.entries(match=lambda name: parse_name(name) is not None or name == "latest")
         except OSError as e:
             raise CheckpointError(self.model_dir, f"cannot list the model_dir ({e.strerror or e})") from None
-        for entry in entries:
-            if entry.refused is not None:  # a link out of the model_dir: listed as not served, with the reason
-                found.append(RunCheckpoint(self.model_dir / entry.name, *parse_name(entry.name), entry.size,
-                                           entry.mtime_ns, False, entry.refused, entry.version))
-            elif entry.is_file:  # links followed: a checkpoint may be a link to the file
-                found.append(self._checkpoint(self.model_dir / entry.name, parse_name(entry.name), entry))
+        for e in entries:
+            parsed = parse_name(e.name)
+            if parsed is None:
+                continue
+            if e.refused is not None:  # a link out of the model_dir: listed as not served, with the reason
+                found.append(RunCheckpoint(self.model_dir / e.name, *parsed, e.size, e.mtime_ns, False, e.refused,
+                                           e.version))
+            elif e.is_file:  # links followed: a checkpoint may be a link to the file
+                found.append(self._checkpoint(e, parsed))
+            elif self.in_bucket and not e.name.endswith(".tmp"):
+                found.append(self._layout(e, parsed))
         found.sort(key=RunCheckpoint.sort_key)
         with self._lock:
             keep = {c.identity for c in found}
             self._probes = {k: v for k, v in self._probes.items() if k in keep}
-        latest, reason, problem = choose_latest(self.model_dir, found, self.allow_external)
+            names = {c.path.name for c in found}
+            self._layouts = {k: v for k, v in self._layouts.items() if k in names}
+        pointer = any(e.name == "latest" and e.is_file for e in entries)
+        latest, reason, problem = choose_latest(self.model_dir, found, self.folder if pointer else None,
+                                                self.allow_external)
         return RunListing(self.model_dir, tuple(found), latest, reason, problem)
 
-    def _checkpoint(self, path: Path, parsed: tuple, entry: FolderEntry) -> RunCheckpoint:
+    def _checkpoint(self, e, parsed: tuple) -> RunCheckpoint:
         step, stamp = parsed
-        identity = entry.version
-        if path.name.endswith(".tmp"):
+        identity = e.version
+        if e.name.endswith(".tmp"):
             complete, status = False, IN_PROGRESS
         else:
             with self._lock:
                 known = self._probes.get(identity)
             if known is None:
-                known = probe(path)
+                known = self._probe(e.name)
                 with self._lock:
                     self._probes[identity] = known
             complete, status = known
-        return RunCheckpoint(path, step, stamp, entry.size, entry.mtime_ns, complete, status, identity)
+        return RunCheckpoint(self.model_dir / e.name, step, stamp, e.size, e.mtime_ns, complete, status, identity)
+
+    def _probe(self, name: str) -> tuple:
+        if not self.in_bucket:
+            return probe(self.model_dir / name)
+        from ..storage.rangedfile import RangedFile
+
+        try:
+            blob = self.folder.open(name)
+        except OSError as e:
+            return False, f"cannot be opened ({e})"
+        return probe(RangedFile(blob))
+
+    def _layout(self, e, parsed: tuple) -> RunCheckpoint:
+        """A prefix of the bucket holding a checkpoint in Cerebras' S3 layout (complete once ``__METADATA__`` is)."""
+        step, stamp = parsed
+        path = self.model_dir / e.name
+        with self._lock:
+            known = self._layouts.get(e.name)
+        if known is not None:
+            identity, size, mtime = known
+            return RunCheckpoint(path, step, stamp, size, mtime, True, COMPLETE, identity)
+        try:
+            objects = self.folder.folder(e.name).all_entries()
+        except OSError as err:
+            return RunCheckpoint(path, step, stamp, 0, 0, False, f"cannot be listed ({err})", ("layout", e.name))
+        size = sum(o.size for o in objects)
+        meta = next((o for o in objects if o.name == LAYOUT_METADATA), None)
+        if meta is None:
+            mtime = max((o.mtime_ns for o in objects), default=0)
+            return RunCheckpoint(path, step, stamp, size, mtime, False, f"{LAYOUT_IN_PROGRESS} ({len(objects)} "
+                                 "objects so far)", ("layout", e.name, len(objects)))
+        identity = ("layout", e.name, meta.version)
+        with self._lock:
+            self._layouts[e.name] = (identity, size, meta.mtime_ns)
+        return RunCheckpoint(path, step, stamp, size, meta.mtime_ns, True, COMPLETE, identity)
 
 
-def choose_latest(model_dir: Path, checkpoints: list, allow_external=()) -> tuple:
+def choose_latest(model_dir, checkpoints: list, folder=None, allow_external=()) -> tuple:
     """``(latest, reason, pointer_problem)``: the ``latest`` pointer's checkpoint if it names a complete one,
-    else the last complete checkpoint in autoload order."""
+    else the last complete checkpoint in autoload order. In a bucket, ``folder`` is given when the listing holds a
+    ``latest`` object (read then)."""
     from .resolve import _latest_pointer
 
     complete = [c for c in checkpoints if c.complete]
     problem = None
+    if is_s3_url(model_dir):
+        return _latest_in_bucket(model_dir, complete, folder)
     try:
         target = _latest_pointer(model_dir, allow_external)
     except CheckpointError as e:
@@ -182,6 +243,27 @@ def choose_latest(model_dir: Path, checkpoints: list, allow_external=()) -> tupl
         if named:
             return named[-1], f"named by the 'latest' pointer in {model_dir}", None
         problem = f"the 'latest' pointer names {target}, which is not a complete checkpoint of this run"
+    if complete:
+        return complete[-1], "highest step (then newest timestamp), as Cerebras' autoload picks it", problem
+    return None, "no complete checkpoint yet", problem
+
+
+def _latest_in_bucket(model_dir, complete: list, folder) -> tuple:
+    """``choose_latest`` for a model_dir in a bucket: a ``latest`` object naming a checkpoint of the run (its name,
+    with or without ``.mdl``, or its step) wins if that checkpoint is complete."""
+    problem = None
+    if folder is not None:
+        try:
+            text = folder.read_text("latest", 4096).strip().splitlines()
+        except OSError as e:
+            text, problem = [], f"cannot read the 'latest' object ({e})"
+        name = text[0].strip().rstrip("/").rsplit("/", 1)[-1] if text else ""
+        wanted = {name, f"{name}.mdl", f"checkpoint_{name}.mdl"} if name else set()
+        named = [c for c in complete if c.path.name in wanted]
+        if named:
+            return named[-1], f"named by the 'latest' object in {model_dir}", None
+        if problem is None:
+            problem = f"the 'latest' object names {name!r}, which is not a complete checkpoint of this run"
     if complete:
         return complete[-1], "highest step (then newest timestamp), as Cerebras' autoload picks it", problem
     return None, "no complete checkpoint yet", problem

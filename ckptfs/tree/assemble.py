@@ -11,14 +11,17 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from ..cache import BlockCache
 from ..errors import CheckpointError, CkptfsError
 from ..layouts.crc import CrcStore
-from ..options import MountOptions, check_options, content_options
+from ..options import MountOptions, check_options, content_options, s3_settings
+from ..statedirs import cache_dir
+from ..storage.locate import locate
+from ..storage.s3url import S3Location, is_s3_url
 from ..units import human_size
 from ..views.base import README_NAME, BytesFile, ViewContext, ViewResult
 from ..views.registry import folder_of, names, view
@@ -185,20 +188,39 @@ def assemble_tree(info: SourceInfo, outcomes: list, *, mtime_ns: int | None = No
 
 def is_hf_source(path) -> bool:
     """Whether ``path`` is a Hugging Face model folder (or Hub cache snapshot), not a Cerebras checkpoint or run."""
+    if is_s3_url(path):
+        return False
     from ..source.hf_layout import is_hf_folder
 
     return is_hf_folder(path)
 
 
 def open_source(ckpt_path, options: MountOptions):
-    """Resolve a checkpoint path (a .mdl or a model_dir) and open it: ``(resolved_path, checkpoint)``."""
-    path = Path(ckpt_path)
-    if not path.exists():
-        raise CheckpointError(path, "no such file or directory")
+    """Resolve a checkpoint path (a .mdl or a model_dir, local or ``s3://``) and open it: ``(resolved_path,
+    checkpoint, options)``. For a checkpoint in S3 without ``--config``, the options name the params file found
+    beside it in the bucket, fetched into the cache folder (``source.s3params``)."""
     from ..source import open_checkpoint, resolve_checkpoint  # h5py: not imported before a tree is built
 
+    path = locate(ckpt_path, s3_settings(options))
+    if isinstance(path, S3Location):
+        ckpt = open_checkpoint(path, allow_partial=options.allow_partial)
+        if options.config is None:
+            options = _with_s3_params(ckpt, options)
+        return ckpt.path, ckpt, options
+    if not path.exists():
+        raise CheckpointError(path, "no such file or directory")
     path = Path(resolve_checkpoint(path, options.allow_external))
-    return path, open_checkpoint(path, allow_partial=options.allow_partial, allow_external=options.allow_external)
+    return path, open_checkpoint(path, allow_partial=options.allow_partial,
+                                 allow_external=options.allow_external), options
+
+
+def _with_s3_params(ckpt, options: MountOptions) -> MountOptions:
+    """``options`` naming the local copy of the params file beside the S3 checkpoint ``ckpt`` (unchanged when there
+    is none)."""
+    from ..source.s3params import params_for
+
+    local = params_for(ckpt, cache_dir())
+    return options if local is None else replace(options, config=local)
 
 
 def _file_identity(path) -> str | None:
@@ -212,18 +234,19 @@ def _file_identity(path) -> str | None:
     return f"{real}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
 
-def content_identity(path, options: MountOptions) -> str | None:
-    """Names what the generated files are computed from: the checkpoint file, the params YAML files it may be
-    converted with (when no ``--config`` names one), and every option declared as changing content
-    (``ckptfs.options``: params YAML, model, trainer index…) that is not at its default; a file counts by its full
-    identity (``_file_identity``). Keys persisted caches (zip CRCs); None if the checkpoint cannot be stat'ed."""
+def content_identity(path, options: MountOptions, version: str | None = None) -> str | None:
+    """Names what the generated files are computed from: the checkpoint file (or, for a checkpoint in S3, its
+    location and stored ``version``), the params YAML files a local one may be converted with (when no ``--config``
+    names one), and every option declared as changing content (``ckptfs.options``: params YAML, model, trainer
+    index…) that is not at its default; a file counts by its full identity (``_file_identity``). Keys persisted
+    caches (zip CRCs); None if the checkpoint cannot be stat'ed."""
     from ..mapping.params import candidate_files
 
-    ident = _file_identity(path)
+    ident = f"{path}@{version}" if version is not None else _file_identity(path)
     if ident is None:
         return None
     parts = [ident]
-    if options.config is None:
+    if options.config is None and version is None:
         parts += [f"params={_file_identity(p) or p}" for p in candidate_files(Path(path))]
     for opt, value in content_options(options):
         values = value if opt.repeat else (value,)
@@ -272,26 +295,31 @@ def build_tree(ckpt_path, options: MountOptions | None = None, *, cache: BlockCa
         info = SourceInfo(path)
         closers: list = []
         identity = None
+        mtime_ns = None
     elif is_hf_source(ckpt_path):  # a Hugging Face model folder: served as a Cerebras checkpoint
         from .hf import build_hf_tree
 
         return build_hf_tree(ckpt_path, options, cache=cache, fork_builds=fork_builds)
     else:
-        path, ckpt = open_source(ckpt_path, options)
+        path, ckpt, options = open_source(ckpt_path, options)
         path = path.absolute()
-        identity = content_identity(path, options)
+        identity = content_identity(path, options, ckpt.version)
         ctx = ViewContext(checkpoint=ckpt, ckpt_path=path, stem=path.stem, options=options,
                           crc_store=CrcStore(), identity=identity, cache=cache, fork_builds=fork_builds)
         # a view that forks a build (cs) goes first, so that the build overlaps the others'; outcomes keep their order
         first = [n for n in options.views if fork_builds and n in FORKING_VIEWS]
         built = {n: _run_view(n, ctx) for n in first + [n for n in options.views if n not in first]}
         outcomes = [built[n] for n in options.views]
+        given = ckpt_path if is_s3_url(ckpt_path) else Path(ckpt_path).absolute()
+        resolved_from = given if str(given).rstrip("/") != str(path) and (is_s3_url(given) or given.is_dir()) else None
         info = SourceInfo(path, getattr(ckpt, "format_version", None), getattr(ckpt, "release", None),
                           getattr(ckpt, "success", None), [str(w) for w in getattr(ckpt, "warnings", []) or []],
-                          Path(ckpt_path).absolute() if Path(ckpt_path).is_dir() else None)
+                          resolved_from)
         closers = [ckpt.close] if callable(getattr(ckpt, "close", None)) else []
-    try:
-        mtime_ns = path.stat().st_mtime_ns
-    except OSError:
-        mtime_ns = None
+        mtime_ns = ckpt.mtime_ns  # a checkpoint in S3: its objects' time; a local file: its stat below
+    if mtime_ns is None and not is_s3_url(path):
+        try:
+            mtime_ns = path.stat().st_mtime_ns
+        except OSError:
+            mtime_ns = None
     return assemble_tree(info, outcomes, mtime_ns=mtime_ns, closers=closers, cache=cache, identity=identity)

@@ -48,8 +48,10 @@ from typing import Any, Callable
 
 from ..cache import BlockCache
 from ..errors import CheckpointError, CkptfsError
-from ..options import MountOptions
+from ..options import MountOptions, s3_settings
 from ..source.rundir import RunCheckpoint, RunListing, RunScanner
+from ..storage.locate import locate
+from ..storage.s3url import is_s3_url
 from ..views.base import README_NAME, BytesFile
 from .assemble import TreeBuilder, build_tree
 from .base import (DIR_MODE, FILE_MODE, LINK_MODE, Attr, Tree, VirtualPathError, read_entry, readinto_entry,
@@ -132,7 +134,7 @@ class RunTree(Tree):
 
     def __init__(self, model_dir, options: MountOptions | None = None, *, keep: int = KEEP_TREES,
                  poll: float = POLL_SECONDS, build: Callable | None = None, build_tree: TreeBuilder = build_tree):
-        self.model_dir = Path(model_dir).absolute()
+        self.model_dir = model_dir if is_s3_url(model_dir) else Path(model_dir).absolute()
         self.options = options or MountOptions()
         self.keep = max(1, int(keep))
         self.poll = float(poll)
@@ -453,28 +455,39 @@ def run_readme(listing: RunListing, poll: float = POLL_SECONDS, held: list = ())
               "Each folder holds what `ckptfs mount <its checkpoint file>` shows: the Hugging Face files at its root "
               "(from_pretrained works on the folder and on `latest`), cs/, torch/, tensors/ and its own README.txt.",
               f"The listing follows the model_dir while training writes (checked at most every {poll:g} s): a "
-              "checkpoint appears once its save completed (__SUCCESS__ set, renamed from its .tmp file) and "
-              "disappears when it is deleted; a file already open keeps serving the checkpoint it was opened on.",
+              "checkpoint appears once its save completed (" + ("its __METADATA__ object written, which cstorch "
+                                                                "writes last; an .mdl object with __SUCCESS__ set"
+                                                                if is_s3_url(listing.model_dir) else
+                                                                "__SUCCESS__ set, renamed from its .tmp file") +
+              ") and disappears when it is deleted; a file already open keeps serving the checkpoint it was opened "
+              "on.",
               ""]
     return "\n".join(lines)
 
 
 def is_run(path, options: MountOptions | None = None) -> bool:
-    """Whether ``path`` is mounted as a whole run: a directory (not a Hugging Face model folder), unless ``--single``
-    was given."""
+    """Whether ``path`` is mounted as a whole run: a directory (not a Hugging Face model folder) or an S3 prefix
+    holding checkpoints, unless ``--single`` was given."""
+    if getattr(options, "single", False):
+        return False
+    if is_s3_url(path):
+        from ..source.s3open import RUN, classify
+
+        return classify(locate(path, s3_settings(options or MountOptions()))).kind == RUN
     from ..source.hf_layout import is_hf_folder
 
-    return Path(path).is_dir() and not getattr(options, "single", False) and not is_hf_folder(path)
+    return Path(path).is_dir() and not is_hf_folder(path)
 
 
-def check_run(model_dir) -> None:
+def check_run(model_dir, options: MountOptions | None = None) -> None:
     """A ``CheckpointError`` if ``model_dir`` cannot be followed as a run (it may hold no checkpoint yet)."""
-    RunScanner(model_dir).scan()
+    RunScanner(locate(model_dir, s3_settings(options or MountOptions()))).scan()
 
 
 def open_run(model_dir, options: MountOptions | None = None, **kw) -> RunTree:
-    """The run tree of ``model_dir`` (``kw``: ``keep``, ``poll``, ``build``, ``build_tree`` of ``RunTree``)."""
-    path = Path(model_dir)
-    if not path.is_dir():
-        raise CheckpointError(path, "not a directory (a run is a model_dir)")
-    return RunTree(path, options, **kw)
+    """The run tree of ``model_dir``, a local directory or an S3 prefix (``kw``: ``keep``, ``poll``, ``build``,
+    ``build_tree`` of ``RunTree``)."""
+    where = locate(model_dir, s3_settings(options or MountOptions()))
+    if not is_s3_url(where) and not where.is_dir():
+        raise CheckpointError(where, "not a directory (a run is a model_dir)")
+    return RunTree(where, options, **kw)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..errors import CkptfsError
 from ..source.catalog import Container
+from ..storage.locate import local_folder
 from . import releases, tree as T
 from .dataloader import PROCESSOR_STYLE, convert_data_iter_dir, data_processor
 from .params_rules import ParamsEdit, upgrade_params
@@ -49,7 +50,7 @@ def _model_name(checkpoint, options) -> str | None:
         return None
 
 
-def add_dataloader(root, params: dict | None, options, ckpt_dir: Path, params_dir: Path | None, notes: list) -> None:
+def add_dataloader(root, params: dict | None, options, ckpt_dir: Path | None, params_dir: Path | None, notes: list) -> None:
     """Step 1: the ``dataloader`` key from 1.9 data-iterator files, if asked for."""
     explicit = getattr(options, "data_iter_dir", None)
     from_yaml = None
@@ -74,7 +75,7 @@ def add_dataloader(root, params: dict | None, options, ckpt_dir: Path, params_di
         notes.append(f"dataloader style assumed map-style (data_processor {proc!r})")
     d = Path(explicit if explicit else from_yaml)
     if not d.is_absolute():
-        for base in ([params_dir] if params_dir else []) + [ckpt_dir, Path.cwd()]:
+        for base in [b for b in (params_dir, ckpt_dir, Path.cwd()) if b is not None]:
             if (base / d).is_dir():
                 d = base / d
                 break
@@ -132,7 +133,7 @@ def upgrade_checkpoint(checkpoint, options=None, *, params_doc: ParamsDoc | None
                                                        "next to the checkpoint and no __metadata__ params") + ")")
 
     root = T.copy_tree(checkpoint.root)
-    ckpt_dir = Path(checkpoint.path).parent
+    ckpt_dir = local_folder(checkpoint.path)  # None for a checkpoint in S3
     add_dataloader(root, params, options, ckpt_dir, params_doc.path.parent if params_doc and params_doc.path else None,
                    notes)
 

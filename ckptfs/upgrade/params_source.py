@@ -43,7 +43,7 @@ def find_params_doc(checkpoint, explicit=None) -> tuple[ParamsDoc | None, list]:
     if explicit is not None:
         return ParamsDoc(load_yaml(Path(explicit)), Path(explicit), f"{Path(explicit).name} (--config)"), []
     problems = []
-    for path in candidate_files(Path(checkpoint.path)):
+    for path in candidate_files(checkpoint.path):
         try:
             return ParamsDoc(load_yaml(path), path, f"{path.name} next to the checkpoint"), problems
         except ConfigError as e:

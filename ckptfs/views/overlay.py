@@ -28,6 +28,7 @@ from ..mapping.safe_yaml import load_params_yaml
 from ..source.hf_layout import hub_blobs, hub_snapshot_of
 from ..storage.local import FileIdentity
 from ..virtual_file import VirtualFile
+from ..storage.locate import local_folder
 
 #: file names of a Hugging Face tokenizer (and chat template) that are picked up without --overlay
 TOKENIZER_FILES = (
@@ -235,12 +236,13 @@ def discover_tokenizer(ckpt_path: Path, params_path: Path | None, allow_external
     folder. A crafted params YAML (or a ``tokenizer`` link) naming another folder only gets a hint."""
     named, hints = params_tokenizer_paths(params_path)
     places = list(named)
-    here = Path(ckpt_path).parent
-    places += [(f"{here} (the checkpoint's folder)", here), (f"{here / 'tokenizer'}", here / "tokenizer")]
-    roots = [os.path.realpath(here)] + [os.path.realpath(a) for a in allow_external or ()]
+    here = local_folder(ckpt_path)  # None for a checkpoint in S3: only its params file's folder is looked at
+    if here is not None:
+        places += [(f"{here} (the checkpoint's folder)", here), (f"{here / 'tokenizer'}", here / "tokenizer")]
+    roots = ([os.path.realpath(here)] if here is not None else []) + [os.path.realpath(a) for a in allow_external or ()]
     if params_path is not None:
         roots.append(os.path.realpath(Path(params_path).parent))
-    if params_path is not None and Path(params_path).parent.resolve() != here.resolve():
+    if params_path is not None and (here is None or Path(params_path).parent.resolve() != here.resolve()):
         there = Path(params_path).parent
         places += [(f"{there} (the params file's folder)", there), (f"{there / 'tokenizer'}", there / "tokenizer")]
     for where, p in places:

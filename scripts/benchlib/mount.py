@@ -48,7 +48,8 @@ class Mount:
 
     def __init__(self, ckpt, mountpoint, *, config=None, zip_crc="exact", cache_size="256MiB",
                  max_shard_size=None, cache_dir=None, label="", env=None, on_stop=None):
-        self.ckpt, self.mountpoint = Path(ckpt), Path(mountpoint)
+        self.ckpt = ckpt if str(ckpt).startswith("s3://") else Path(ckpt)  # a local file or an s3:// URL
+        self.mountpoint = Path(mountpoint)
         self.config, self.zip_crc, self.cache_size = config, zip_crc, cache_size
         self.max_shard_size, self.cache_dir, self.label = max_shard_size, cache_dir, label
         self.env = dict(env if env is not None else os.environ)

@@ -16,6 +16,8 @@ MOUNT_70B_TARGET_S = 0.5  # (#7: 1.0 s)
 LS_70B_TARGET_S = 0.5
 RSS_BASE_BYTES = 300 * 10**6  # peak server RSS ≤ 300 MB + --cache-size
 HF_TO_CS_TARGET = 1.0  # reading an HF folder's mounted .mdl ≥ 1.0 × a plain read of its safetensors (issue 30)
+S3_CP_TARGET = 1.0  # cp from an S3-sourced mount ≥ 1.0 × boto3's managed download of the same objects (issue #29)
+S3_PEEK_REQUESTS = 3  # a 4 KiB read of one tensor on a mounted checkpoint costs at most 3 requests
 
 
 @dataclass
@@ -120,6 +122,8 @@ def target_lines(results: dict, errors: dict, dtypes: list, cache_bytes: int) ->
             ok = dc["ok"] and same is not False
             lines.append(Line(name, f"{len(dc['checked'])} tensors, export==mount: {same}", "equal",
                               "PASS" if ok else "FAIL"))
+        if f"{d}.s3" in errors or r.get("s3") is not None:
+            lines += _s3_lines(d, r.get("s3"), errors)
     big = results.get("70b")
     e = _err("70B: mount", errors, ["70b.metadata"])
     if e or big is None:
@@ -208,6 +212,22 @@ def _issue14_lines(d: str, r: dict, errors: dict) -> list:
             name_ee, f"{ee['mount']['median_s']:.2f} vs {ee['eager']['median_s']:.2f} s ({ee['ratio']:.2f}x)", "",
             "INFO")),
     ]
+
+
+def _s3_lines(d: str, s3: dict | None, errors: dict) -> list:
+    """The checkpoint in Cerebras' S3 layout on a local endpoint (benchlib/s3.py)."""
+    names = (f"{d}: S3 cp safetensors vs boto3 download", f"{d}: S3 from_pretrained / local-file mount",
+             f"{d}: S3 requests per 4 KiB peek")
+    if s3 is None:
+        return [_err(n, errors, [f"{d}.s3"]) or Line(n, "not measured", "", "ERROR") for n in names]
+    cp, boto = s3["cp"], s3["boto3"]
+    fp, pk = s3["from_pretrained"], s3["peeks"]
+    return [Line(names[0], f"{s3['cp_ratio']:.2f}x ({cp['mb_s']:.0f} vs {boto['mb_s']:.0f} MB/s, {s3['endpoint']})",
+                 f">= {S3_CP_TARGET:.2f}x", _verdict(s3["cp_ratio"] >= S3_CP_TARGET)),
+            Line(names[1], f"{fp['ratio']:.2f}x ({fp['s3']['median_s']:.2f} vs {fp['local']['median_s']:.2f} s)",
+                 "", "INFO"),
+            Line(names[2], f"max {pk['max_requests']}, mean {pk['mean_requests']:.2f} ({pk['tensors']} tensors)",
+                 f"<= {S3_PEEK_REQUESTS}", _verdict(pk["max_requests"] <= S3_PEEK_REQUESTS))]
 
 
 def table(lines: list) -> str:

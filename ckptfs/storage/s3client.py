@@ -1,0 +1,335 @@
+"""The S3 client ckptfs reads buckets with: boto3 configured as every AWS tool is, bounded in time, with one-line
+errors that never carry a secret.
+
+Credentials, region, endpoint and addressing style come from where boto3 finds them (the environment, ``~/.aws``
+profiles, ``AWS_ENDPOINT_URL``…); ``S3Settings`` can name a profile and an endpoint URL on top (``--profile``,
+``--endpoint-url``). One client per settings per process (boto3 clients are thread-safe; a forked child makes its
+own, since the parent's pooled connections cannot be shared). Every request has a connect and a read timeout and
+is retried with exponential backoff and jitter (botocore's "standard" mode) a bounded number of times, so a
+vanished or stalled endpoint makes a request fail within ``worst_case_seconds()``, never hang; for ``DOWN_SECONDS``
+after that, requests fail at once (a read that needs many objects fails within one request's bound).
+
+Failures become ``StorageError(location, one line, kind)``: the bucket or key that is missing, access denied,
+credentials refused or absent, the endpoint unreachable — never the server's raw message (which ckptfs does not
+control) and never a key, token or signature. A ranged read of an object whose ETag changed since it was listed
+(``If-Match`` refused, HTTP 412) raises ``SourceChangedError``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass
+
+from ..errors import SourceChangedError, StorageError
+from .s3url import S3Settings, safe_endpoint
+
+#: seconds to set up a connection, and to wait for any byte of an answer
+CONNECT_TIMEOUT = 5.0
+READ_TIMEOUT = 10.0
+#: attempts per request (the first included), with botocore's exponential backoff between them
+ATTEMPTS = 3
+#: connections kept open to the endpoint (at least the parts in flight of all objects: ``s3object.MAX_IN_FLIGHT``)
+POOL_CONNECTIONS = 16
+#: an answer body that fails while streaming is asked for again this many times
+BODY_RETRIES = 2
+#: after the endpoint could not be reached (or did not answer), requests fail at once for this many seconds instead
+#: of each waiting out the timeouts again: a read needing many objects fails within one request's bound
+DOWN_SECONDS = 5.0
+
+_UNREACHABLE = ("EndpointConnectionError", "ConnectionClosedError", "ProxyConnectionError", "ConnectionError",
+                "SSLError")
+_TIMEOUT = ("ConnectTimeoutError", "ReadTimeoutError")
+_CREDENTIALS_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
+                      "TokenRefreshRequired", "InvalidSecurity", "AuthorizationHeaderMalformed"}
+
+
+# boto3's own loggers say at DEBUG level what they send (headers, a session token among them): never into ckptfs's
+# logs, whatever their level (``--debug``)
+for _name in ("boto3", "botocore", "s3transfer", "urllib3"):
+    logging.getLogger(_name).setLevel(logging.WARNING)
+
+
+def worst_case_seconds() -> float:
+    """The longest one request can take before it fails: every attempt timing out, plus botocore's backoff."""
+    return ATTEMPTS * (CONNECT_TIMEOUT + READ_TIMEOUT) + 2.0 ** ATTEMPTS
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """One object as a listing or a HEAD reports it."""
+
+    key: str
+    size: int
+    etag: str
+    mtime_ns: int
+
+
+@dataclass
+class Listing:
+    """A prefix's objects and, with a delimiter, its sub-prefixes ("folders", each ending with ``/``)."""
+
+    objects: list
+    prefixes: list
+    requests: int = 1  # list requests it took (pages)
+
+
+@dataclass
+class GetResult:
+    """A GET's bytes (or the count written into the caller's buffer), the object and its user metadata."""
+
+    data: bytes | None
+    count: int
+    info: ObjectInfo
+    metadata: dict
+
+
+def _mtime_ns(value) -> int:
+    try:
+        return int(value.timestamp() * 1e9)
+    except (AttributeError, ValueError, OverflowError):
+        return 0
+
+
+def _etag(value) -> str:
+    return str(value or "").strip()
+
+
+class S3Client:
+    """Requests to one endpoint with one set of credentials (see the module docstring). Thread-safe."""
+
+    def __init__(self, settings: S3Settings):
+        self.settings = settings
+        self._client = None
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._down: tuple | None = None  # (monotonic time until which requests fail at once, the failure)
+
+    # -- the boto3 client --------------------------------------------------------------------------------------
+    @property
+    def client(self):
+        c = self._client
+        if c is not None and self._pid == os.getpid():
+            return c
+        with self._lock:
+            if self._client is None or self._pid != os.getpid():
+                self._client, self._pid = self._make(), os.getpid()
+            return self._client
+
+    def _make(self):
+        import boto3
+        from botocore.config import Config
+        from botocore.exceptions import BotoCoreError
+
+        where = self.endpoint
+        try:
+            session = boto3.session.Session(profile_name=self.settings.profile)
+            return session.client(
+                "s3", endpoint_url=self.settings.endpoint_url,
+                config=Config(connect_timeout=CONNECT_TIMEOUT, read_timeout=READ_TIMEOUT,
+                              retries={"mode": "standard", "total_max_attempts": ATTEMPTS},
+                              max_pool_connections=POOL_CONNECTIONS, tcp_keepalive=True))
+        except BotoCoreError as e:
+            name = type(e).__name__
+            if name == "ProfileNotFound":
+                raise StorageError(where, f"AWS profile {self.settings.profile!r} not found in the AWS config "
+                                          "files", "credentials") from None
+            if name in ("InvalidEndpointConfigurationError", "ValueError") or "endpoint" in name.lower():
+                raise StorageError(where, "the endpoint URL is not usable", "failed") from None
+            raise StorageError(where, f"cannot set up the S3 client ({name})", "failed") from None
+        except ValueError:
+            raise StorageError(where, "the endpoint URL is not valid", "failed") from None
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint, fit for messages (no user information)."""
+        url = self.settings.endpoint_url
+        if url is None and self._client is not None:
+            url = self._client.meta.endpoint_url
+        return safe_endpoint(url) if url else "the S3 endpoint"
+
+    # -- requests ------------------------------------------------------------------------------------------------
+    def _check_up(self, where: str) -> None:
+        """Fail at once while the endpoint is known to be down (``DOWN_SECONDS`` after it last was)."""
+        down = self._down
+        if down is not None:
+            until, why = down
+            if time.monotonic() < until:
+                raise StorageError(where, f"{why}; not asked again for {until - time.monotonic():.0f} s", "unreachable")
+            self._down = None
+
+    def _failed(self, err: Exception) -> Exception:
+        """Remember an unreachable or silent endpoint (``_check_up``); returns ``err``."""
+        if isinstance(err, StorageError) and err.kind in ("unreachable", "timeout"):
+            self._down = (time.monotonic() + DOWN_SECONDS, err.problem)
+        return err
+
+    def head(self, bucket: str, key: str) -> ObjectInfo | None:
+        """The object's size, ETag and time; None when there is no such object."""
+        where = f"s3://{bucket}/{key}"
+        self._check_up(where)
+        try:
+            r = self.client.head_object(Bucket=bucket, Key=key)
+        except Exception as e:  # noqa: BLE001 - every botocore failure is translated
+            err = self._failed(self._translate(e, where, bucket))
+            if isinstance(err, StorageError) and err.kind == "missing" and "bucket" not in err.problem:
+                return None
+            raise err from None
+        return ObjectInfo(key, int(r.get("ContentLength", 0)), _etag(r.get("ETag")), _mtime_ns(r.get("LastModified")))
+
+    def get(self, bucket: str, key: str, *, start: int | None = None, end: int | None = None,
+            etag: str | None = None, into: memoryview | None = None, max_bytes: int | None = None) -> GetResult:
+        """Bytes ``[start, end)`` of an object (all of it without a range), only if its ETag is still ``etag``
+        (``SourceChangedError`` otherwise): into ``into`` when given (the count is returned), else as bytes. A whole
+        object larger than ``max_bytes`` is refused before its body is read."""
+        where = f"s3://{bucket}/{key}"
+        kw = {"Bucket": bucket, "Key": key}
+        if start is not None:
+            if end is None or end <= start:
+                raise ValueError(f"empty range [{start}, {end})")
+            kw["Range"] = f"bytes={start}-{end - 1}"
+        if etag:
+            kw["IfMatch"] = etag
+        for attempt in range(BODY_RETRIES + 1):
+            self._check_up(where)
+            try:
+                r = self.client.get_object(**kw)
+            except Exception as e:  # noqa: BLE001
+                raise self._failed(self._translate(e, where, bucket, etag)) from None
+            length = int(r.get("ContentLength", 0))
+            want = None if start is None else end - start
+            if want is not None and length != want:
+                r["Body"].close()
+                raise StorageError(where, f"the endpoint answered {length} bytes for a range of {want}", "refused")
+            if max_bytes is not None and length > max_bytes:
+                r["Body"].close()
+                raise StorageError(where, f"object of {length} bytes, more than the {max_bytes} read whole",
+                                   "refused")
+            info = ObjectInfo(key, _total_size(r, length), _etag(r.get("ETag")), _mtime_ns(r.get("LastModified")))
+            if etag and info.etag and info.etag != etag:  # an endpoint that ignores If-Match
+                r["Body"].close()
+                raise SourceChangedError(where, f"the object changed since it was opened (ETag {etag} is now "
+                                                f"{info.etag}); remount to serve the new version")
+            try:
+                data = r["Body"].read()
+            except Exception as e:  # noqa: BLE001 - a body cut short: ask again (bounded)
+                if attempt < BODY_RETRIES:
+                    time.sleep(min(2.0, 0.1 * 2 ** attempt) * random.random())
+                    continue
+                raise self._failed(self._translate(e, where, bucket, etag)) from None
+            if len(data) != length:
+                if attempt < BODY_RETRIES:
+                    continue
+                raise StorageError(where, f"the endpoint sent {len(data)} of {length} bytes", "failed")
+            meta = r.get("Metadata") or {}
+            if into is not None:
+                into[:length] = data
+                return GetResult(None, length, info, meta)
+            return GetResult(data, length, info, meta)
+        raise AssertionError("unreachable")
+
+    def list(self, bucket: str, prefix: str, *, delimiter: str | None = "/", max_keys: int | None = None) -> Listing:
+        """Every object under ``prefix`` (one request per 1,000 keys) and, with ``delimiter``, the sub-prefixes;
+        ``max_keys``: stop after that many entries (one page when it is at most 1,000)."""
+        where = f"s3://{bucket}/{prefix}"
+        kw = {"Bucket": bucket, "Prefix": prefix}
+        if delimiter:
+            kw["Delimiter"] = delimiter
+        if max_keys is not None:
+            kw["MaxKeys"] = min(1000, max_keys)
+        objects, prefixes, pages = [], [], 0
+        while True:
+            self._check_up(where)
+            try:
+                r = self.client.list_objects_v2(**kw)
+            except Exception as e:  # noqa: BLE001
+                raise self._failed(self._translate(e, where, bucket)) from None
+            pages += 1
+            for o in r.get("Contents") or ():
+                objects.append(ObjectInfo(o["Key"], int(o.get("Size", 0)), _etag(o.get("ETag")),
+                                          _mtime_ns(o.get("LastModified"))))
+            prefixes += [p["Prefix"] for p in r.get("CommonPrefixes") or ()]
+            token = r.get("NextContinuationToken")
+            if not r.get("IsTruncated") or not token or (max_keys is not None
+                                                          and len(objects) + len(prefixes) >= max_keys):
+                return Listing(objects, prefixes, pages)
+            kw["ContinuationToken"] = token
+
+    def check_bucket(self, bucket: str) -> None:
+        """``StorageError`` when the bucket does not exist or cannot be read with these credentials."""
+        self._check_up(f"s3://{bucket}")
+        try:
+            self.client.head_bucket(Bucket=bucket)
+        except Exception as e:  # noqa: BLE001
+            raise self._failed(self._translate(e, f"s3://{bucket}", bucket)) from None
+
+    # -- errors --------------------------------------------------------------------------------------------------
+    def _translate(self, e: Exception, where: str, bucket: str, etag: str | None = None) -> Exception:
+        """A botocore failure as one line (``StorageError``, or ``SourceChangedError`` for a refused If-Match)."""
+        if isinstance(e, (StorageError, SourceChangedError)):
+            return e
+        name = type(e).__name__
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):  # the endpoint answered with an error
+            err = response.get("Error") or {}
+            code = str(err.get("Code") or "")
+            status = int((response.get("ResponseMetadata") or {}).get("HTTPStatusCode") or 0)
+            if code in ("PreconditionFailed", "412") or status == 412:
+                return SourceChangedError(where, f"the object changed since it was opened (its ETag is no longer "
+                                                 f"{etag}); remount to serve the new version")
+            if code == "NoSuchBucket":
+                return StorageError(f"s3://{bucket}", "no such bucket", "missing")
+            if code in ("NoSuchKey", "NotFound", "404") or status == 404:
+                return StorageError(where, "no such object", "missing")
+            if code in _CREDENTIALS_CODES:
+                return StorageError(where, f"the endpoint refused the credentials ({code}): check "
+                                           "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, the profile, or the token's "
+                                           "expiry", "credentials")
+            if code in ("AccessDenied", "AllAccessDisabled", "403", "Forbidden") or status == 403:
+                return StorageError(where, f"access denied ({code or status}) for these credentials", "denied")
+            if code == "InvalidRange" or status == 416:
+                return StorageError(where, "the endpoint refused the byte range (the object is shorter than "
+                                           "listed)", "refused")
+            return StorageError(where, f"the endpoint answered {status or '?'} {code or 'with an error'} "
+                                       f"(after {ATTEMPTS} attempts)", "failed")
+        if name in ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
+                    "UnknownCredentialError"):
+            return StorageError(where, "no usable AWS credentials (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                                       "or name a profile of ~/.aws with --profile or AWS_PROFILE)", "credentials")
+        if name == "ProfileNotFound":
+            return StorageError(where, f"AWS profile {self.settings.profile!r} not found", "credentials")
+        if name in _TIMEOUT:
+            return StorageError(where, f"no answer from {self.endpoint} within the timeouts "
+                                       f"({ATTEMPTS} attempts)", "timeout")
+        if name in _UNREACHABLE or isinstance(e, ConnectionError):
+            return StorageError(where, f"cannot reach {self.endpoint} ({ATTEMPTS} attempts)", "unreachable")
+        if name in ("ResponseStreamingError", "IncompleteReadError", "ProtocolError"):
+            return StorageError(where, f"the connection to {self.endpoint} broke while reading", "unreachable")
+        if name == "ParamValidationError":
+            return StorageError(where, "not a valid bucket or key for S3", "refused")
+        return StorageError(where, f"S3 request failed ({name})", "failed")
+
+
+def _total_size(r: dict, length: int) -> int:
+    """The whole object's size: from ``Content-Range`` (``bytes a-b/total``) for a ranged answer."""
+    rng = r.get("ContentRange")
+    if isinstance(rng, str) and "/" in rng:
+        tail = rng.rsplit("/", 1)[1]
+        if tail.isdigit():
+            return int(tail)
+    return length
+
+
+_clients: dict = {}
+_clients_lock = threading.Lock()
+
+
+def client_for(settings: S3Settings) -> S3Client:
+    """The process's client for ``settings`` (made once; its boto3 client is made on first use)."""
+    with _clients_lock:
+        c = _clients.get(settings)
+        if c is None:
+            c = _clients[settings] = S3Client(settings)
+        return c

@@ -1,0 +1,299 @@
+"""One S3 object read by byte ranges: the blob interface a local checkpoint file offers (``read_spans``,
+``read_into``, ``read_scattered``, ``will_need``), over HTTP range requests.
+
+Every request names the ETag the object had when it was listed (``If-Match``): once the object is replaced, reads
+fail with ``SourceChangedError`` instead of returning bytes of another version.
+
+* **Small reads** (a peek, a chunk's frame header, HDF5 metadata) are exact ranges; ranges a read asks for together
+  (``read_spans``, ``read_scattered``) are merged when less than ``MERGE_GAP`` apart and fetched concurrently:
+  a request costs a round trip, a few hundred KB more of an answer cost less.
+* **Large reads** (``PART_MIN`` bytes or more: a cache block's chunks, a tensor's data) go through *parts*, the
+  object cut at multiples of ``PART_BYTES``: the parts a read needs are fetched concurrently (at most
+  ``MAX_IN_FLIGHT`` requests at once for the whole process) and kept in a process-wide cache of ``PART_CACHE_BYTES``
+  (least recently used first out). A read that continues the previous one (sequential access: ``cp``, a loader)
+  also queues the next ``READ_AHEAD_PARTS`` parts, so the endpoint is busy while the caller converts; ``will_need``
+  queues parts explicitly.
+
+Memory: the part cache's bound plus the parts in flight (``MAX_IN_FLIGHT`` × ``PART_BYTES``), whatever the number
+of objects. A failed part is dropped from the cache, so a later read asks again.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from .base import Blob, ShortRead, count_waited_read
+from .s3client import S3Client
+
+#: the object is fetched in parts of this size for large reads (and cached by part)
+PART_BYTES = 8 << 20
+#: a read of at least this many bytes goes through parts (smaller ones are exact ranges)
+PART_MIN = 512 << 10
+#: parts queued beyond a sequential read (or a ``will_need``)
+READ_AHEAD_PARTS = 2
+#: requests in flight at once, all objects together
+MAX_IN_FLIGHT = 8
+#: parts kept (bytes), all objects together
+PART_CACHE_BYTES = 64 << 20
+#: ranges of one ``read_spans``/``read_scattered`` closer than this are fetched as one request
+MERGE_GAP = 1 << 20
+
+
+class _Pool:
+    """The process's request threads and part cache (made again in a forked child: threads do not survive fork)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.executor: ThreadPoolExecutor | None = None
+        self.parts: OrderedDict = OrderedDict()  # (object id, part) -> (Future[bytes], size), least recently used first
+        self.bytes = 0
+
+    def submit(self, fn, *args) -> Future:
+        with self.lock:
+            if self.executor is None:
+                self.executor = ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="ckptfs-s3")
+            ex = self.executor
+        return ex.submit(fn, *args)
+
+    def part(self, key, fetch, size: int) -> Future:
+        """The future of part ``key`` (``fetch()`` submitted when it is neither cached nor in flight)."""
+        with self.lock:
+            got = self.parts.get(key)
+            if got is not None:
+                self.parts.move_to_end(key)
+                return got[0]
+            fut = Future()
+            self.parts[key] = (fut, size)
+            self.bytes += size
+            self._trim()
+        try:
+            inner = self.submit(fetch)
+        except RuntimeError as e:  # the interpreter is shutting down
+            self.forget(key, fut, size)
+            fut.set_exception(e)
+            return fut
+
+        def done(f: Future) -> None:
+            err = f.exception()
+            if err is not None:
+                self.forget(key, fut, size)
+                fut.set_exception(err)
+            else:
+                fut.set_result(f.result())
+
+        inner.add_done_callback(done)
+        return fut
+
+    def cached(self, key) -> bytes | None:
+        """Part ``key``'s bytes if fetched already (no request)."""
+        with self.lock:
+            got = self.parts.get(key)
+        if got is not None and got[0].done() and got[0].exception() is None:
+            return got[0].result()
+        return None
+
+    def forget(self, key, fut: Future, size: int) -> None:
+        with self.lock:
+            got = self.parts.get(key)
+            if got is not None and got[0] is fut:
+                del self.parts[key]
+                self.bytes -= size
+
+    def _trim(self) -> None:
+        """Drop the least recently used finished parts beyond the budget (parts in flight stay)."""
+        if self.bytes <= PART_CACHE_BYTES:
+            return
+        for key in list(self.parts):
+            if self.bytes <= PART_CACHE_BYTES:
+                break
+            fut, size = self.parts[key]
+            if fut.done():
+                del self.parts[key]
+                self.bytes -= size
+
+    def reset(self) -> None:
+        self.__init__()
+
+
+_pool = _Pool()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_pool.reset)
+
+
+class S3Object(Blob):
+    """A ranged-read blob over one version (``etag``) of ``s3://bucket/key`` of ``size`` bytes."""
+
+    def __init__(self, client: S3Client, bucket: str, key: str, size: int, etag: str, mtime_ns: int = 0):
+        self.client = client
+        self.bucket, self.key = bucket, key
+        self._size, self.etag, self.mtime_ns = int(size), etag, int(mtime_ns)
+        self._id = (bucket, key, etag)
+        self._last_end: int | None = None  # where the last large read ended (sequential access is read ahead)
+        self.user_metadata: dict | None = None  # the object's user metadata, from the first answer
+
+    @property
+    def name(self) -> str:
+        return f"s3://{self.bucket}/{self.key}"
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def version(self) -> str:
+        return self.etag
+
+    def current_version(self) -> str:
+        """The object's ETag now (``OSError`` when it is gone or the endpoint cannot be asked)."""
+        from ..errors import StorageError
+
+        try:
+            info = self.client.head(self.bucket, self.key)
+        except StorageError as e:
+            raise OSError(str(e)) from None
+        if info is None:
+            raise FileNotFoundError(self.name)
+        return info.etag
+
+    def __repr__(self) -> str:
+        return f"S3Object({self.name}, {self.size} bytes, {self.etag})"
+
+    # -- requests ------------------------------------------------------------------------------------------------
+    def _get(self, lo: int, hi: int, into: memoryview | None = None):
+        r = self.client.get(self.bucket, self.key, start=lo, end=hi, etag=self.etag, into=into)
+        if self.user_metadata is None:
+            self.user_metadata = r.metadata
+        return r.count if into is not None else r.data
+
+    def _part_range(self, i: int) -> tuple:
+        return i * PART_BYTES, min(self.size, (i + 1) * PART_BYTES)
+
+    def _part(self, i: int) -> Future:
+        lo, hi = self._part_range(i)
+        return _pool.part((*self._id, i), lambda: self._get(lo, hi), hi - lo)
+
+    def will_need(self, offset: int, length: int = READ_AHEAD_PARTS * PART_BYTES) -> None:
+        """Queue the parts under ``[offset, offset + length)`` (best effort, no waiting)."""
+        if offset >= self.size or length <= 0:
+            return
+        for i in range(offset // PART_BYTES, (min(self.size, offset + length) - 1) // PART_BYTES + 1):
+            self._part(i)
+
+    # -- reads ---------------------------------------------------------------------------------------------------
+    def read_into(self, view: memoryview, offset: int, need: int) -> tuple[int, bool]:
+        """Read ``need`` bytes from ``offset`` into ``view`` (fewer only at the end of the object): ``(count,
+        whether the read waited for the endpoint)`` (False when fetched parts held it all)."""
+        need = max(0, min(need, self.size - offset))
+        if need == 0:
+            return 0, False
+        if need >= PART_MIN:
+            waited = self._from_parts(view, offset, need)
+        else:
+            waited = not self._from_cache(view, offset, need)
+            if waited:
+                self._get(offset, offset + need, view[:need])
+        if waited:
+            count_waited_read()
+        return need, waited
+
+    def _from_cache(self, view: memoryview, offset: int, need: int) -> bool:
+        """Fill ``view[:need]`` from a fetched part, if one holds the whole range."""
+        i = offset // PART_BYTES
+        if (offset + need - 1) // PART_BYTES != i:
+            return False
+        data = _pool.cached((*self._id, i))
+        if data is None:
+            return False
+        lo = offset - i * PART_BYTES
+        view[:need] = data[lo:lo + need]
+        return True
+
+    def _from_parts(self, view: memoryview, offset: int, need: int) -> bool:
+        """Copy ``[offset, offset + need)`` from the parts under it (fetched now if need be): whether any part had
+        to be waited for."""
+        end = offset + need
+        first, last = offset // PART_BYTES, (end - 1) // PART_BYTES
+        sequential = self._last_end is not None and abs(offset - self._last_end) <= PART_BYTES
+        futures = [self._part(i) for i in range(first, last + 1)]
+        if sequential:
+            self.will_need(end, READ_AHEAD_PARTS * PART_BYTES)
+        self._last_end = end
+        pos, waited = 0, False
+        for i, fut in zip(range(first, last + 1), futures):
+            waited |= not fut.done()
+            data = fut.result()
+            lo = max(offset, i * PART_BYTES) - i * PART_BYTES
+            hi = min(end, (i + 1) * PART_BYTES) - i * PART_BYTES
+            view[pos:pos + hi - lo] = data[lo:hi]
+            pos += hi - lo
+        return waited
+
+    def read(self, offset: int, n: int) -> bytes:
+        """``n`` bytes from ``offset`` (fewer at the end of the object)."""
+        buf = bytearray(max(0, min(n, self.size - offset)))
+        self.read_into(memoryview(buf), offset, len(buf))
+        return bytes(buf)
+
+    def read_spans(self, spans, scratch, hint: bool = True) -> tuple:
+        """The ranges ``spans`` (``(offset, end)`` each) into one buffer of ``scratch(size)``: ``(buffer, position of
+        each span's first byte, False)``. Ranges less than ``MERGE_GAP`` apart are fetched as one request, the
+        requests concurrently; ``ShortRead`` when the object ends inside a span."""
+        spans = [(int(lo), int(end)) for lo, end in spans]
+        for k, (lo, end) in enumerate(spans):
+            if end > self.size:
+                raise ShortRead(k, max(0, self.size - lo))
+        starts, total = [], 0
+        for lo, end in spans:
+            starts.append(total)
+            total += end - lo
+        buf = scratch(total)
+        mv = memoryview(buf)
+        groups = _merge(spans)
+        # small groups (exact ranges) go to the request threads, all but one; large ones are read here, their parts
+        # fetched concurrently (a request thread never waits for another request: no deadlock)
+        small = [g for g in groups if g[1] - g[0] < PART_MIN]
+        futures = [_pool.submit(self._place, mv, *g, spans, starts) for g in small[1:]]
+        try:
+            for g in small[:1] + [g for g in groups if g[1] - g[0] >= PART_MIN]:
+                self._place(mv, *g, spans, starts)
+        finally:
+            for f in futures:
+                f.result()
+        return buf, starts, False
+
+    def _place(self, mv: memoryview, lo: int, hi: int, members: list, spans: list, starts: list) -> None:
+        """Fetch ``[lo, hi)`` (one merged group) and copy each member span to its place in ``mv``."""
+        if len(members) == 1:
+            k = members[0]
+            self.read_into(mv[starts[k]:starts[k] + hi - lo], lo, hi - lo)
+            return
+        tmp = bytearray(hi - lo)
+        self.read_into(memoryview(tmp), lo, hi - lo)
+        for k in members:
+            a, b = spans[k]
+            mv[starts[k]:starts[k] + b - a] = tmp[a - lo:b - lo]
+
+    def read_scattered(self, spans, scratch) -> tuple:
+        """``read_spans`` for small ranges far apart (a peek's rows in each chunk): the same merging, the same
+        concurrency."""
+        return self.read_spans(spans, scratch, hint=False)
+
+    def close(self) -> None:
+        """Nothing to release: the parts age out of the shared cache, the connections belong to the client."""
+
+
+def _merge(spans: list) -> list:
+    """``[(lo, hi, [span indices])]``: the spans grouped where they lie less than ``MERGE_GAP`` apart."""
+    order = sorted(range(len(spans)), key=lambda k: spans[k])
+    groups: list = []
+    for k in order:
+        lo, end = spans[k]
+        if groups and lo - groups[-1][1] <= MERGE_GAP and end - groups[-1][0] <= 4 * PART_BYTES:
+            g = groups[-1]
+            g[1] = max(g[1], end)
+            g[2].append(k)
+        else:
+            groups.append([lo, end, [k]])
+    return [tuple(g) for g in groups]

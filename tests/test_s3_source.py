@@ -1,0 +1,105 @@
+"""The pieces of the S3 source that need no endpoint: locations, the checks of what ``__METADATA__`` says about an
+object, and object names confined to the checkpoint's prefix."""
+from __future__ import annotations
+
+import pytest
+
+from ckptfs.dtypes import BFLOAT16, BY_NAME
+from ckptfs.errors import CheckpointError
+from ckptfs.source.s3layout import name_problem
+from ckptfs.source.s3tensor import metadata_fingerprint, object_problem
+from ckptfs.storage.locate import locate
+from ckptfs.storage.s3url import S3Location, S3Settings, parse_s3_url, safe_endpoint
+
+F32 = BY_NAME["float32"]
+
+
+def test_locations():
+    loc = parse_s3_url("s3://ckpts/run/model_dir/checkpoint_100.mdl/", S3Settings("http://127.0.0.1:9000"))
+    assert (loc.bucket, loc.key, str(loc)) == ("ckpts", "run/model_dir/checkpoint_100.mdl",
+                                               "s3://ckpts/run/model_dir/checkpoint_100.mdl")
+    assert (loc.name, loc.stem, loc.suffix) == ("checkpoint_100.mdl", "checkpoint_100", ".mdl")
+    assert loc.parent / "params.yaml" == S3Location("ckpts", "run/model_dir/params.yaml", loc.settings)
+    assert loc.prefix == "run/model_dir/checkpoint_100.mdl/" and parse_s3_url("s3://ckpts").prefix == ""
+    with pytest.raises(TypeError):  # never taken for a local path
+        open(loc)
+    with pytest.raises(CheckpointError, match="names no bucket"):
+        locate("s3:///key")
+    assert safe_endpoint("https://user:secret@minio.local:9000/x?token=abc") == "https://minio.local:9000/x"
+
+
+def test_object_checks():
+    md = {"__NUMPY__": {"shape": [4, 2], "dtype": "float32"}, "compressed": False, "data_sizes": [32],
+          "boundaries": [32]}
+    assert object_problem(md, (4, 2), F32, 32) is None
+    assert "object holds 16 bytes" in object_problem(md, (4, 2), F32, 16)
+    assert "not shape [4, 4]" in object_problem(md, (4, 4), F32, 32)
+    assert "one part expected" in object_problem({**md, "data_sizes": [16, 16]}, (4, 2), F32, 32)
+    assert "uncompressed, yet" in object_problem({**md, "boundaries": [20]}, (4, 2), F32, 20)
+    assert object_problem({**md, "compressed": True, "boundaries": [20]}, (4, 2), F32, 20) is None
+    bf16 = {"__NUMPY__": {"shape": [4], "dtype": "int16"}, "data_sizes": [8], "boundaries": [8]}
+    assert object_problem(bf16, (4,), BFLOAT16, 8) is None  # bf16 is stored as int16
+    assert metadata_fingerprint(md) == metadata_fingerprint(dict(reversed(list(md.items()))))
+    assert metadata_fingerprint(md) != metadata_fingerprint({**md, "dtypes": ["torch.int32"]})
+
+
+@pytest.mark.parametrize("name", ["../other/checkpoint_1.mdl/w", "a/./b", "a//b", "/abs", "x\n", ""])
+def test_object_names_outside_the_prefix_are_refused(name):
+    assert name_problem(name) is not None
+
+
+def test_plain_object_names_are_read():
+    assert name_problem("model.transformer_decoder.layers.0.norm1.weight") is None
+    assert name_problem("optimizer.state.0.exp_avg.0") is None
+
+
+def test_a_silent_endpoint_fails_within_the_bound_then_at_once(monkeypatch):
+    """An endpoint that accepts connections and never answers: a request fails within ``worst_case_seconds()``
+    (timeouts, bounded retries), and for ``DOWN_SECONDS`` afterwards requests fail at once."""
+    import socket
+    import threading
+    import time
+
+    from ckptfs.errors import StorageError
+    from ckptfs.storage import s3client
+
+    monkeypatch.setattr(s3client, "CONNECT_TIMEOUT", 0.5)
+    monkeypatch.setattr(s3client, "READ_TIMEOUT", 0.5)
+    for k, v in {"AWS_ACCESS_KEY_ID": "AKIDSILENT0000000000", "AWS_SECRET_ACCESS_KEY": "silent-secret",
+                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": "/nonexistent",
+                 "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent"}.items():
+        monkeypatch.setenv(k, v)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    held = []
+    stop = threading.Event()
+
+    def accept():  # take every connection, answer nothing
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                pass
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    try:
+        client = s3client.S3Client(S3Settings(f"http://127.0.0.1:{listener.getsockname()[1]}"))
+        start = time.monotonic()
+        with pytest.raises(StorageError) as e:
+            client.get("ckpts", "run/checkpoint_1.mdl", start=0, end=4096, etag='"x"')
+        took = time.monotonic() - start
+        assert e.value.kind == "timeout" and took <= s3client.worst_case_seconds(), (took, e.value)
+        assert "silent-secret" not in str(e.value)
+        start = time.monotonic()
+        with pytest.raises(StorageError, match="not asked again"):
+            client.head("ckpts", "run/checkpoint_2.mdl")
+        assert time.monotonic() - start < 0.5
+    finally:
+        stop.set()
+        t.join()
+        for c in held:
+            c.close()
+        listener.close()
