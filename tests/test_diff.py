@@ -229,12 +229,13 @@ def test_view_hf_equal_for_copies_and_names_the_tensor_that_differs(tmp_path, ca
     assert code == 0, err
     assert {f["path"] for f in doc["files"]} == {"config.json", "generation_config.json", "model.safetensors",
                                                  "bin/config.json", "bin/generation_config.json",
-                                                 "bin/pytorch_model.bin"}
+                                                 "bin/pytorch_model.bin", "hub/config.json",
+                                                 "hub/generation_config.json", "hub/model.safetensors"}
     one = with_one_element_changed(tmp_path, "one.mdl", GPT2 / "checkpoint.mdl")
     code, doc, _ = diff_json(capsys, GPT2 / "checkpoint.mdl", one, "--view", "hf")
     assert code == 1
     changed = {f["path"]: f for f in doc["files"] if f["status"] != "equal"}
-    assert set(changed) == {"model.safetensors", "bin/pytorch_model.bin"}
+    assert set(changed) == {"model.safetensors", "bin/pytorch_model.bin", "hub/model.safetensors"}
     # GPT-2 fuses q, k, v into c_attn and transposes it: CS q element [3, 5] is HF c_attn element [5, 3]
     assert changed["model.safetensors"]["where"] == "tensor transformer.h.0.attn.c_attn.weight, element [5, 3]"
     assert changed["model.safetensors"]["differing_bytes"] <= 4
