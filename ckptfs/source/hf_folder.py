@@ -50,7 +50,9 @@ class HFComponent:
 
 
 @dataclass
-class HFModel:
+class HFFolder:
+    """An HF model as read from its folder (or Hub snapshot): each component's config and lazily read tensors."""
+
     path: Path  # the folder given (a Hub repository folder is replaced by its snapshot)
     components: dict  # folder -> HFComponent, in folder order
     confinement: Confinement
@@ -242,7 +244,7 @@ def read_hf_configs(path) -> dict:
     return {"": reader.read_json(Path(os.path.realpath(p)), MAX_CONFIG_BYTES, "the config")}
 
 
-def open_hf_model(path, *, allow_external=()) -> HFModel:
+def open_hf_model(path, *, allow_external=()) -> HFFolder:
     """Open the Hugging Face model at ``path`` (see the module docstring); ``CheckpointError`` naming the file and
     the problem when it cannot be read. Reads metadata only."""
     given = Path(path).absolute()
@@ -263,4 +265,4 @@ def open_hf_model(path, *, allow_external=()) -> HFModel:
         notes.append(f"Hugging Face Hub cache snapshot of {hub.repo_id} at revision {hub.revision}")
     folders = component_folders(root) or ("",)
     components = {f: _component(reader, root, f, notes) for f in folders}
-    return HFModel(root, components, confinement, hub, notes, reader.mtime_ns or None)
+    return HFFolder(root, components, confinement, hub, notes, reader.mtime_ns or None)

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from ..errors import CheckpointError, CkptfsError
 from ..source.catalog import Checkpoint, Container, TensorLeaf
-from ..source.hf_folder import HFModel, open_hf_model
+from ..source.hf_folder import HFFolder, open_hf_model
 
 #: what a mounted HF model's files are called: what a Model Zoo run's --checkpoint_path and --params point at
 MDL_NAME = "checkpoint.mdl"
@@ -29,7 +29,7 @@ RELEASE = "2.10.0"
 class HFCheckpoint:
     """An HF model and the Cerebras checkpoint planned from it."""
 
-    model: HFModel
+    model: HFFolder
     plan: Any  # mapping.tocs.CSModel: family, model_name, tensors [(key, tensor)], params, notes, added
     checkpoint: Checkpoint  # the state tree as a catalog (root {"model": {...}}, flat keys "model.<key>")
     notes: list = field(default_factory=list)  # the source's notes, then the plan's
@@ -38,7 +38,7 @@ class HFCheckpoint:
         self.model.close()
 
 
-def plan_model(model: HFModel, options, planner: Callable | None = None):
+def plan_model(model: HFFolder, options, planner: Callable | None = None):
     """The mapping core's plan for ``model`` (``--model`` and ``--added-tensors`` from ``options``)."""
     folders = {f: (c.config, c.tensors) for f, c in model.components.items()}
     if planner is None:
