@@ -222,28 +222,32 @@ class H5Store:
             if self._file is None:
                 if self._closed:
                     raise TensorReadError(self.checkpoint_path, f"{what}: checkpoint is closed")
-                ref = f" (referenced as {self.referenced_as!r})" if self.referenced_as else ""
-                own = self.path == self.checkpoint_path  # opened on first read (a catalog from its index)
-                if not self.path.exists():
-                    where = "the checkpoint file is gone" if own else f"external file {self.path} not found{ref}"
-                    raise TensorReadError(self.checkpoint_path, f"{what}: {where}")
-                try:
-                    if self.confinement is not None:
-                        self.confinement.recheck(self.path)
-                    f = open_h5(self.path)
-                except RefusedReference as e:
-                    raise TensorReadError(self.checkpoint_path, f"{what}: external reference refused: {e.problem}") from None
-                except CheckpointError as e:
-                    where = f"cannot open the checkpoint ({e.problem})" if own else f"external file {e}"
-                    raise TensorReadError(self.checkpoint_path, f"{what}: {where}") from None
-                opened = identity_of_open(self.path, f)
-                if self.identity is None:
-                    self.identity = opened
-                elif self.identity.difference(opened) is not None:
-                    f.close()
-                    self.verify(what)  # raises SourceChangedError saying how it changed
-                self._file = f
+                self._file = self._open_file(what)
             return self._file
+
+    def _open_file(self, what: str) -> h5py.File:
+        """Open the file (under the lock, once): a local path, checked against its confinement and identity."""
+        ref = f" (referenced as {self.referenced_as!r})" if self.referenced_as else ""
+        own = self.path == self.checkpoint_path  # opened on first read (a catalog from its index)
+        if not self.path.exists():
+            where = "the checkpoint file is gone" if own else f"external file {self.path} not found{ref}"
+            raise TensorReadError(self.checkpoint_path, f"{what}: {where}")
+        try:
+            if self.confinement is not None:
+                self.confinement.recheck(self.path)
+            f = open_h5(self.path)
+        except RefusedReference as e:
+            raise TensorReadError(self.checkpoint_path, f"{what}: external reference refused: {e.problem}") from None
+        except CheckpointError as e:
+            where = f"cannot open the checkpoint ({e.problem})" if own else f"external file {e}"
+            raise TensorReadError(self.checkpoint_path, f"{what}: {where}") from None
+        opened = identity_of_open(self.path, f)
+        if self.identity is None:
+            self.identity = opened
+        elif self.identity.difference(opened) is not None:
+            f.close()
+            self.verify(what)  # raises SourceChangedError saying how it changed
+        return f
 
     def reopen(self) -> None:
         """Replace the open handle by a fresh one of the same file version (``SourceChangedError`` if the file is

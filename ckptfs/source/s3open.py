@@ -161,22 +161,12 @@ class BlobH5Store(H5Store):
         self._open = OrderedDict()
         self._open_lock = threading.Lock()
 
-    def file(self, what: str) -> h5py.File:
-        f = self._file
-        if f is not None:
-            return f
-        with self._lock:
-            if self._file is None:
-                if self._closed:
-                    raise TensorReadError(self.checkpoint_path, f"{what}: checkpoint is closed")
-                self.ranged.seek(0)
-                try:
-                    self._file = h5py.File(self.ranged, "r", rdcc_nslots=CHUNK_CACHE_SLOTS,
-                                           rdcc_nbytes=CHUNK_CACHE_BYTES)
-                except (OSError, ValueError) as e:
-                    raise TensorReadError(self.checkpoint_path, f"{what}: cannot open HDF5 object: {one_line(e)}"
-                                          ) from None
-            return self._file
+    def _open_file(self, what: str) -> h5py.File:
+        self.ranged.seek(0)
+        try:
+            return h5py.File(self.ranged, "r", rdcc_nslots=CHUNK_CACHE_SLOTS, rdcc_nbytes=CHUNK_CACHE_BYTES)
+        except (OSError, ValueError) as e:
+            raise TensorReadError(self.checkpoint_path, f"{what}: cannot open HDF5 object: {one_line(e)}") from None
 
     def verify(self, what: str) -> None:
         """Nothing to do: every ranged read of the object names its ETag (``If-Match``)."""
