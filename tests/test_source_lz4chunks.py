@@ -682,3 +682,40 @@ def test_a_peek_at_rows_past_the_end_of_a_truncated_file_names_the_chunk(tmp_pat
         with pytest.raises(lz4chunks.CorruptChunkError) as ei:
             r.read(box)
         assert ei.value.coords == coords and "file ends inside the chunk" in ei.value.detail
+
+
+@pytest.mark.parametrize("gap", [0, 3000, 100_000])
+def test_whole_rows_of_raw_chunks_are_read_at_once_and_exact(tmp_path, monkeypatch, gap):
+    """A box of whole rows over chunks stored raw in grid order (a cache block of incompressible weights) is read
+    with one file read and placed without Python per chunk, also with a little other data between chunk rows; data
+    further apart, chunk rows cut by the box and 3-D shapes stay exact, and so does every other read."""
+    rng = np.random.default_rng(11)
+    a = _data(rng, (200, 512), "<i2", "random")
+    b = _data(rng, (6, 40, 96), "<f4", "random")
+    path = tmp_path / "w.h5"
+    with h5py.File(path, "w") as f:
+        d = f.create_dataset("a", shape=a.shape, dtype=a.dtype, chunks=(50, 64), **hdf5plugin.LZ4())
+        for i, r0 in enumerate(range(0, 200, 50)):
+            for c0 in range(0, 512, 64):  # stored at once (h5py's own writes wait in HDF5's chunk cache)
+                payload = a[r0:r0 + 50, c0:c0 + 64].tobytes()
+                d.id.write_direct_chunk((r0, c0), _frame(payload, len(payload)))
+            if gap:
+                f.create_dataset(f"pad{i}", data=np.ones(gap, "u1"))  # other data between chunk rows
+        f.create_dataset("b", data=b, chunks=(2, 8, 32), **hdf5plugin.LZ4())
+    fast = []
+    monkeypatch.setattr(reader.LZ4ChunkReader, "_read_raw_rows",
+                        _recording(reader.LZ4ChunkReader._read_raw_rows, fast))
+    monkeypatch.setattr(reader, "FEW_RAW_CHUNKS", 0)  # blocks of raw chunks would otherwise go chunk by chunk first
+    monkeypatch.setattr(index, "LOOKUP_CHUNKS", 0)  # index the datasets (a block is read from an indexed one)
+    with h5py.File(path, "r") as f:
+        for name, box in (("a", ((0, 200), (0, 512))), ("a", ((50, 150), (0, 512))), ("a", ((7, 133), (0, 512))),
+                          ("b", ((0, 6), (0, 40), (0, 96))), ("b", ((1, 5), (0, 40), (0, 96)))):
+            want = f[name][tuple(slice(*x) for x in box)].tobytes()
+            for threads, fetch in ((1, "direct"), (2, "disk")):
+                fast.clear()
+                assert _reader_read(f[name], box, threads, fetch).tobytes() == want
+                near = name == "b" or gap < reader.MAX_GAP or box[0][0] // 50 == (box[0][1] - 1) // 50
+                assert fast == [near]  # chunks further apart than MAX_GAP: the general path
+        fast.clear()
+        assert _reader_read(f["a"], ((3, 60), (64, 512)), 1).tobytes() == a[3:60, 64:].tobytes()  # not whole rows
+        assert fast == [False]
