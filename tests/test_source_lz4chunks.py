@@ -686,9 +686,9 @@ def test_a_peek_at_rows_past_the_end_of_a_truncated_file_names_the_chunk(tmp_pat
 
 @pytest.mark.parametrize("gap", [0, 3000, 100_000])
 def test_whole_rows_of_raw_chunks_are_read_at_once_and_exact(tmp_path, monkeypatch, gap):
-    """A box of whole rows over chunks stored raw in grid order (a cache block of incompressible weights) is read
-    with one file read and placed without Python per chunk, also with a little other data between chunk rows; data
-    further apart, chunk rows cut by the box and 3-D shapes stay exact, and so does every other read."""
+    """A box of whole chunk rows over chunks stored raw in grid order (a cache block of incompressible weights) is
+    read with one file read and placed without Python per chunk, also with a little other data between chunk rows
+    and in 3-D; chunks further apart, boxes cutting chunk rows or columns take the other paths, all exact."""
     rng = np.random.default_rng(11)
     a = _data(rng, (200, 512), "<i2", "random")
     b = _data(rng, (6, 40, 96), "<f4", "random")
@@ -708,14 +708,16 @@ def test_whole_rows_of_raw_chunks_are_read_at_once_and_exact(tmp_path, monkeypat
     monkeypatch.setattr(reader, "FEW_RAW_CHUNKS", 0)  # blocks of raw chunks would otherwise go chunk by chunk first
     monkeypatch.setattr(index, "LOOKUP_CHUNKS", 0)  # index the datasets (a block is read from an indexed one)
     with h5py.File(path, "r") as f:
-        for name, box in (("a", ((0, 200), (0, 512))), ("a", ((50, 150), (0, 512))), ("a", ((7, 133), (0, 512))),
-                          ("b", ((0, 6), (0, 40), (0, 96))), ("b", ((1, 5), (0, 40), (0, 96)))):
+        for name, box in (("a", ((0, 200), (0, 512))), ("a", ((50, 150), (0, 512))), ("a", ((50, 100), (0, 512))),
+                          ("a", ((7, 133), (0, 512))), ("b", ((0, 6), (0, 40), (0, 96))),
+                          ("b", ((2, 6), (0, 40), (0, 96))), ("b", ((1, 5), (0, 40), (0, 96)))):
             want = f[name][tuple(slice(*x) for x in box)].tobytes()
             for threads, fetch in ((1, "direct"), (2, "disk")):
                 fast.clear()
                 assert _reader_read(f[name], box, threads, fetch).tobytes() == want
+                whole = box[0][0] % f[name].chunks[0] == 0 and box[0][1] % f[name].chunks[0] == 0
                 near = name == "b" or gap < reader.MAX_GAP or box[0][0] // 50 == (box[0][1] - 1) // 50
-                assert fast == [near]  # chunks further apart than MAX_GAP: the general path
+                assert fast == [whole and near]  # chunks further apart than MAX_GAP: the general path
         fast.clear()
         assert _reader_read(f["a"], ((3, 60), (64, 512)), 1).tobytes() == a[3:60, 64:].tobytes()  # not whole rows
         assert fast == [False]

@@ -1,9 +1,9 @@
 """Where each chunk of a dataset is stored: file offset, stored size and filter mask, from HDF5's chunk index.
 
 A dataset is indexed whole, once, with ``chunk_iter`` (arrays over the grid; ``IndexLRU`` bounds the memory of all
-indexes together). Before that, a small read (at most ``LOOKUP_CHUNKS`` chunks, at most half of the dataset's: a
-peek at a tensor's start) looks its chunks up one by one instead (``get_chunk_info_by_coord``, one B-tree lookup
-each) and remembers them until the dataset is indexed.
+indexes together). Before that, a small read (at most ``LOOKUP_BYTES``, over at most ``LOOKUP_CHUNKS`` chunks, at
+most half of the dataset's: a peek at a tensor's start) looks its chunks up one by one instead
+(``get_chunk_info_by_coord``, one B-tree lookup each) and remembers them until the dataset is indexed.
 """
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ INDEX_BUDGET_ENTRIES = 1_000_000
 #: chunks looked up one by one, at most, before the dataset is indexed: a peek at the start of every tensor decodes
 #: a handful of chunks, and indexing all of them costs more than the rest of the peek
 LOOKUP_CHUNKS = 64
+#: ... and only by reads of at most this many bytes: a larger one (a cache block) indexes the dataset at once, which
+#: sequential blocks reach within two blocks anyway, after paying for the lookups (docs/measurements.md)
+LOOKUP_BYTES = 64 << 10
 
 
 class IndexLRU:
@@ -144,11 +147,11 @@ class ChunkIndex:
                               else (int(info.byte_offset), int(info.size), int(info.filter_mask)))
         return got
 
-    def may_look_up(self, ranges, n: int) -> bool:
-        """Whether a read over the chunks ``ranges`` (``n`` of them) looks them up rather than indexing the dataset:
-        only while it is not indexed, and while the chunks looked up stay within ``LOOKUP_CHUNKS`` and half of
-        the dataset's."""
-        if self._arrays is not None or not self._can_look_up:
+    def may_look_up(self, ranges, n: int, nbytes: int) -> bool:
+        """Whether a read of ``nbytes`` over the chunks ``ranges`` (``n`` of them) looks them up rather than indexing
+        the dataset: only while it is not indexed, for a read of at most ``LOOKUP_BYTES``, and while the chunks looked
+        up stay within ``LOOKUP_CHUNKS`` and half of the dataset's."""
+        if self._arrays is not None or not self._can_look_up or nbytes > LOOKUP_BYTES:
             return False
         cap = min(LOOKUP_CHUNKS, self.grid.nchunks // 2)
         seen = self._looked_up or {}

@@ -150,7 +150,7 @@ class LZ4ChunkReader:
             return out.view(self.dtype)
         ranges = g.ranges(box)
         n = math.prod(len(r) for r in ranges)
-        if self.index.may_look_up(ranges, n):
+        if self.index.may_look_up(ranges, n, out.nbytes):
             return self._read_few(box, out, ranges, None)  # a peek: its chunks looked up, the dataset not indexed
         offs, sizes, masks = arrays = self.index.arrays()
         if self._read_raw_rows(box, out, ranges, arrays):
@@ -230,15 +230,17 @@ class LZ4ChunkReader:
         return out.view(self.dtype)
 
     def _read_raw_rows(self, box, out, ranges, arrays) -> bool:
-        """Place a box of whole rows (every index of every dimension but the first: a cache block) whose chunks are
-        all stored raw, in the grid's order in the file and at most ``MAX_GAP`` apart (incompressible weights written
-        in one go, with an HDF5 index node here and there between them): one read, the frame headers checked at
-        once, one strided copy per run of neighbours, no Python per chunk. False, with nothing placed, when the box
-        or its chunks are not of that kind, or a header says a chunk is not stored raw after all (the general path
-        then decodes or reports it)."""
+        """Place a box of whole chunk rows (a cache block: whole rows, starting and ending on chunk boundaries) whose
+        chunks are all stored raw, in the grid's order in the file and at most ``MAX_GAP`` apart (incompressible
+        weights written in one go, with an HDF5 index node here and there between them): one read, the frame headers
+        checked at once, one strided copy per run of neighbours, no Python per chunk. False, with nothing placed,
+        when the box or its chunks are not of that kind (a box cutting chunk rows keeps ``_read_rows``, which reads
+        only its rows), or a header says a chunk is not stored raw after all (the general path then decodes or
+        reports it)."""
         g = self.grid
-        shape = g.shape
-        if len(shape) < 2 or shape[-1] % g.chunks[-1] or any(box[d] != (0, shape[d]) for d in range(1, len(shape))):
+        shape, (a0, b0), c0 = g.shape, box[0], g.chunks[0]
+        if (len(shape) < 2 or shape[-1] % g.chunks[-1] or a0 % c0 or (b0 % c0 and b0 != shape[0])
+                or any(box[d] != (0, shape[d]) for d in range(1, len(shape)))):
             return False
         lo, hi = ranges[0].start * g.gstride[0], ranges[0].stop * g.gstride[0]  # its chunks: one stretch of the grid
         nbytes = g.chunk_nbytes
