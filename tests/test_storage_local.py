@@ -302,3 +302,26 @@ def test_a_local_folder_lists_stats_opens_and_reads_its_entries(tmp_path):
     buf = bytearray(10)
     assert blob.read_into(memoryview(buf), 0, 10)[0] == 10 and bytes(buf) == b"x" * 10
     assert folder.folder("sub").entries() == []
+
+
+def test_reads_inside_the_announced_range_announce_nothing_more(tmp_path, monkeypatch):
+    """A block read from the page cache announces the bytes after it; the blocks read next from inside that range
+    are cached because they were announced, and announcing on from them would load the whole file through the page
+    cache, block after block: they announce nothing, and the first cached read past the range announces again."""
+    path = tmp_path / "f.bin"
+    with open(path, "wb") as f:
+        f.truncate(3 * local.HINT_AHEAD)
+    calls = []
+    monkeypatch.setattr(local.os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n)),
+                        raising=False)
+    monkeypatch.setattr(local.page_cache, "cached", lambda fd, off, n: True)
+    mib, w = 1 << 20, local.HINT_AHEAD
+    f = LocalFile(str(path))
+    scratch = lambda n: mmap.mmap(-1, max(n, 1))  # noqa: E731
+    f.read_spans([(0, mib)], scratch)
+    assert calls == [(mib, w)]
+    for k in range(1, 9):  # the announced range [1 MiB, 9 MiB), and a block ending on its end
+        f.read_spans([(k * mib, (k + 1) * mib)], scratch)
+    assert calls == [(mib, w)]
+    f.read_spans([(9 * mib, 10 * mib)], scratch)  # past it: cached of its own accord
+    assert calls == [(mib, w), (10 * mib, w)]

@@ -47,7 +47,9 @@ HINT_AHEAD = 8 << 20
 #: a ``read_spans`` of at least this many bytes (a cache block's chunks, not a peek) of which some came from the page
 #: cache tells the kernel that the ``HINT_AHEAD`` bytes of the file after it will be read soon (``will_need``): the
 #: next chunks usually follow in the file (docs/measurements.md, "Announcing the next bytes"). Not after reads
-#: straight from the disk: those bytes are not to be loaded into the page cache.
+#: straight from the disk: those bytes are not to be loaded into the page cache; nor after a read inside the range
+#: announced last, whose pages are cached because it was announced: announcing on from there would turn a cold
+#: read of the whole file into a buffered one (docs/measurements.md, "Announcing the next bytes").
 HINT_AFTER_BYTES = 512 << 10
 #: smaller reads (a peek, the chunks of a small tensor) always go through the page cache: a direct read would leave
 #: them out of it, and such reads come back (every mount of a small checkpoint re-reads the same chunks)
@@ -187,8 +189,8 @@ class LocalFile(Blob):
         ``(buffer, position of each span's first byte, whether any span came from the page cache)``. A span of at
         least ``DIRECT_MIN_BYTES`` gets a slot of whole ``ALIGN`` blocks (it may be read directly); smaller ones are
         packed, so the buffer outgrows the bytes read by at most ``2 * ALIGN`` per large span, whatever the spans.
-        With ``hint``, a read of ``HINT_AFTER_BYTES`` or more partly from the page cache announces the bytes after
-        it (``will_need``). Raises ``ShortRead`` when the file ends inside a span."""
+        With ``hint``, a read of ``HINT_AFTER_BYTES`` or more partly from the page cache, and not inside the range
+        announced last, announces the bytes after it (``will_need``). Raises ``ShortRead`` when the file ends inside a span."""
         spans, slots, total = list(spans), [], 0
         for lo, end in spans:
             if end - lo >= DIRECT_MIN_BYTES:
@@ -207,7 +209,9 @@ class LocalFile(Blob):
             buffered |= not direct
             starts.append(at + lo - a)
         if hint and buffered and sum(end - lo for lo, end in spans) >= HINT_AFTER_BYTES:
-            self.will_need(max(end for _, end in spans))
+            first, last = min(lo for lo, _ in spans), max(end for _, end in spans)
+            if not self._hinted[0] <= first < last <= self._hinted[1]:  # cached of its own accord, not as announced
+                self.will_need(last)
         return buf, starts, buffered
 
     def read_into(self, view: memoryview, offset: int, need: int) -> tuple[int, bool]:
