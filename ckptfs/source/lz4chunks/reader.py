@@ -7,6 +7,9 @@ fill value. Which way, by the size of the read:
 * a peek over chunks that are all stored raw (at most a quarter of each needed) reads only each chunk's frame
   header, checked, and the rows it needs, every range announced to the kernel first so that a cold disk reads them
   together;
+* a cache block of whole chunk rows over chunks all stored raw, in the grid's order in the file and close together
+  (incompressible weights written in one go) is one file read, its frame headers checked at once, and one strided
+  copy per run of neighbours (``_read_raw_rows``);
 * a read over a few chunks (up to ``FEW_CHUNKS``, or ``FEW_RAW_CHUNKS`` when at most ``FEW_CHUNKS`` of them are
   compressed: a cache block of raw weights) goes chunk by chunk in plain Python, which costs less than numpy's
   set-up of the batch; neighbouring raw chunks are still placed as one run;
