@@ -176,25 +176,33 @@ def cp_weights(ctx: Ctx, ck: Ckpt, layout: dict, kind: str, zip_crc: str) -> dic
 
 
 def export_weights(ctx: Ctx, ck: Ckpt, layout: dict, local: Path) -> dict:
-    """``ckptfs export`` of every safetensors shard into ``local`` (no FUSE); wall time incl. interpreter start."""
+    """``ckptfs export CKPT OUTDIR --views hf --hf-format safetensors`` (no FUSE; wall time incl. interpreter start,
+    cold) with ``--threads`` 1, 2 and the CPU count; the last run's shards are moved into ``local``."""
     names = layout["safetensors"]
     nbytes = sum(layout["sizes"][n] for n in names)
-    runs = []
-    for _ in range(ctx.repeat):
-        for n in names:
-            (local / n).unlink(missing_ok=True)
-        drop_caches()
-        t = 0.0
-        for n in names:
-            vpath = f"{layout['hf_rel']}/{n}" if layout["hf_rel"] else n
-            argv = ckptfs_argv("export", ck.path, vpath, local / n, "--config", ck.params)
+    cores = os.cpu_count() or 1
+    out = ctx.workdir / "export-out"
+    sweep = {}
+    for threads in sorted({1, 2, cores}):
+        runs = []
+        for _ in range(ctx.repeat):
+            shutil.rmtree(out, ignore_errors=True)
+            drop_caches()
+            argv = ckptfs_argv("export", ck.path, out, "--views", "hf", "--hf-format", "safetensors",
+                               "--threads", str(threads), "--config", ck.params)
             if ctx.max_shard_size:
                 argv += ["--max-shard-size", ctx.max_shard_size]
             dt, _ = sysutil.timed(argv, env=_env_with_cache(ctx, "export"))
-            t += dt
-        runs.append(t)
+            runs.append(dt)
+        sweep[threads] = _summary(runs, nbytes)
+    local.mkdir(parents=True, exist_ok=True)
+    folder = out / layout["hf_rel"] if layout["hf_rel"] else out
+    for n in names:
+        os.replace(folder / n, local / n)
+    shutil.rmtree(out, ignore_errors=True)
     sizes_ok = all((local / n).stat().st_size == layout["sizes"][n] for n in names)
-    return _summary(runs, nbytes, files=names, sizes_match_mount=sizes_ok, includes_startup=True)
+    return {**sweep[cores], "threads": cores, "sweep": {str(t): v["mb_s"] for t, v in sweep.items()},
+            "files": names, "sizes_match_mount": sizes_ok, "includes_startup": True}
 
 
 def _env_with_cache(ctx: Ctx, tag: str) -> dict:
