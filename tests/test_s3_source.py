@@ -103,3 +103,46 @@ def test_a_silent_endpoint_fails_within_the_bound_then_at_once(monkeypatch):
         for c in held:
             c.close()
         listener.close()
+
+
+
+def test_a_peek_reads_no_part_ahead_and_a_sequential_read_does(tmp_path, monkeypatch):
+    """Against a local endpoint: a few large reads in order (the blocks a 4 KiB peek's read-ahead asks for) fetch
+    only the part under them; reads continuing each other over more than a part queue the parts ahead."""
+    import time
+
+    from s3help import LocalS3
+
+    from ckptfs.storage.s3client import S3Client
+    from ckptfs.storage.s3object import PART_BYTES, PART_MIN, S3Object
+
+    srv = LocalS3(tmp_path / "s3")
+    try:
+        for k, v in srv.env().items():
+            monkeypatch.setenv(k, v)
+        boto = srv.client()
+        boto.create_bucket(Bucket="ahead")
+        body = bytes(range(256)) * (5 * PART_BYTES // 256)
+        blobs = {}
+        for key in ("peek", "sequential"):  # two objects: nothing of one is in the part cache for the other
+            boto.put_object(Bucket="ahead", Key=key, Body=body)
+            etag = boto.head_object(Bucket="ahead", Key=key)["ETag"]
+            blobs[key] = S3Object(S3Client(S3Settings(srv.url)), "ahead", key, len(body), etag)
+
+        def read_in_order(blob: S3Object, step: int, end: int) -> None:
+            for off in range(0, end, step):
+                out = bytearray(step)
+                blob.read_into(memoryview(out), off, step)
+                assert bytes(out) == body[off:off + step]
+
+        srv.reset()
+        read_in_order(blobs["peek"], 2 * PART_MIN, 6 * PART_MIN)  # three blocks in order, inside the first part
+        assert srv.counts()["GET"] == 1, srv.requests()
+        srv.reset()
+        read_in_order(blobs["sequential"], PART_BYTES // 4, 2 * PART_BYTES)  # two whole parts in order
+        deadline = time.monotonic() + 10
+        while srv.counts()["GET"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert srv.counts()["GET"] == 4, srv.requests()  # parts 0 and 1 read, 2 and 3 queued ahead
+    finally:
+        srv.stop()

@@ -10,9 +10,10 @@ fail with ``SourceChangedError`` instead of returning bytes of another version.
 * **Large reads** (``PART_MIN`` bytes or more: a cache block's chunks, a tensor's data) go through *parts*, the
   object cut at multiples of ``PART_BYTES``: the parts a read needs are fetched concurrently (at most
   ``MAX_IN_FLIGHT`` requests at once for the whole process) and kept in a process-wide cache of ``PART_CACHE_BYTES``
-  (least recently used first out). A read that continues the previous one (sequential access: ``cp``, a loader)
-  also queues the next ``READ_AHEAD_PARTS`` parts, so the endpoint is busy while the caller converts; ``will_need``
-  queues parts explicitly.
+  (least recently used first out). Once reads have continued each other over a whole part (sequential access:
+  ``cp``, a loader), each also queues the next ``READ_AHEAD_PARTS`` parts, so the endpoint is busy while the caller
+  converts; a peek, whose few blocks the kernel's and ckptfs's own read-ahead ask for in order, stays within the
+  parts it touches. ``will_need`` queues parts explicitly.
 
 Memory: the part cache's bound plus the parts in flight (``MAX_IN_FLIGHT`` × ``PART_BYTES``), whatever the number
 of objects. A failed part is dropped from the cache, so a later read asks again.
@@ -130,7 +131,8 @@ class S3Object(Blob):
         self.bucket, self.key = bucket, key
         self._size, self.etag, self.mtime_ns = int(size), etag, int(mtime_ns)
         self._id = (bucket, key, etag)
-        self._last_end: int | None = None  # where the last large read ended (sequential access is read ahead)
+        self._last_end: int | None = None  # where the last large read ended
+        self._streak = 0  # bytes read by large reads that continued each other (a part's worth: read ahead)
         self.user_metadata: dict | None = None  # the object's user metadata, from the first answer
 
     @property
@@ -216,8 +218,9 @@ class S3Object(Blob):
         end = offset + need
         first, last = offset // PART_BYTES, (end - 1) // PART_BYTES
         sequential = self._last_end is not None and abs(offset - self._last_end) <= PART_BYTES
+        self._streak = self._streak + need if sequential else need
         futures = [self._part(i) for i in range(first, last + 1)]
-        if sequential:
+        if sequential and self._streak >= PART_BYTES:
             self.will_need(end, READ_AHEAD_PARTS * PART_BYTES)
         self._last_end = end
         pos, waited = 0, False
