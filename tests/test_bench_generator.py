@@ -135,13 +135,14 @@ def test_report_reproduces_a_real_run():
     verdict or source changes without the README's run being redone)."""
     from benchlib import report
 
-    run = json.loads((REPO / "tests" / "bench_report_f8beda7.json").read_text())
+    run = json.loads((REPO / "tests" / "bench_report_e8e8f5a.json").read_text())
     lines = report.target_lines(run["results"], run["errors"], run["args"]["dtypes"], run["args"]["cache_bytes"])
     assert report.as_json(lines) == run["targets"]
     text = report.table(lines)
-    assert "passthrough ceiling 1.75x" in text and "609 MB/s, cold, nothing converted" in text
-    assert "start 2.42 / 0.04" in text
-    assert sum(x.result == "PASS" for x in lines) == 8
+    assert "passthrough ceiling 0.98x" in text and "719 MB/s, cold, nothing converted" in text
+    assert "start 0.19 / 0.04" in text and "1: 190, 2: 265" in text  # the export's --threads sweep
+    assert "0.71x (508 vs 719 MB/s)" in text  # cp safetensors against the passthrough's cold cp, bf16
+    assert sum(x.result == "PASS" for x in lines) == 10
 
 
 def test_report_ceilings_follow_the_measurements():
@@ -149,7 +150,7 @@ def test_report_ceilings_follow_the_measurements():
     reported ceiling."""
     from benchlib import report
 
-    run = json.loads((REPO / "tests" / "bench_report_f8beda7.json").read_text())
+    run = json.loads((REPO / "tests" / "bench_report_e8e8f5a.json").read_text())
     res = run["results"]
     before = res["bf16"]["cp_passthrough"]["mb_s"]
     res["bf16"]["cp_passthrough"]["mb_s"] = 2 * before
@@ -165,14 +166,14 @@ def test_report_shows_the_mount_again_beside_the_first_mount():
     index of the first is its own INFO line, shown when measured."""
     from benchlib import report
 
-    run = json.loads((REPO / "tests" / "bench_report_f8beda7.json").read_text())
+    run = json.loads((REPO / "tests" / "bench_report_e8e8f5a.json").read_text())
     res = run["results"]
-    assert "remount" not in res["70b"]
+    again = res["70b"].pop("remount")
     names = [x.target for x in report.target_lines(res, run["errors"], ["bf16"], run["args"]["cache_bytes"])]
     assert "70B: mount again (catalog index), cold cache" not in names and "70B: mount, warm page cache" in names
-    res["70b"]["remount"] = {"runs_s": [0.31, 0.3, 0.29], "median_s": 0.3}
+    res["70b"]["remount"] = again
     lines = {x.target: x for x in report.target_lines(res, run["errors"], ["bf16"], run["args"]["cache_bytes"])}
-    again = lines["70B: mount again (catalog index), cold cache"]
-    assert again.measured == "0.30 s" and again.result == "INFO"
+    line = lines["70B: mount again (catalog index), cold cache"]
+    assert line.measured == f"{again['median_s']:.2f} s" and line.result == "INFO"
     first = lines["70B: mount (ckptfs mount wall, cold cache)"]
     assert first.result == "FAIL" and first.measured == f"{res['70b']['mount']['median_s']:.2f} s"
