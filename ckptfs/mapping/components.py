@@ -139,13 +139,20 @@ def component_config(comp: ComponentSpec, top: FamilySpec, variant: ModelVariant
     see ``convert_config``)."""
     section = component_params(comp, params.model, params, top.path)
     base, base_variant = resolve_model(comp, top, variant, section, registry, params)
+    spec, sub = component_spec(comp, base, base_variant)
+    return spec, sub, base_variant, convert_config(spec, sub, section, params.path, problems)
+
+
+def component_spec(comp: ComponentSpec, base: FamilySpec, base_variant: ModelVariant) -> tuple:
+    """(family spec, variant) of a component mapped by the family ``base``: the component's own model type, HF
+    class, config and tensor rules merged over the family's (its rules first), no components of its own."""
     spec = dataclasses.replace(
         base, model_type=comp.model_type or base.model_type,
         config=merge_config(base.config, comp.config) if comp.config else base.config,
         tensors=list(comp.tensors) + list(base.tensors))
     sub = dataclasses.replace(base_variant, hf_class=comp.hf_class or base_variant.hf_class,
                               vars={**base_variant.vars, **comp.vars}, components=())
-    return spec, sub, base_variant, convert_config(spec, sub, section, params.path, problems)
+    return spec, sub
 
 
 def params_used(comp: ComponentSpec, cfg) -> set:

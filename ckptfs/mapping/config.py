@@ -87,11 +87,7 @@ def config_functions(cs: ConfigScope, where: str, path) -> dict:
     """Functions config expressions may call, besides the basic ones."""
 
     def lookup(key: str, mapping: dict):
-        value = cs.get(key) if cs.has(key) else None
-        if value not in mapping:
-            shown = ", ".join(repr(k) for k in mapping)
-            raise ConfigError(path, f"{key}={value!r} has no HF equivalent (supported: {shown}) [{where}]")
-        return mapping[value]
+        return translate(cs.get(key) if cs.has(key) else None, mapping, key, "HF", path, where)
 
     def fail(message: str):
         raise ConfigError(path, f"{message} [{where}]")
@@ -108,6 +104,15 @@ def config_functions(cs: ConfigScope, where: str, path) -> dict:
     return {**BASE_FUNCTIONS, "lookup": lookup, "error": fail, "has": has, "get": get,
             "keys_with_prefix": keys_with_prefix, "default_id2label": default_id2label,
             "default_label2id": default_label2id, "null_if": null_if}
+
+
+def translate(value, mapping: dict, what: str, side: str, path, where: str):
+    """``mapping[value]``: a setting's value in the other direction's terms (``side``: "HF" or "Cerebras"); a
+    ConfigError naming the setting ``what``, its value and the supported ones when the mapping has none."""
+    if value not in mapping:
+        shown = ", ".join(repr(k) for k in mapping)
+        raise ConfigError(path, f"{what}={value!r} has no {side} equivalent (supported: {shown}) [{where}]")
+    return mapping[value]
 
 
 def null_if(value, default):

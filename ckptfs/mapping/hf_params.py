@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError, MappingError
-from .config import ConfigScope, default_id2label, default_label2id
+from .config import ConfigScope, default_id2label, default_label2id, translate
 from .expr import BASE_FUNCTIONS, OMIT, ExprError, MissingName, evaluate
 from .spec import FamilySpec, ModelVariant
 
@@ -45,17 +45,10 @@ def hf_functions(hf: ConfigScope, where: str, path) -> dict:
     """Functions ``config.cs`` expressions may call, besides the basic ones."""
 
     def lookup(key: str, mapping: dict):
-        value = hf.get(key) if hf.has(key) else None
-        if value not in mapping:
-            shown = ", ".join(repr(k) for k in mapping)
-            raise ConfigError(path, f"{key}={value!r} has no Cerebras equivalent (supported: {shown}) [{where}]")
-        return mapping[value]
+        return translate(hf.get(key) if hf.has(key) else None, mapping, key, "Cerebras", path, where)
 
     def pick(value, mapping: dict, what: str = "value"):
-        if value not in mapping:
-            shown = ", ".join(repr(k) for k in mapping)
-            raise ConfigError(path, f"{what}={value!r} has no Cerebras equivalent (supported: {shown}) [{where}]")
-        return mapping[value]
+        return translate(value, mapping, what, "Cerebras", path, where)
 
     def fail(message: str):
         raise ConfigError(path, f"{message} [{where}]")

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from ..errors import CkptfsError, ConfigError, MappingError
 from ..virtual_tensor import VirtualTensor
 from . import ops
-from .expr import ExprError, MissingName, Scope, evaluate, parse
+from .expr import Scope, parse
 from .pattern import KeyPattern, PatternError, alternatives, fields, fill, substitute
-from .rules import TENSOR_FUNCTIONS
+from .rules import TENSOR_FUNCTIONS, evaluate_rule
 from .spec import FamilySpec, ModelVariant, TensorRule
 from .transforms import collect_inverses
 
@@ -172,18 +172,11 @@ class InverseEngine:
 
     # -- helpers ------------------------------------------------------------------------------------------
     def _evaluate(self, text: str, values: dict, rule: TensorRule, part: str):
-        try:
-            return evaluate(text, self.scope.child(values), self.functions)
-        except MissingName as e:
-            raise ConfigError(None, f"the Cerebras params lack model.{e.name}, needed by {rule.where}.{part}") from None
-        except ExprError as e:
-            raise MappingError(self.spec.path, f"{rule.where}.{part}: {e}") from None
-        except CkptfsError as e:
-            if isinstance(e, MappingError) and e.path is None:
-                raise MappingError(self.spec.path, f"{rule.where}.{part}: {e.problem}") from None
-            raise
-        except (TypeError, ValueError, IndexError, KeyError, ZeroDivisionError) as e:
-            raise MappingError(self.spec.path, f"{rule.where}.{part}: {e}") from None
+        def missing(name: str) -> ConfigError:
+            return ConfigError(None, f"the Cerebras params lack model.{name}, needed by {rule.where}.{part}")
+
+        return evaluate_rule(text, self.scope.child(values), self.functions, self.spec.path, f"{rule.where}.{part}",
+                             "", missing)
 
     def _value(self, node, values: dict, rule: TensorRule, part: str):
         return self._evaluate(ast.unparse(node), values, rule, part)

@@ -92,6 +92,25 @@ def _with_family_transforms(base: dict) -> dict:
 TENSOR_FUNCTIONS = _with_family_transforms(TENSOR_FUNCTIONS)
 
 
+def evaluate_rule(text: str, scope: Scope, functions: dict, spec_path, where: str, about: str,
+                  missing: Callable) -> object:
+    """A rule's expression ``text`` (``where``: the rule and its part, ``about``: the tensor it is evaluated for)
+    evaluated in ``scope``; every failure as one error: ``missing(name)`` for a params value it lacks, else a
+    MappingError naming the mapping file ``spec_path`` and the rule."""
+    try:
+        return evaluate(text, scope, functions)
+    except MissingName as e:
+        raise missing(e.name) from None
+    except ExprError as e:
+        raise MappingError(spec_path, f"{where}: {e}") from None
+    except CkptfsError as e:
+        if isinstance(e, MappingError) and e.path is None:
+            raise MappingError(spec_path, f"{where}{about}: {e.problem}") from None
+        raise
+    except (TypeError, ValueError, IndexError, KeyError, ZeroDivisionError) as e:
+        raise MappingError(spec_path, f"{where}{about}: {e}") from None
+
+
 class RuleEngine:
     """Evaluates one family's rules against one checkpoint's CS model tensors."""
 
@@ -102,19 +121,12 @@ class RuleEngine:
 
     # -- evaluation helpers ---------------------------------------------------------------------------
     def evaluate(self, text: str, values: dict, rule: TensorRule, key: str, part: str):
-        try:
-            return evaluate(text, self.scope.child(values), self.functions)
-        except MissingName as e:
-            raise ConfigError(self.params_path, f"params lack model.{e.name}, needed by {rule.where}.{part} "
-                                                f"for CS tensor {key}") from None
-        except ExprError as e:
-            raise MappingError(self.spec.path, f"{rule.where}.{part}: {e}") from None
-        except CkptfsError as e:
-            if isinstance(e, MappingError) and e.path is None:
-                raise MappingError(self.spec.path, f"{rule.where}.{part} on CS tensor {key}: {e.problem}") from None
-            raise
-        except (TypeError, ValueError, IndexError, KeyError, ZeroDivisionError) as e:
-            raise MappingError(self.spec.path, f"{rule.where}.{part} on CS tensor {key}: {e}") from None
+        def missing(name: str) -> ConfigError:
+            return ConfigError(self.params_path, f"params lack model.{name}, needed by {rule.where}.{part} for CS "
+                                                 f"tensor {key}")
+
+        return evaluate_rule(text, self.scope.child(values), self.functions, self.spec.path,
+                             f"{rule.where}.{part}", f" on CS tensor {key}", missing)
 
     def _values(self, captures: dict) -> dict:
         return {**self.variant.vars, **captures}

@@ -13,20 +13,19 @@ model lacks is made from that folder's tensors, as the converter makes DPO's ref
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from ..errors import ConfigError, MappingError
 from . import ops
-from .components import component_config, params_at
+from .components import component_config, component_spec, params_at
 from .config import ConfigScope, config_functions, convert_config
 from .expr import ExprError, MissingName, evaluate
 from .hf_params import cs_differences, dotted_path, hf_functions, hf_to_section, set_path
 from .inverse import InverseEngine, hf_coverage
 from .registry import Registry, default_registry
 from .rules import RuleEngine
-from .spec import ComponentSpec, FamilySpec, ModelVariant, merge_config
+from .spec import ComponentSpec, FamilySpec, ModelVariant
 
 
 @dataclass
@@ -125,16 +124,6 @@ def _component_model(comp: ComponentSpec, top: FamilySpec, variant: ModelVariant
     return top, variant
 
 
-def _component_spec(comp: ComponentSpec, base: FamilySpec, base_variant: ModelVariant) -> tuple:
-    spec = dataclasses.replace(
-        base, model_type=comp.model_type or base.model_type,
-        config=merge_config(base.config, comp.config) if comp.config else base.config,
-        tensors=list(comp.tensors) + list(base.tensors))
-    sub = dataclasses.replace(base_variant, hf_class=comp.hf_class or base_variant.hf_class,
-                              vars={**base_variant.vars, **comp.vars}, components=())
-    return spec, sub
-
-
 # -- params -------------------------------------------------------------------------------------------------------
 
 def _sorted(value):
@@ -189,7 +178,7 @@ def _params(spec, variant, model_name, configs, registry, problems, path=None) -
         if config is None:
             continue  # a copy_of component the HF model lacks: its section is its source's
         base, base_variant = _component_model(comp, spec, variant, config, registry, path)
-        cspec, sub = _component_spec(comp, base, base_variant)
+        cspec, sub = component_spec(comp, base, base_variant)
         sec = hf_to_section(cspec, sub, config, model_name=base_variant.name, problems=problems,
                             config_path=path)
         if comp.model_from is not None:
