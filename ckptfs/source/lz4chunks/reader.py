@@ -28,7 +28,7 @@ from ...storage.base import Blob, ShortRead
 from ..lz4filter import LZ4_FILTER_ID
 from . import frame
 from .batch import BatchRead
-from .fetch import MAX_GAP, _scratch_raw, fetch_found, fetch_scattered
+from .fetch import MAX_GAP, fetch_found, fetch_scattered, scratch_raw
 from .files import OpenChunkFile, local_chunk_files
 from .frame import RAW_HEAD, stored_raw
 from .grid import ChunkGrid
@@ -258,7 +258,7 @@ class LZ4ChunkReader:
         if file is None:
             return False
         try:
-            buf, at, _ = file.read_spans([(first, int(offs[-1]) + raw_size)], _scratch_raw)
+            buf, at, _ = file.read_spans([(first, int(offs[-1]) + raw_size)], scratch_raw)
         except ShortRead:
             return False  # reported, naming the chunk, by the general path
         pos = offs - (first - at[0])
