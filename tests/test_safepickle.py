@@ -96,6 +96,22 @@ def test_mutated_pickles_decode_like_pickle_or_are_refused(value, protocol, data
     assert same(out, ref)
 
 
+def test_an_opcode_crossing_its_frames_end_is_refused():
+    """A frame shorter than the opcodes in it (CPython's C reader reads on past the frame and gives another value
+    than its pure-Python reader, which refuses) or a frame inside a frame is refused, never decoded."""
+    good = pickle.dumps(((0.0,), None), 4)
+    assert good[2] == 0x95 and loads_plain(good) == ((0.0,), None)
+    for size in (1, 2, 3, 8):  # the frame ends inside BINFLOAT's 8 bytes
+        bad = good[:3] + struct.pack("<Q", size) + good[11:]
+        with pytest.raises(PickleRefused, match="crosses the end of its frame"):
+            loads_plain(bad)
+    inner = good[:11] + b"\x95" + struct.pack("<Q", 9) + good[11:]
+    with pytest.raises(PickleRefused, match="before the end of the current frame"):
+        loads_plain(good[:3] + struct.pack("<Q", len(inner) - 12) + inner[11:])
+    two = good[:3] + struct.pack("<Q", 9) + good[11:20] + b"\x95" + struct.pack("<Q", len(good) - 20) + good[20:]
+    assert loads_plain(two) == ((0.0,), None)  # one frame after another is fine
+
+
 @settings(max_examples=500, deadline=2000)
 @given(st.binary(max_size=300))
 def test_random_bytes_are_refused_or_plain(raw):

@@ -307,6 +307,7 @@ class _Machine:
         self.memo: dict = {}
         self.items = 0
         self.op_pos = 0
+        self.frame_end = 0  # where the last FRAME's bytes end (an opcode may not cross it, as pickle's own reader says)
 
     # errors -------------------------------------------------------------------------------------
     def refuse(self, what: str):
@@ -491,6 +492,8 @@ class _Machine:
                 raise
             except (ValueError, TypeError, OverflowError, struct.error, UnicodeError) as e:  # a case missed above
                 self.refuse(f"malformed {_OPNAMES.get(bytes([op]), 'opcode')} ({type(e).__name__})")
+            if pos < self.frame_end < self.pos:  # CPython's C reader then reads on past the frame; a frame is whole
+                self.refuse(f"{_OPNAMES.get(bytes([op]), 'opcode')} crosses the end of its frame")
 
 
 def _op_proto(m):
@@ -500,9 +503,12 @@ def _op_proto(m):
 
 
 def _op_frame(m):
+    if m.op_pos < m.frame_end:
+        m.refuse("a frame begins before the end of the current frame")
     size = m.u64()
     if size > len(m.data) - m.pos:
         m.refuse(f"frame of {size} bytes, {len(m.data) - m.pos} left")
+    m.frame_end = m.pos + size
 
 
 def _op_mark(m):
