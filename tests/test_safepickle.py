@@ -112,6 +112,14 @@ def test_an_opcode_crossing_its_frames_end_is_refused():
     assert loads_plain(two) == ((0.0,), None)  # one frame after another is fine
 
 
+@pytest.mark.parametrize("raw", [b"I010\n.", b"I-07\n.", b"L0000000001L\n.", b"L010\n.", b"I0x10\n.", b"I 1\n."])
+def test_integers_in_text_are_decimal_as_pickle_writes_them(raw):
+    """Only the spelling pickle writes: C's reader takes 010 for octal 8 and Python's int(.., 0) refuses it."""
+    with pytest.raises(PickleRefused, match="is not a decimal integer"):
+        loads_plain(raw)
+    assert loads_plain(b"I10\n.") == 10 and loads_plain(b"I-3\n.") == -3 and loads_plain(b"L0L\n.") == 0
+
+
 @settings(max_examples=500, deadline=2000)
 @given(st.binary(max_size=300))
 def test_random_bytes_are_refused_or_plain(raw):

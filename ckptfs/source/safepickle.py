@@ -101,7 +101,7 @@ class _Global:
         self.call = call
 
 
-_DECIMAL = re.compile(rb"-?[0-9]+")
+_DECIMAL = re.compile(rb"-?(?:0|[1-9][0-9]*)")  # no leading zero: C reads 010 as octal
 _U32 = struct.Struct("<I")
 _SCALARS = (str, bytes, int, float, bool, type(None))
 
