@@ -36,6 +36,9 @@ CACHE_TIMEOUT = 86400
 READ_AHEAD_KB = 2048
 #: bytes after a sequential read the server prepares in its read-ahead thread (``ckptfs.readahead``)
 SERVER_READ_AHEAD = 4 << 20
+#: bytes after a sequential read whose storage is asked to fetch ahead (an S3 object's parts; without it a cp from S3
+#: waited for each tensor's first part: docs/measurements.md, "S3: fetching across objects")
+SERVER_ANNOUNCE_AHEAD = 64 << 20
 #: libfuse 3 ``fuse_readdir_flags`` / ``fuse_fill_dir_flags`` bits
 _FUSE_READDIR_PLUS = 1
 _FUSE_FILL_DIR_PLUS = 2
@@ -373,6 +376,7 @@ def serve(tree: Tree, mountpoint, *, fsname: str = "ckptfs", allow_other: bool =
     if cache is not None:  # the kernel's page cache keeps what was read: blocks read whole are not kept twice
         cache.streaming = True
         cache.read_ahead = SERVER_READ_AHEAD
+        cache.announce_ahead = SERVER_ANNOUNCE_AHEAD
     mountpoint = os.path.abspath(str(mountpoint))
     ops = CkptfsOperations(tree, mount_target(mountpoint))
     opts = dict(foreground=True, nothreads=not threads, ro=True, default_permissions=True, kernel_cache=True,

@@ -271,6 +271,11 @@ class VirtualTensor(ABC):
         out[:b - a] = data[a - e0 * item:b - e0 * item]
         return b - a
 
+    def will_need(self, start: int, stop: int) -> None:
+        """Announce that bytes [start, stop) of the image will be read soon, without reading them: a tensor whose
+        storage fetches ahead (an object in S3) starts fetching them. Best effort, never waits; nothing by default (a
+        local file's storage announces its next bytes itself, and a computed tensor's sources are read when it is)."""
+
     def prefetch(self, start: int, stop: int, cache: BlockCache) -> None:
         """Queue the cache blocks under bytes [start, stop) for the read-ahead thread (``ckptfs.readahead``)."""
         from .readahead import READ_AHEAD

@@ -2,6 +2,9 @@
 object, and object names confined to the checkpoint's prefix."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from ckptfs.dtypes import BFLOAT16, BY_NAME
@@ -108,13 +111,13 @@ def test_a_silent_endpoint_fails_within_the_bound_then_at_once(monkeypatch):
 
 def test_a_peek_reads_no_part_ahead_and_a_sequential_read_does(tmp_path, monkeypatch):
     """Against a local endpoint: a few large reads in order (the blocks a 4 KiB peek's read-ahead asks for) fetch
-    only the part under them; reads continuing each other over more than a part queue the parts ahead."""
+    only the part under them; reads continuing each other over a whole part queue the parts ahead, by groups."""
     import time
 
     from s3help import LocalS3
 
     from ckptfs.storage.s3client import S3Client
-    from ckptfs.storage.s3object import PART_BYTES, PART_MIN, S3Object
+    from ckptfs.storage.s3object import FETCH_PARTS, PART_BYTES, PART_MIN, S3Object
 
     srv = LocalS3(tmp_path / "s3")
     try:
@@ -141,8 +144,133 @@ def test_a_peek_reads_no_part_ahead_and_a_sequential_read_does(tmp_path, monkeyp
         srv.reset()
         read_in_order(blobs["sequential"], PART_BYTES // 4, 2 * PART_BYTES)  # two whole parts in order
         deadline = time.monotonic() + 10
-        while srv.counts()["GET"] < 4 and time.monotonic() < deadline:
+        while srv.counts()["GET"] < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert srv.counts()["GET"] == 4, srv.requests()  # parts 0 and 1 read, 2 and 3 queued ahead
+        time.sleep(0.2)
+        # part 0 read; parts 1 to 3 (the rest of its group of FETCH_PARTS) queued ahead, as one request
+        assert [r.range for r in srv.requests()] == [f"bytes=0-{PART_BYTES - 1}",
+                                                     f"bytes={PART_BYTES}-{FETCH_PARTS * PART_BYTES - 1}"]
     finally:
         srv.stop()
+
+
+def _endpoint_blob(srv, monkeypatch, bucket: str, key: str, body: bytes):
+    """``body`` put as ``s3://bucket/key`` on the local endpoint ``srv``, as an ``S3Object``."""
+    from ckptfs.storage.s3client import S3Client
+    from ckptfs.storage.s3object import S3Object
+
+    for k, v in srv.env().items():
+        monkeypatch.setenv(k, v)
+    boto = srv.client()
+    if bucket not in [b["Name"] for b in boto.list_buckets()["Buckets"]]:
+        boto.create_bucket(Bucket=bucket)
+    boto.put_object(Bucket=bucket, Key=key, Body=body)
+    etag = boto.head_object(Bucket=bucket, Key=key)["ETag"]
+    return S3Object(S3Client(S3Settings(srv.url)), bucket, key, len(body), etag)
+
+
+def _wait_for_gets(srv, n: int) -> list:
+    import time
+
+    deadline = time.monotonic() + 10
+    while srv.counts()["GET"] < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [r for r in srv.requests() if r.kind == "GET"]
+
+
+def test_parts_asked_for_ahead_come_by_groups_and_stay_until_read(tmp_path, monkeypatch):
+    """``will_need`` fetches aligned groups of ``FETCH_PARTS`` parts, one request each, no more than ``AHEAD_BYTES``
+    at once; parts fetched ahead outlive other reads pushing the cache over its budget, so the read that comes for
+    them asks for nothing again."""
+    from s3help import LocalS3
+
+    from ckptfs.storage import s3object
+
+    part = 256 << 10
+    for name, value in (("PART_BYTES", part), ("PART_MIN", 64 << 10), ("FETCH_PARTS", 4),
+                        ("PART_CACHE_BYTES", 2 * part), ("AHEAD_BYTES", 8 * part)):
+        monkeypatch.setattr(s3object, name, value)
+    s3object._pool.reset()
+    srv = LocalS3(tmp_path / "s3")
+    try:
+        body = bytes(range(256)) * (12 * part // 256)
+        blob = _endpoint_blob(srv, monkeypatch, "ahead", "grouped", body)
+        other = _endpoint_blob(srv, monkeypatch, "ahead", "other", body)
+        srv.reset()
+        blob.will_need(part, 11 * part)  # parts 1-11: groups 0-2, at most 8 parts in flight ahead
+        gets = _wait_for_gets(srv, 2)
+        assert sorted((r.range for r in gets), key=len) == [f"bytes={part}-{4 * part - 1}",  # parts 1-3, 4-7
+                                                            f"bytes={4 * part}-{8 * part - 1}"]
+        out = bytearray(4 * part)
+        other.read_into(memoryview(out), 0, len(out))  # 4 parts read: twice the budget of parts that were read
+        assert bytes(out) == body[:4 * part]
+        srv.reset()
+        for off in range(part, 8 * part, part // 2):
+            got = bytearray(part // 2)
+            blob.read_into(memoryview(got), off, len(got))
+            assert bytes(got) == body[off:off + len(got)]
+        assert srv.counts()["GET"] == 0, srv.requests()  # every part still there
+    finally:
+        srv.stop()
+        s3object._pool.reset()
+
+
+def test_a_sequential_read_fetches_the_next_objects_ahead_and_no_byte_twice(tmp_path, monkeypatch):
+    """Reading ``model.safetensors`` of a checkpoint in Cerebras' S3 layout in order, as the FUSE server serves it:
+    while the first tensor is read, the objects of the tensors after it are already asked for (without that, every
+    object's first part was waited for); the whole file equals the local checkpoint's, and no byte range of any
+    object is asked for twice (parts fetched ahead are kept until read)."""
+    import re
+    import struct
+    import sys
+
+    from s3help import LocalS3
+
+    import ckptfs
+    from ckptfs import fusefs
+    from ckptfs.storage import s3object
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from benchlib import gen, s3 as bench_s3
+
+    dims = gen.LlamaDims(hidden=1024, layers=2, heads=8, kv_heads=4, ffn=2048, vocab=4096, max_positions=64)
+    mdl = tmp_path / "ck" / "checkpoint_0.mdl"
+    mdl.parent.mkdir()
+    gen.write_checkpoint(mdl, dims, "bf16")
+    params = gen.write_params(mdl.parent / "params.yaml", dims)
+    s3object._pool.reset()
+    srv = LocalS3(tmp_path / "s3")
+    try:
+        for k, v in srv.env().items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv("CKPTFS_CACHE_DIR", str(tmp_path / "cache"))
+        bench_s3.upload(srv, mdl, "run/checkpoint_0.mdl")
+        local = ckptfs.open(mdl, config=str(params)).read("model.safetensors", 0, 1 << 40)
+        tree = ckptfs.open(f"s3://{bench_s3.BUCKET}/run/checkpoint_0.mdl", config=str(params))
+        tree.cache.streaming, tree.cache.read_ahead = True, fusefs.SERVER_READ_AHEAD
+        tree.cache.announce_ahead = fusefs.SERVER_ANNOUNCE_AHEAD
+        (n,) = struct.unpack("<Q", local[:8])
+        header = json.loads(local[8:8 + n])
+        first = min((v["data_offsets"] for k, v in header.items() if k != "__metadata__"), key=lambda o: o[0])
+        assert first[1] - first[0] > (2 << 20) + fusefs.SERVER_READ_AHEAD  # the server's read-ahead stays inside it
+        srv.reset()
+        got = bytearray()
+        for off in range(0, 8 + n + (1 << 20), 1 << 20):  # the header and the first MiB of the first tensor
+            got += tree.read("model.safetensors", off, 1 << 20)
+        objects = {r.path for r in _wait_for_gets(srv, 2)}
+        assert len(objects) >= 2, objects  # the next tensors' objects, asked for ahead
+        for off in range(len(got), len(local), 1 << 20):
+            got += tree.read("model.safetensors", off, 1 << 20)
+        assert bytes(got) == local
+        asked: dict = {}
+        for r in srv.requests():
+            if r.kind == "GET" and r.range:
+                lo, hi = map(int, re.fullmatch(r"bytes=(\d+)-(\d+)", r.range).groups())
+                asked.setdefault(r.path, []).append((lo, hi))
+        for path, ranges in asked.items():
+            ranges.sort()
+            assert all(a[1] < b[0] for a, b in zip(ranges, ranges[1:])), (path, ranges)
+        tree.close()
+    finally:
+        srv.stop()
+        s3object._pool.reset()

@@ -118,6 +118,11 @@ class TensorBytes:
         """Queue bytes ``[a, b)`` of the piece for the read-ahead thread."""
         self.tensor.prefetch(self.start + a, self.start + min(b, self.size), cache)
 
+    def will_need(self, a: int, b: int) -> None:
+        """Announce bytes ``[a, b)`` of the piece to the tensor's storage (``VirtualTensor.will_need``)."""
+        if a < self.size:
+            self.tensor.will_need(self.start + a, self.start + min(b, self.size))
+
     def explain(self, a: int) -> list:
         t = self.tensor
         byte = self.start + a
@@ -209,6 +214,16 @@ class TensorRun:
             begin, end = offsets[i], offsets[i + 1]
             if end > begin:
                 self.tensors[i].prefetch(max(a, begin) - begin, min(b, end) - begin, cache)
+            i += 1
+
+    def will_need(self, a: int, b: int) -> None:
+        """Announce the tensors' bytes overlapping bytes ``[a, b)`` of the piece to their storage."""
+        offsets = self.offsets
+        i = self._at(a)
+        while i < len(self.tensors) and offsets[i] < b:
+            begin, end = offsets[i], offsets[i + 1]
+            if end > begin:
+                self.tensors[i].will_need(max(a, begin) - begin, min(b, end) - begin)
             i += 1
 
     def explain(self, a: int) -> list:
@@ -428,6 +443,8 @@ class PiecedFile(VirtualFile):
                 offset == self._last_end and len(out) >= SEQUENTIAL_CONTINUATION)):
             self._read_ahead(plan, i - 1, end, end + cache.read_ahead, cache)  # from the last piece read: a
             # piece may hold many tensors (a TensorRun is a whole safetensors data section)
+            if cache.announce_ahead > cache.read_ahead:
+                self._announce(plan, i - 1, end + cache.read_ahead, end + cache.announce_ahead)
         self._last_end = end
         return end - offset
 
@@ -439,6 +456,15 @@ class PiecedFile(VirtualFile):
             prefetch = getattr(piece, "prefetch", None)  # tensor bytes
             if prefetch is not None:
                 prefetch(max(a - start, 0), b - start, cache)
+            i += 1
+
+    def _announce(self, plan: Plan, i: int, a: int, b: int) -> None:
+        """Announce the tensor bytes of file bytes ``[a, b)`` to their storage (pieces from ``i`` on)."""
+        while i < len(plan.pieces) and plan.starts[i] < b:
+            piece, start = plan.pieces[i], plan.starts[i]
+            will_need = getattr(piece, "will_need", None)  # tensor bytes
+            if will_need is not None and start + piece.size > a:
+                will_need(max(a - start, 0), b - start)
             i += 1
 
     def explain(self, offset: int) -> Explanation:

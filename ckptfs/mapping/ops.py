@@ -319,6 +319,9 @@ class Alias(VirtualTensor):
     def read(self, box):
         return self.target.read(box)
 
+    def will_need(self, start: int, stop: int) -> None:
+        self.target.will_need(start, stop)
+
     def sources(self):
         return [self.target]
 

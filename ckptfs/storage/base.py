@@ -95,8 +95,9 @@ class Blob(ABC):
         issue them together rather than one after the other."""
         return self.read_spans(spans, scratch, hint=False)
 
-    def will_need(self, offset: int) -> None:
-        """Announce that the bytes from ``offset`` on will be read soon (a backend may start fetching them)."""
+    def will_need(self, offset: int, length: int | None = None) -> None:
+        """Announce that the ``length`` bytes from ``offset`` on (None: as many as the backend reads ahead by itself)
+        will be read soon: a backend may start fetching them. Never waits."""
 
     def close(self) -> None:
         """Release what the blob holds (descriptors, connections); reads after ``close`` fail."""

@@ -13,10 +13,17 @@ fail with ``SourceChangedError`` instead of returning bytes of another version.
   (least recently used first out). Once reads have continued each other over a whole part (sequential access:
   ``cp``, a loader), each also queues the next ``READ_AHEAD_PARTS`` parts, so the endpoint is busy while the caller
   converts; a peek, whose few blocks the kernel's and ckptfs's own read-ahead ask for in order, stays within the
-  parts it touches. ``will_need`` queues parts explicitly.
+  parts it touches. ``will_need`` queues parts explicitly (a sequential read of a generated file announces the
+  objects after the one it reads: ``VirtualTensor.will_need``).
+* **Parts asked for ahead** (``will_need``) are fetched by aligned groups of ``FETCH_PARTS`` parts, one request
+  per group: a request has a cost of its own at the endpoint (moto copies the whole object for every range it serves;
+  S3 bills and answers each request on its own), and a stream reads every part of the group anyway. At most
+  ``AHEAD_BYTES`` of them are in flight at once; until a read uses them they are the last parts the cache lets go
+  of (a window of parts announced ahead must not push out the parts announced before it, not read yet).
 
-Memory: the part cache's bound plus the parts in flight (``MAX_IN_FLIGHT`` × ``PART_BYTES``), whatever the number
-of objects. A failed part is dropped from the cache, so a later read asks again.
+Memory: the part cache's bound, ``AHEAD_BYTES`` more for parts asked for ahead and not read yet, and the parts in
+flight for reads waiting (at most ``MAX_IN_FLIGHT`` × ``PART_BYTES``), whatever the number of objects. A failed part
+is dropped from the cache, so a later read asks again.
 """
 from __future__ import annotations
 
@@ -38,6 +45,10 @@ READ_AHEAD_PARTS = 2
 MAX_IN_FLIGHT = 8
 #: parts kept (bytes), all objects together
 PART_CACHE_BYTES = 64 << 20
+#: parts asked for ahead (``will_need``) are fetched by aligned groups of this many parts, one request each
+FETCH_PARTS = 4
+#: bytes asked for ahead (``will_need``) in flight at once, all objects together
+AHEAD_BYTES = 96 << 20
 #: ranges of one ``read_spans``/``read_scattered`` closer than this are fetched as one request
 MERGE_GAP = 1 << 20
 
@@ -50,13 +61,19 @@ class _Pool:
         self.executor: ThreadPoolExecutor | None = None
         self.parts: OrderedDict = OrderedDict()  # (object id, part) -> (Future[bytes], size), least recently used first
         self.bytes = 0
+        self.ahead_bytes = 0  # bytes asked for ahead and not arrived yet
+        self.unread: set = set()  # parts fetched ahead that no read has used yet (trimmed last)
 
     def submit(self, fn, *args) -> Future:
         with self.lock:
-            if self.executor is None:
-                self.executor = ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="ckptfs-s3")
-            ex = self.executor
+            ex = self._executor()
         return ex.submit(fn, *args)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        """The request threads, started on first use (called with the lock held)."""
+        if self.executor is None:
+            self.executor = ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="ckptfs-s3")
+        return self.executor
 
     def part(self, key, fetch, size: int) -> Future:
         """The future of part ``key`` (``fetch()`` submitted when it is neither cached nor in flight)."""
@@ -64,33 +81,71 @@ class _Pool:
             got = self.parts.get(key)
             if got is not None:
                 self.parts.move_to_end(key)
+                self.unread.discard(key)
                 return got[0]
-            fut = Future()
+            return self._queue([key], [size], fetch, ahead=False)[0]
+
+    def ahead(self, keys: list, sizes: list, fetch) -> bool:
+        """Ask for the consecutive parts ``keys`` (of ``sizes`` bytes) ahead of any read, with one request
+        (``fetch()`` gives their bytes end to end) when none of them is cached or in flight, else those missing one by
+        one (``fetch(k)``: part ``keys[k]`` alone). False (nothing queued) when more than ``AHEAD_BYTES`` would be in
+        flight ahead. The parts count as unread until a read uses them."""
+        with self.lock:
+            missing = [k for k, key in enumerate(keys) if key not in self.parts]
+            total = sum(sizes[k] for k in missing)
+            if self.ahead_bytes + total > AHEAD_BYTES:
+                return False
+            if len(missing) == len(keys):
+                self._queue(keys, sizes, fetch, ahead=True)
+            else:
+                for k in missing:
+                    self._queue([keys[k]], [sizes[k]], lambda k=k: fetch(k), ahead=True)
+        return True
+
+    def _queue(self, keys: list, sizes: list, fetch, ahead: bool) -> list:
+        """Futures of the parts ``keys``, fetched by one request (called with the lock held)."""
+        futures = [Future() for _ in keys]
+        total = sum(sizes)
+        for key, size, fut in zip(keys, sizes, futures):
             self.parts[key] = (fut, size)
-            self.bytes += size
-            self._trim()
-        try:
-            inner = self.submit(fetch)
-        except RuntimeError as e:  # the interpreter is shutting down
-            self.forget(key, fut, size)
-            fut.set_exception(e)
-            return fut
+        self.bytes += total
+        if ahead:
+            self.ahead_bytes += total
+            self.unread.update(keys)
+        self._trim()
 
         def done(f: Future) -> None:
+            if ahead:
+                with self.lock:
+                    self.ahead_bytes -= total
             err = f.exception()
-            if err is not None:
-                self.forget(key, fut, size)
-                fut.set_exception(err)
-            else:
-                fut.set_result(f.result())
+            if err is None and len(f.result()) != total:
+                err = OSError(f"{len(f.result())} bytes for the {total} asked for")
+            data = f.result() if err is None else None
+            if len(keys) > 1 and data is not None:
+                data = memoryview(data)
+            pos = 0
+            for key, size, fut in zip(keys, sizes, futures):
+                if err is not None:
+                    self.forget(key, fut, size)
+                    fut.set_exception(err)
+                else:
+                    fut.set_result(data if len(keys) == 1 else data[pos:pos + size])
+                pos += size
 
+        try:
+            inner = self._executor().submit(fetch)
+        except RuntimeError as e:  # the interpreter is shutting down
+            inner = Future()
+            inner.set_exception(e)
         inner.add_done_callback(done)
-        return fut
+        return futures
 
     def cached(self, key) -> bytes | None:
         """Part ``key``'s bytes if fetched already (no request)."""
         with self.lock:
             got = self.parts.get(key)
+            self.unread.discard(key)
         if got is not None and got[0].done() and got[0].exception() is None:
             return got[0].result()
         return None
@@ -100,19 +155,25 @@ class _Pool:
             got = self.parts.get(key)
             if got is not None and got[0] is fut:
                 del self.parts[key]
+                self.unread.discard(key)
                 self.bytes -= size
 
     def _trim(self) -> None:
-        """Drop the least recently used finished parts beyond the budget (parts in flight stay)."""
-        if self.bytes <= PART_CACHE_BYTES:
+        """Drop the least recently used finished parts beyond the budgets: ``PART_CACHE_BYTES`` for parts reads used,
+        ``AHEAD_BYTES`` for parts fetched ahead and not read yet (a reader that stopped leaves them). Parts in flight
+        stay."""
+        unread = sum(self.parts[k][1] for k in self.unread)
+        over = {False: self.bytes - unread - PART_CACHE_BYTES, True: unread - AHEAD_BYTES}
+        if over[False] <= 0 and over[True] <= 0:
             return
         for key in list(self.parts):
-            if self.bytes <= PART_CACHE_BYTES:
-                break
             fut, size = self.parts[key]
-            if fut.done():
+            is_unread = key in self.unread
+            if over[is_unread] > 0 and fut.done():
                 del self.parts[key]
+                self.unread.discard(key)
                 self.bytes -= size
+                over[is_unread] -= size
 
     def reset(self) -> None:
         self.__init__()
@@ -176,12 +237,23 @@ class S3Object(Blob):
         lo, hi = self._part_range(i)
         return _pool.part((*self._id, i), lambda: self._get(lo, hi), hi - lo)
 
-    def will_need(self, offset: int, length: int = READ_AHEAD_PARTS * PART_BYTES) -> None:
-        """Queue the parts under ``[offset, offset + length)`` (best effort, no waiting)."""
+    def will_need(self, offset: int, length: int | None = None) -> None:
+        """Queue the parts under ``[offset, offset + length)`` (None: ``READ_AHEAD_PARTS`` parts) that are neither
+        cached nor in flight, by groups of ``FETCH_PARTS`` aligned parts, one request each (the group holding
+        ``offset`` from ``offset`` on), while fewer than ``AHEAD_BYTES`` are in flight ahead (best effort, no
+        waiting)."""
+        if length is None:
+            length = READ_AHEAD_PARTS * PART_BYTES
         if offset >= self.size or length <= 0:
             return
-        for i in range(offset // PART_BYTES, (min(self.size, offset + length) - 1) // PART_BYTES + 1):
-            self._part(i)
+        first, last = offset // PART_BYTES, (self.size - 1) // PART_BYTES
+        for g in range(first // FETCH_PARTS, (min(self.size, offset + length) - 1) // PART_BYTES // FETCH_PARTS + 1):
+            parts = range(max(first, g * FETCH_PARTS), min(last, (g + 1) * FETCH_PARTS - 1) + 1)  # not behind
+            ranges = [self._part_range(i) for i in parts]
+            if not _pool.ahead([(*self._id, i) for i in parts], [hi - lo for lo, hi in ranges],
+                               lambda k=None, r=ranges: self._get(r[0][0], r[-1][1]) if k is None
+                               else self._get(*r[k])):
+                return  # enough in flight ahead: a later read announces the rest again
 
     # -- reads ---------------------------------------------------------------------------------------------------
     def read_into(self, view: memoryview, offset: int, need: int) -> tuple[int, bool]:
