@@ -209,7 +209,8 @@ def test_parts_asked_for_ahead_come_by_groups_and_stay_until_read(tmp_path, monk
             got = bytearray(part // 2)
             blob.read_into(memoryview(got), off, len(got))
             assert bytes(got) == body[off:off + len(got)]
-        assert srv.counts()["GET"] == 0, srv.requests()  # every part still there
+        again = [r for r in srv.requests() if int(r.range.split("=")[1].split("-")[0]) < 8 * part]
+        assert not again, again  # every part read was still there (parts 8 on may be read ahead meanwhile)
     finally:
         srv.stop()
         s3object._pool.reset()
