@@ -234,7 +234,7 @@ def test_a_sequential_read_fetches_the_next_objects_ahead_and_no_byte_twice(tmp_
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
     from benchlib import gen, s3 as bench_s3
 
-    dims = gen.LlamaDims(hidden=1024, layers=2, heads=8, kv_heads=4, ffn=2048, vocab=4096, max_positions=64)
+    dims = gen.LlamaDims(hidden=1024, layers=2, heads=8, kv_heads=4, ffn=2048, vocab=6144, max_positions=64)
     mdl = tmp_path / "ck" / "checkpoint_0.mdl"
     mdl.parent.mkdir()
     gen.write_checkpoint(mdl, dims, "bf16")
@@ -253,10 +253,11 @@ def test_a_sequential_read_fetches_the_next_objects_ahead_and_no_byte_twice(tmp_
         (n,) = struct.unpack("<Q", local[:8])
         header = json.loads(local[8:8 + n])
         first = min((v["data_offsets"] for k, v in header.items() if k != "__metadata__"), key=lambda o: o[0])
-        assert first[1] - first[0] > (2 << 20) + fusefs.SERVER_READ_AHEAD  # the server's read-ahead stays inside it
+        streak = fusefs.SERVER_READ_AHEAD  # read in order before the next objects are announced
+        assert first[1] - first[0] > streak + (1 << 20) + fusefs.SERVER_READ_AHEAD  # its read-ahead stays inside it
         srv.reset()
         got = bytearray()
-        for off in range(0, 8 + n + (1 << 20), 1 << 20):  # the header and the first MiB of the first tensor
+        for off in range(0, 8 + n + streak, 1 << 20):  # the header and the first MiBs of the first tensor
             got += tree.read("model.safetensors", off, 1 << 20)
         objects = {r.path for r in _wait_for_gets(srv, 2)}
         assert len(objects) >= 2, objects  # the next tensors' objects, asked for ahead
@@ -275,3 +276,39 @@ def test_a_sequential_read_fetches_the_next_objects_ahead_and_no_byte_twice(tmp_
     finally:
         srv.stop()
         s3object._pool.reset()
+
+
+def test_the_kernels_read_ahead_after_a_peek_announces_nothing():
+    """A peek's read and the kernel's read-ahead after it (up to 2 MiB in order) queue no storage fetches for the
+    tensors after it; a read in order past the server's read-ahead window does."""
+    from array import array
+
+    from ckptfs.cache import BlockCache
+    from ckptfs.dtypes import BY_NAME
+    from ckptfs.layouts.pieces import PiecedFile, TensorRun
+    from ckptfs.virtual_tensor import ArrayTensor
+
+    announced = []
+
+    class Noted(ArrayTensor):
+        def will_need(self, start, stop):
+            announced.append((self.name, start, stop))
+
+    import numpy as np
+
+    tensors = []
+    for k in range(4):
+        t = Noted(np.zeros(3 << 20, dtype=np.uint8), BY_NAME["uint8"])
+        t.name = f"t{k}"
+        tensors.append(t)
+    cache = BlockCache(64 << 20)
+    cache.streaming, cache.read_ahead, cache.announce_ahead = True, 4 << 20, 16 << 20
+    run = TensorRun([t.name for t in tensors], tensors, array("q", [k * (3 << 20) for k in range(5)]))
+    f = PiecedFile([run], name="weights", cache=cache)
+    f.readinto(100 << 10, memoryview(bytearray(4096)))  # a peek, then the kernel's read-ahead in order
+    for off in range((100 << 10) + 4096, (100 << 10) + (2 << 20), 256 << 10):
+        f.readinto(off, memoryview(bytearray(256 << 10)))
+    assert announced == []
+    for off in range(0, 5 << 20, 1 << 20):  # a stream
+        f.readinto(off, memoryview(bytearray(1 << 20)))
+    assert {name for name, *_ in announced} >= {"t2", "t3"}

@@ -375,7 +375,7 @@ class PiecedFile(VirtualFile):
     ended and its plan — a ``Plan``, a ``_Deferred`` (given ``plan=``: the only files with a lock) or None (a file
     that plans itself, not read lately)."""
 
-    __slots__ = ("name", "cache", "_plan", "_last_end", "__weakref__")
+    __slots__ = ("name", "cache", "_plan", "_last_end", "_streak", "__weakref__")
 
     def __init__(self, pieces: Sequence | None = None, *, name: str, cache: BlockCache | None = None,
                  plan: Callable[[], Sequence] | None = None):
@@ -388,6 +388,7 @@ class PiecedFile(VirtualFile):
         self._plan: Plan | _Deferred | None = (Plan.of(pieces) if pieces is not None
                                                else _Deferred(plan) if plan is not None else None)
         self._last_end = -1  # where the last read ended: a read starting there is sequential (read-ahead)
+        self._streak = 0  # bytes read in order up to ``_last_end``
 
     def _own_pieces(self) -> Sequence:
         """The pieces of a file that plans itself (a subclass's cheap, pure plan)."""
@@ -438,12 +439,14 @@ class PiecedFile(VirtualFile):
                 raise TensorReadError(self.name, f"{piece.what} produced {got} bytes for its bytes [{a}, {a + k})")
             pos += k
             i += 1
+        self._streak = self._streak + len(out) if offset == self._last_end else len(out)
         cache = self.cache
         if cache is not None and cache.read_ahead and (len(out) >= SEQUENTIAL_READ or (
                 offset == self._last_end and len(out) >= SEQUENTIAL_CONTINUATION)):
             self._read_ahead(plan, i - 1, end, end + cache.read_ahead, cache)  # from the last piece read: a
             # piece may hold many tensors (a TensorRun is a whole safetensors data section)
-            if cache.announce_ahead > cache.read_ahead:
+            if cache.announce_ahead > cache.read_ahead and self._streak >= cache.read_ahead:  # a stream, not the
+                # kernel's read-ahead after a peek (at most READ_AHEAD_KB): tell the storage what comes next
                 self._announce(plan, i - 1, end + cache.read_ahead, end + cache.announce_ahead)
         self._last_end = end
         return end - offset
