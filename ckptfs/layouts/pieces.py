@@ -324,6 +324,18 @@ class Plan:
     pieces: list
     size: int
 
+    def tensor_from(self, offset: int) -> tuple | None:
+        """``(piece, tensor in it)`` of the tensor bytes holding file byte ``offset``, or else of the first ones after
+        it (None: no tensor bytes from there on)."""
+        i = bisect_right(self.starts, offset) - 1
+        while i < len(self.pieces) and getattr(self.pieces[i], "will_need", None) is None:
+            i += 1
+            offset = self.starts[i] if i < len(self.pieces) else offset
+        if i == len(self.pieces):
+            return None
+        at = getattr(self.pieces[i], "_at", None)
+        return i, (at(offset - self.starts[i]) if at is not None else 0)
+
     @classmethod
     def of(cls, pieces: Sequence) -> "Plan":
         starts, kept, pos = array("q"), [], 0
@@ -375,7 +387,7 @@ class PiecedFile(VirtualFile):
     ended and its plan — a ``Plan``, a ``_Deferred`` (given ``plan=``: the only files with a lock) or None (a file
     that plans itself, not read lately)."""
 
-    __slots__ = ("name", "cache", "_plan", "_last_end", "_streak", "__weakref__")
+    __slots__ = ("name", "cache", "_plan", "_last_end", "_stream_from", "__weakref__")
 
     def __init__(self, pieces: Sequence | None = None, *, name: str, cache: BlockCache | None = None,
                  plan: Callable[[], Sequence] | None = None):
@@ -388,7 +400,7 @@ class PiecedFile(VirtualFile):
         self._plan: Plan | _Deferred | None = (Plan.of(pieces) if pieces is not None
                                                else _Deferred(plan) if plan is not None else None)
         self._last_end = -1  # where the last read ended: a read starting there is sequential (read-ahead)
-        self._streak = 0  # bytes read in order up to ``_last_end``
+        self._stream_from = 0  # where the reads in order that end at ``_last_end`` began
 
     def _own_pieces(self) -> Sequence:
         """The pieces of a file that plans itself (a subclass's cheap, pure plan)."""
@@ -439,14 +451,14 @@ class PiecedFile(VirtualFile):
                 raise TensorReadError(self.name, f"{piece.what} produced {got} bytes for its bytes [{a}, {a + k})")
             pos += k
             i += 1
-        self._streak = self._streak + len(out) if offset == self._last_end else len(out)
+        if offset != self._last_end:
+            self._stream_from = offset
         cache = self.cache
         if cache is not None and cache.read_ahead and (len(out) >= SEQUENTIAL_READ or (
                 offset == self._last_end and len(out) >= SEQUENTIAL_CONTINUATION)):
             self._read_ahead(plan, i - 1, end, end + cache.read_ahead, cache)  # from the last piece read: a
             # piece may hold many tensors (a TensorRun is a whole safetensors data section)
-            if cache.announce_ahead > cache.read_ahead and self._streak >= cache.read_ahead:  # a stream, not the
-                # kernel's read-ahead after a peek (at most READ_AHEAD_KB): tell the storage what comes next
+            if cache.announce_ahead > cache.read_ahead and self._in_file_order(plan, end, cache.read_ahead):
                 self._announce(plan, i - 1, end + cache.read_ahead, end + cache.announce_ahead)
         self._last_end = end
         return end - offset
@@ -460,6 +472,16 @@ class PiecedFile(VirtualFile):
             if prefetch is not None:
                 prefetch(max(a - start, 0), b - start, cache)
             i += 1
+
+    def _in_file_order(self, plan: Plan, end: int, least: int) -> bool:
+        """Whether the reads in order ending at ``end`` are a stream through the file: at least ``least`` bytes (not
+        the kernel's read-ahead after a peek) that went on from one tensor into the next (not a loader reading each
+        tensor whole in its own order, for which the tensors after it in the file are not what comes next)."""
+        start = self._stream_from
+        if end - start < least:
+            return False
+        first, last = plan.tensor_from(start), plan.tensor_from(end - 1)
+        return first is not None and last is not None and first != last
 
     def _announce(self, plan: Plan, i: int, a: int, b: int) -> None:
         """Announce the tensor bytes of file bytes ``[a, b)`` to their storage (pieces from ``i`` on)."""

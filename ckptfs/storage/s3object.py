@@ -121,10 +121,8 @@ class _Pool:
             err = f.exception()
             if err is None and len(f.result()) != total:
                 err = OSError(f"{len(f.result())} bytes for the {total} asked for")
-            data = f.result() if err is None else None
-            if len(keys) > 1 and data is not None:
-                data = memoryview(data)
-            pos = 0
+            data = f.result() if err is None else None  # parts are cut out as copies: a view of the answer
+            pos = 0  # would keep the whole answer alive as long as any one of its parts is kept
             for key, size, fut in zip(keys, sizes, futures):
                 if err is not None:
                     self.forget(key, fut, size)
