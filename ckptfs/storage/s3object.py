@@ -83,36 +83,43 @@ class _Pool:
                 self.parts.move_to_end(key)
                 self.unread.discard(key)
                 return got[0]
-            return self._queue([key], [size], fetch, ahead=False)[0]
+            request = self._register([key], [size], ahead=False)
+        return self._launch(request, fetch)[0]
 
-    def ahead(self, keys: list, sizes: list, fetch) -> bool:
-        """Ask for the consecutive parts ``keys`` (of ``sizes`` bytes) ahead of any read, with one request
-        (``fetch()`` gives their bytes end to end) when none of them is cached or in flight, else those missing one by
-        one (``fetch(k)``: part ``keys[k]`` alone). False (nothing queued) when more than ``AHEAD_BYTES`` would be in
-        flight ahead. The parts count as unread until a read uses them."""
+    def ahead(self, keys: list, ranges: list, get) -> bool:
+        """Ask for the consecutive parts ``keys`` (object bytes ``ranges``) ahead of any read: one request
+        (``get(lo, hi)``) for them all when none is cached or in flight, else one for each missing part. False
+        (nothing queued) when more than ``AHEAD_BYTES`` would be in flight ahead. The parts count as unread until a
+        read uses them."""
         with self.lock:
             missing = [k for k, key in enumerate(keys) if key not in self.parts]
-            total = sum(sizes[k] for k in missing)
-            if self.ahead_bytes + total > AHEAD_BYTES:
+            if self.ahead_bytes + sum(ranges[k][1] - ranges[k][0] for k in missing) > AHEAD_BYTES:
                 return False
-            if len(missing) == len(keys):
-                self._queue(keys, sizes, fetch, ahead=True)
-            else:
-                for k in missing:
-                    self._queue([keys[k]], [sizes[k]], lambda k=k: fetch(k), ahead=True)
+            groups = [range(len(keys))] if len(missing) == len(keys) else [[k] for k in missing]
+            requests = [(self._register([keys[k] for k in g], [ranges[k][1] - ranges[k][0] for k in g], ahead=True),
+                         ranges[g[0]][0], ranges[g[-1]][1]) for g in groups]
+        for request, lo, hi in requests:  # outside the lock: an answer may arrive before its callback is added
+            self._launch(request, lambda lo=lo, hi=hi: get(lo, hi))
         return True
 
-    def _queue(self, keys: list, sizes: list, fetch, ahead: bool) -> list:
-        """Futures of the parts ``keys``, fetched by one request (called with the lock held)."""
+    def _register(self, keys: list, sizes: list, ahead: bool) -> tuple:
+        """Enter the parts ``keys`` (of ``sizes`` bytes), in flight, into the cache (called with the lock held): the
+        request ``_launch`` sends."""
         futures = [Future() for _ in keys]
-        total = sum(sizes)
         for key, size, fut in zip(keys, sizes, futures):
             self.parts[key] = (fut, size)
-        self.bytes += total
+        self.bytes += sum(sizes)
         if ahead:
-            self.ahead_bytes += total
+            self.ahead_bytes += sum(sizes)
             self.unread.update(keys)
         self._trim()
+        return keys, sizes, futures, ahead
+
+    def _launch(self, request: tuple, fetch) -> list:
+        """Send a registered request (``fetch()`` gives its parts' bytes end to end; called without the lock, which
+        the answer's callback takes): the parts' futures."""
+        keys, sizes, futures, ahead = request
+        total = sum(sizes)
 
         def done(f: Future) -> None:
             if ahead:
@@ -132,7 +139,7 @@ class _Pool:
                 pos += size
 
         try:
-            inner = self._executor().submit(fetch)
+            inner = self.submit(fetch)
         except RuntimeError as e:  # the interpreter is shutting down
             inner = Future()
             inner.set_exception(e)
@@ -247,10 +254,7 @@ class S3Object(Blob):
         first, last = offset // PART_BYTES, (self.size - 1) // PART_BYTES
         for g in range(first // FETCH_PARTS, (min(self.size, offset + length) - 1) // PART_BYTES // FETCH_PARTS + 1):
             parts = range(max(first, g * FETCH_PARTS), min(last, (g + 1) * FETCH_PARTS - 1) + 1)  # not behind
-            ranges = [self._part_range(i) for i in parts]
-            if not _pool.ahead([(*self._id, i) for i in parts], [hi - lo for lo, hi in ranges],
-                               lambda k=None, r=ranges: self._get(r[0][0], r[-1][1]) if k is None
-                               else self._get(*r[k])):
+            if not _pool.ahead([(*self._id, i) for i in parts], [self._part_range(i) for i in parts], self._get):
                 return  # enough in flight ahead: a later read announces the rest again
 
     # -- reads ---------------------------------------------------------------------------------------------------
