@@ -330,11 +330,10 @@ class Plan:
         i = bisect_right(self.starts, offset) - 1
         while i < len(self.pieces) and getattr(self.pieces[i], "will_need", None) is None:
             i += 1
-            offset = self.starts[i] if i < len(self.pieces) else offset
         if i == len(self.pieces):
             return None
         at = getattr(self.pieces[i], "_at", None)
-        return i, (at(offset - self.starts[i]) if at is not None else 0)
+        return i, (at(max(offset, self.starts[i]) - self.starts[i]) if at is not None else 0)
 
     @classmethod
     def of(cls, pieces: Sequence) -> "Plan":

@@ -245,17 +245,19 @@ class LocalFile(Blob):
                 hint_will_need(self.fd, lo, end - lo)
         return self.read_spans(spans, scratch, hint=False)
 
-    def will_need(self, offset: int) -> None:
-        """Announce ``[offset, offset + HINT_AHEAD)`` to the kernel, minus what the last announcement covered.
+    def will_need(self, offset: int, length: int | None = None) -> None:
+        """Announce ``[offset, offset + length)`` (None: ``HINT_AHEAD``) to the kernel, minus what the last announcement
+        covered.
 
         The kernel walks its page cache over the whole range on every call (docs/measurements.md, "Announcing the
         next bytes"), so consecutive blocks announce only the new part, and only once at least half a window is new.
         Best effort:
         readers racing on ``_hinted`` at worst announce a range twice."""
         lo, hi = self._hinted
-        end = offset + HINT_AHEAD
+        window = HINT_AHEAD if length is None else length
+        end = offset + window
         if lo <= offset <= hi:  # continues the announced range
-            if end - hi < HINT_AHEAD // 2:
+            if end - hi < window // 2:
                 return
             start = hi
         else:
