@@ -368,3 +368,44 @@ def test_params_beside_a_bucket_checkpoint_are_fetched_and_never_trusted_from_th
     (cache / "s3-params").chmod(0o777)  # a folder others may write to: refused, not used
     with pytest.raises(StorageError, match="can be changed by other users"):
         fetch_params(loc, cache)
+
+
+def test_cp_from_an_s3_mount_fetches_the_next_objects_ahead(tmp_path):
+    """``cp model.safetensors`` from a mount of a generated checkpoint in Cerebras' S3 layout gives the local mount's
+    bytes, and the objects after the first are asked for ahead, by groups of parts: their first request already
+    spans more than one part (a read waiting for an object asks for the part under it alone)."""
+    import re
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from benchlib import gen, s3 as bench_s3
+
+    from ckptfs.storage.s3object import PART_BYTES
+
+    dims = gen.LlamaDims(hidden=1024, layers=2, heads=8, kv_heads=4, ffn=5120, vocab=6144, max_positions=64)
+    mdl = tmp_path / "ck" / "checkpoint_0.mdl"
+    mdl.parent.mkdir()
+    gen.write_checkpoint(mdl, dims, "bf16")
+    params = gen.write_params(mdl.parent / "params.yaml", dims)
+    srv = LocalS3(tmp_path / "s3")
+    try:
+        env = srv.env(CKPTFS_CACHE_DIR=str(tmp_path / "cache"))
+        bench_s3.upload(srv, mdl, "run/checkpoint_0.mdl")
+        with mounted(mdl, "--config", params, env=env) as here:
+            want = (here / "model.safetensors").read_bytes()
+        url = f"s3://{bench_s3.BUCKET}/run/checkpoint_0.mdl"
+        with mounted(url, "--config", params, env=env) as mnt:
+            srv.reset()
+            subprocess.run(["cp", str(mnt / "model.safetensors"), str(tmp_path / "copy")], check=True, timeout=120)
+            first: dict = {}
+            for r in srv.requests():
+                if r.kind == "GET" and r.range:
+                    lo, hi = map(int, re.fullmatch(r"bytes=(\d+)-(\d+)", r.range).groups())
+                    first.setdefault(r.path, (lo, hi))
+        assert (tmp_path / "copy").read_bytes() == want
+        sizes = {f"/{bench_s3.BUCKET}/run/checkpoint_0.mdl/{k}": len(body)
+                 for k, body, _ in bench_s3.s3_objects(mdl) if k != "__METADATA__"}
+        large = [p for p in first if sizes.get(p, 0) > PART_BYTES]
+        ahead = [p for p in large if first[p][0] == 0 and first[p][1] + 1 > PART_BYTES]
+        assert len(large) >= 6 and len(ahead) >= len(large) - 2, {p: first[p] for p in large}
+    finally:
+        srv.stop()
