@@ -137,3 +137,15 @@ def upload_case(s3: LocalS3, case: str, *, bucket: str = BUCKET, rename: tuple =
         for key, body, metadata in objects:
             client.put_object(Bucket=bucket, Key=key, Body=body, Metadata=metadata)
     return len(objects)
+
+
+def generated_checkpoint(folder: Path, ffn: int) -> tuple:
+    """A generated bf16 llama-shaped checkpoint (the bench's generator; MiB-sized tensors, ``ffn`` wide) written to
+    ``folder``: ``(checkpoint_0.mdl, params.yaml)``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from benchlib import gen
+
+    dims = gen.LlamaDims(hidden=1024, layers=2, heads=8, kv_heads=4, ffn=ffn, vocab=6144, max_positions=64)
+    folder.mkdir(parents=True)
+    gen.write_checkpoint(folder / "checkpoint_0.mdl", dims, "bf16")
+    return folder / "checkpoint_0.mdl", gen.write_params(folder / "params.yaml", dims)

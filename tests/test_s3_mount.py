@@ -376,16 +376,12 @@ def test_cp_from_an_s3_mount_fetches_the_next_objects_ahead(tmp_path):
     spans more than one part (a read waiting for an object asks for the part under it alone)."""
     import re
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    from benchlib import gen, s3 as bench_s3
+    from s3help import generated_checkpoint
 
     from ckptfs.storage.s3object import PART_BYTES
 
-    dims = gen.LlamaDims(hidden=1024, layers=2, heads=8, kv_heads=4, ffn=5120, vocab=6144, max_positions=64)
-    mdl = tmp_path / "ck" / "checkpoint_0.mdl"
-    mdl.parent.mkdir()
-    gen.write_checkpoint(mdl, dims, "bf16")
-    params = gen.write_params(mdl.parent / "params.yaml", dims)
+    mdl, params = generated_checkpoint(tmp_path / "ck", ffn=5120)
+    from benchlib import s3 as bench_s3  # importable once generated_checkpoint has put scripts/ on the path
     srv = LocalS3(tmp_path / "s3")
     try:
         env = srv.env(CKPTFS_CACHE_DIR=str(tmp_path / "cache"))

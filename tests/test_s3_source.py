@@ -232,14 +232,10 @@ def test_a_sequential_read_fetches_the_next_objects_ahead_and_no_byte_twice(tmp_
     from ckptfs import fusefs
     from ckptfs.storage import s3object
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    from benchlib import gen, s3 as bench_s3
+    from s3help import generated_checkpoint
 
-    dims = gen.LlamaDims(hidden=1024, layers=2, heads=8, kv_heads=4, ffn=2048, vocab=6144, max_positions=64)
-    mdl = tmp_path / "ck" / "checkpoint_0.mdl"
-    mdl.parent.mkdir()
-    gen.write_checkpoint(mdl, dims, "bf16")
-    params = gen.write_params(mdl.parent / "params.yaml", dims)
+    mdl, params = generated_checkpoint(tmp_path / "ck", ffn=2048)
+    from benchlib import s3 as bench_s3  # importable once generated_checkpoint has put scripts/ on the path
     s3object._pool.reset()
     srv = LocalS3(tmp_path / "s3")
     try:
