@@ -189,7 +189,7 @@ class MountOptions:
     zip_crc: str = option("exact", "--zip-crc", choice("exact", "zero"), content=True,
                           help="CRC-32 of torch zip records: exact (computed) or zero (faster; torch does not check)")
     cache_size: int = option(DEFAULT_CACHE_BYTES, "--cache-size", SIZE,
-                             help="memory for converted tensor blocks, e.g. 256MiB")
+                             help="memory for tensor blocks (and parts fetched from S3), e.g. 256MiB")
     allow_external: tuple = option((), "--allow-external", DIRECTORY, repeat=True, content=True,
                                    help="a folder outside the checkpoint's own whose files the checkpoint may refer "
                                         "to (external tensors; repeatable). Default: only files inside the "

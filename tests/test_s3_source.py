@@ -169,6 +169,20 @@ def _endpoint_blob(srv, monkeypatch, bucket: str, key: str, body: bytes):
     return S3Object(S3Client(S3Settings(srv.url)), bucket, key, len(body), etag)
 
 
+def _wait_for_parts() -> None:
+    """Until every part asked for has arrived."""
+    import time
+
+    from ckptfs.storage import s3object
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with s3object._pool.lock:
+            if all(fut.done() for fut, _ in s3object._pool.parts.values()):
+                return
+        time.sleep(0.02)
+
+
 def _wait_for_gets(srv, n: int) -> list:
     import time
 
@@ -319,3 +333,90 @@ def test_only_a_stream_through_the_file_announces_what_follows():
     for off in range(0, 5 << 20, 1 << 20):  # a stream through the file
         f.readinto(off, memoryview(bytearray(1 << 20)))
     assert {name for name, *_ in announced} >= {"t2", "t3"}
+
+
+def test_a_tree_over_object_storage_keeps_its_parts_within_its_cache_size(tmp_path, monkeypatch):
+    """``--cache-size`` bounds an S3 mount as it bounds a local one: the tree's block cache gets half of it, the parts
+    fetched from the endpoint (read, or fetched ahead and not read yet) the other half, and a whole file read in
+    order, with the server's announcements, never holds more parts than that; a local tree's block cache has it all."""
+    import time
+
+    import ckptfs
+    from ckptfs import fusefs
+    from ckptfs.storage import s3client, s3object
+    from ckptfs.tree.memory import REMOTE_SHARE
+    from s3help import LocalS3, generated_checkpoint
+
+    mdl, params = generated_checkpoint(tmp_path / "ck", ffn=2048)
+    from benchlib import s3 as bench_s3
+    size = 16 << 20
+    assert ckptfs.open(mdl, config=str(params), cache_size=size).cache.max_bytes == size
+    monkeypatch.setattr(s3object, "PART_BYTES", 1 << 20)  # groups of 4 MiB: several fit in the ahead budget
+    monkeypatch.setattr(s3client, "_clients", {})  # the endpoint (from the environment) is this test's own
+    s3object._pool.reset()
+    srv = LocalS3(tmp_path / "s3")
+    try:
+        for k, v in srv.env().items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv("CKPTFS_CACHE_DIR", str(tmp_path / "cache"))
+        bench_s3.upload(srv, mdl, "run/checkpoint_0.mdl")
+        tree = ckptfs.open(f"s3://{bench_s3.BUCKET}/run/checkpoint_0.mdl", config=str(params), cache_size=size)
+        pool = s3object._pool
+        parts = int(size * REMOTE_SHARE)
+        assert tree.cache.max_bytes == size - parts
+        assert (pool.keep_bytes, pool.ahead_limit) == (parts // 4, parts - parts // 4)
+        tree.cache.streaming, tree.cache.read_ahead = True, fusefs.SERVER_READ_AHEAD
+        tree.cache.announce_ahead = fusefs.SERVER_ANNOUNCE_AHEAD
+        total, peak = tree.attr(tree.lookup("model.safetensors")).size, 0
+        for off in range(0, total, 1 << 20):
+            tree.read("model.safetensors", off, 1 << 20)
+            with pool.lock:
+                held = sum(size for fut, size in pool.parts.values() if fut.done())
+            peak = max(peak, held)
+        assert total > 4 * parts  # the file is larger than the parts' budget: it had to be kept to it
+        assert 0 < peak <= parts, (peak, parts)
+        tree.close()
+    finally:
+        srv.stop()
+        s3object._pool.reset()
+
+
+def test_parts_fetched_ahead_and_dropped_unread_pause_fetching_ahead(tmp_path, monkeypatch):
+    """A reader that does not follow what was fetched ahead for it (a loader reading tensors in an order of its own)
+    has the parts fetched ahead dropped unread once they exceed their budget; from then on nothing is fetched ahead
+    until reads have fetched ``PAUSE_AHEADS`` times that budget themselves, so such a reader does not have every
+    object fetched twice."""
+    from s3help import LocalS3
+
+    from ckptfs.storage import s3object
+
+    part = 256 << 10
+    for name, value in (("PART_BYTES", part), ("PART_MIN", 64 << 10), ("FETCH_PARTS", 4),
+                        ("PART_CACHE_BYTES", 2 * part), ("AHEAD_BYTES", 4 * part)):
+        monkeypatch.setattr(s3object, name, value)
+    s3object._pool.reset()
+    srv = LocalS3(tmp_path / "s3")
+    try:
+        body = bytes(range(256)) * (16 * part // 256)
+        blobs = [_endpoint_blob(srv, monkeypatch, "pause", f"o{k}", body) for k in range(3)]
+        blobs[0].will_need(0, 4 * part)  # the whole ahead budget, never read
+        _wait_for_parts()
+        srv.reset()
+        blobs[1].will_need(0, 4 * part)  # more ahead: the unread parts of blobs[0] are dropped to make room
+        _wait_for_gets(srv, 1)
+        assert s3object._pool.paused == s3object.PAUSE_AHEADS * 4 * part
+        srv.reset()
+        blobs[2].will_need(0, 4 * part)  # paused: nothing asked for
+        assert srv.counts()["GET"] == 0, srv.requests()
+        out = bytearray(part)
+        for i in range(s3object.PAUSE_AHEADS * 4):  # reads fetch the pause's worth of parts themselves
+            off = 3 * i % 16 * part  # never the part after the last: no stream, nothing read ahead
+            blobs[2].read_into(memoryview(out), off, part)
+            assert bytes(out) == body[off:off + part]
+        assert s3object._pool.paused == 0
+        srv.reset()
+        blobs[0].will_need(8 * part, 4 * part)  # fetching ahead again
+        assert [r.range for r in _wait_for_gets(srv, 1)] == [f"bytes={8 * part}-{12 * part - 1}"]
+    finally:
+        srv.stop()
+        s3object._pool.reset()

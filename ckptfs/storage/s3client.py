@@ -35,6 +35,8 @@ ATTEMPTS = 3
 POOL_CONNECTIONS = 16
 #: an answer body that fails while streaming is asked for again this many times
 BODY_RETRIES = 2
+#: an answer is copied into the caller's buffers this many bytes at a time (what a read keeps besides them)
+BODY_STEP = 1 << 20
 #: after the endpoint could not be reached (or did not answer), requests fail at once for this many seconds instead
 #: of each waiting out the timeouts again: a read needing many objects fails within one request's bound
 DOWN_SECONDS = 5.0
@@ -180,9 +182,10 @@ class S3Client:
         return ObjectInfo(key, int(r.get("ContentLength", 0)), _etag(r.get("ETag")), _mtime_ns(r.get("LastModified")))
 
     def get(self, bucket: str, key: str, *, start: int | None = None, end: int | None = None,
-            etag: str | None = None, into: memoryview | None = None, max_bytes: int | None = None) -> GetResult:
+            etag: str | None = None, into: memoryview | list | None = None, max_bytes: int | None = None) -> GetResult:
         """Bytes ``[start, end)`` of an object (all of it without a range), only if its ETag is still ``etag``
-        (``SourceChangedError`` otherwise): into ``into`` when given (the count is returned), else as bytes. A whole
+        (``SourceChangedError`` otherwise): into ``into`` when given (a buffer, or a list of buffers filled end to end;
+        the count is returned), else as bytes. A whole
         object larger than ``max_bytes`` is refused before its body is read."""
         where = f"s3://{bucket}/{key}"
         kw = {"Bucket": bucket, "Key": key}
@@ -213,21 +216,18 @@ class S3Client:
                 raise SourceChangedError(where, f"the object changed since it was opened (ETag {etag} is now "
                                                 f"{info.etag}); remount to serve the new version")
             try:
-                data = r["Body"].read()
+                data = r["Body"].read() if into is None else None
+                got = len(data) if into is None else _read_into(r["Body"], into, length)
             except Exception as e:  # noqa: BLE001 - a body cut short: ask again (bounded)
                 if attempt < BODY_RETRIES:
                     time.sleep(min(2.0, 0.1 * 2 ** attempt) * random.random())
                     continue
                 raise self._failed(self._translate(e, where, bucket, etag)) from None
-            if len(data) != length:
+            if got != length:
                 if attempt < BODY_RETRIES:
                     continue
-                raise StorageError(where, f"the endpoint sent {len(data)} of {length} bytes", "failed")
-            meta = r.get("Metadata") or {}
-            if into is not None:
-                into[:length] = data
-                return GetResult(None, length, info, meta)
-            return GetResult(data, length, info, meta)
+                raise StorageError(where, f"the endpoint sent {got} of {length} bytes", "failed")
+            return GetResult(data, length, info, r.get("Metadata") or {})
         raise AssertionError("unreachable")
 
     def list(self, bucket: str, prefix: str, *, delimiter: str | None = "/", max_keys: int | None = None) -> Listing:
@@ -310,6 +310,23 @@ class S3Client:
         if name == "ParamValidationError":
             return StorageError(where, "not a valid bucket or key for S3", "refused")
         return StorageError(where, f"S3 request failed ({name})", "failed")
+
+
+def _read_into(body, into, length: int) -> int:
+    """Copy an answer's first ``length`` bytes into ``into`` (a buffer or a list of buffers, end to end),
+    ``BODY_STEP`` bytes at a time: the bytes that arrived (fewer when the answer was cut short). Reading the body
+    whole first would hold the answer twice (and, for a part cut out of it, three times) at its peak."""
+    got = 0
+    for buf in into if isinstance(into, list) else [into]:
+        view = memoryview(buf).cast("B")[:max(0, length - got)]
+        pos = 0
+        while pos < len(view):
+            n = body.readinto(view[pos:pos + BODY_STEP])
+            if not n:
+                return got + pos
+            pos += n
+        got += pos
+    return got
 
 
 def _total_size(r: dict, length: int) -> int:

@@ -9,20 +9,23 @@ fail with ``SourceChangedError`` instead of returning bytes of another version.
   a request costs a round trip, a few hundred KB more of an answer cost less.
 * **Large reads** (``PART_MIN`` bytes or more: a cache block's chunks, a tensor's data) go through *parts*, the
   object cut at multiples of ``PART_BYTES``: the parts a read needs are fetched concurrently (at most
-  ``MAX_IN_FLIGHT`` requests at once for the whole process) and kept in a process-wide cache of ``PART_CACHE_BYTES``
-  (least recently used first out). Once reads have continued each other over a whole part (sequential access:
-  ``cp``, a loader), each also queues the next ``READ_AHEAD_PARTS`` parts, so the endpoint is busy while the caller
+  ``MAX_IN_FLIGHT`` requests at once for the whole process) and kept in a process-wide cache (least recently used
+  first out) whose budget is a share of ``--cache-size`` (``set_memory``; ``PART_CACHE_BYTES`` unless set). Once
+  reads have continued each other over a whole part (sequential access: ``cp``, a loader), each also queues the
+  next ``READ_AHEAD_PARTS`` parts, so the endpoint is busy while the caller
   converts; a peek, whose few blocks the kernel's and ckptfs's own read-ahead ask for in order, stays within the
   parts it touches. ``will_need`` queues parts explicitly (a sequential read of a generated file announces the
   objects after the one it reads: ``VirtualTensor.will_need``).
 * **Parts asked for ahead** (``will_need``) are fetched by aligned groups of ``FETCH_PARTS`` parts, one request
   per group: a request has a cost of its own at the endpoint (moto copies the whole object for every range it serves;
-  S3 bills and answers each request on its own), and a stream reads every part of the group anyway. At most
-  ``AHEAD_BYTES`` of them are in flight at once; until a read uses them they are the last parts the cache lets go
-  of (a window of parts announced ahead must not push out the parts announced before it, not read yet).
+  S3 bills and answers each request on its own), and a stream reads every part of the group anyway. At most the
+  ahead budget (``AHEAD_BYTES`` unless set) of them are in flight or unread at once; until a read uses them they are
+  the last parts the cache lets go of (a window of parts announced ahead must not push out the parts announced
+  before it, not read yet). Once one is dropped unread all the same, fetching ahead pauses (``PAUSE_AHEADS``).
 
-Memory: the part cache's bound, ``AHEAD_BYTES`` more for parts asked for ahead and not read yet, and the parts in
-flight for reads waiting (at most ``MAX_IN_FLIGHT`` × ``PART_BYTES``), whatever the number of objects. A failed part
+Memory: the budget ``set_memory`` gives (parts read, and parts asked for ahead and not read yet), the parts in flight
+for reads waiting (at most ``MAX_IN_FLIGHT`` × ``PART_BYTES``) and ``BODY_STEP`` per answer arriving (an answer is
+copied into its parts' buffers as it arrives), whatever the number of objects. A failed part
 is dropped from the cache, so a later read asks again.
 """
 from __future__ import annotations
@@ -43,12 +46,16 @@ PART_MIN = 512 << 10
 READ_AHEAD_PARTS = 2
 #: requests in flight at once, all objects together
 MAX_IN_FLIGHT = 8
-#: parts kept (bytes), all objects together
-PART_CACHE_BYTES = 64 << 20
+#: parts kept after a read used them (bytes), all objects together, unless ``set_memory`` says otherwise
+PART_CACHE_BYTES = 32 << 20
 #: parts asked for ahead (``will_need``) are fetched by aligned groups of this many parts, one request each
 FETCH_PARTS = 4
-#: bytes asked for ahead (``will_need``) in flight at once, all objects together
+#: bytes asked for ahead (``will_need``) and not read yet, all objects together, unless ``set_memory`` says otherwise
 AHEAD_BYTES = 96 << 20
+#: once a part fetched ahead is dropped unread (the reader went elsewhere), nothing more is fetched ahead until reads
+#: have fetched this many times the ahead budget in parts: a loader reading out of file order would otherwise have
+#: objects fetched twice (announced, dropped, read again)
+PAUSE_AHEADS = 2
 #: ranges of one ``read_spans``/``read_scattered`` closer than this are fetched as one request
 MERGE_GAP = 1 << 20
 
@@ -59,10 +66,12 @@ class _Pool:
     def __init__(self):
         self.lock = threading.Lock()
         self.executor: ThreadPoolExecutor | None = None
-        self.parts: OrderedDict = OrderedDict()  # (object id, part) -> (Future[bytes], size), least recently used first
+        self.parts: OrderedDict = OrderedDict()  # (object id, part) -> (Future[bytearray], size), oldest use first
         self.bytes = 0
         self.ahead_bytes = 0  # bytes asked for ahead and not arrived yet
         self.unread: set = set()  # parts fetched ahead that no read has used yet (trimmed last)
+        self.paused = 0  # bytes of parts reads must fetch before anything is fetched ahead again (``PAUSE_AHEADS``)
+        self.keep_bytes, self.ahead_limit = PART_CACHE_BYTES, AHEAD_BYTES
 
     def submit(self, fn, *args) -> Future:
         with self.lock:
@@ -76,30 +85,33 @@ class _Pool:
         return self.executor
 
     def part(self, key, fetch, size: int) -> Future:
-        """The future of part ``key`` (``fetch()`` submitted when it is neither cached nor in flight)."""
+        """The future of part ``key`` (``fetch(buffers)`` submitted when it is neither cached nor in flight)."""
         with self.lock:
             got = self.parts.get(key)
             if got is not None:
                 self.parts.move_to_end(key)
                 self.unread.discard(key)
                 return got[0]
+            self.paused = max(0, self.paused - size)
             request = self._register([key], [size], ahead=False)
         return self._launch(request, fetch)[0]
 
     def ahead(self, keys: list, ranges: list, get) -> bool:
         """Ask for the consecutive parts ``keys`` (object bytes ``ranges``) ahead of any read: one request
-        (``get(lo, hi)``) for them all when none is cached or in flight, else one for each missing part. False
-        (nothing queued) when more than ``AHEAD_BYTES`` would be in flight ahead. The parts count as unread until a
-        read uses them."""
+        (``get(lo, hi, buffers)``) for them all when none is cached or in flight, else one for each missing part. False
+        (nothing queued) when more than the ahead budget would be in flight ahead. The parts count as unread until a
+        read uses them. False too while paused: a part fetched ahead was dropped unread not long ago."""
         with self.lock:
+            if self.paused:
+                return False
             missing = [k for k, key in enumerate(keys) if key not in self.parts]
-            if self.ahead_bytes + sum(ranges[k][1] - ranges[k][0] for k in missing) > AHEAD_BYTES:
+            if self.ahead_bytes + sum(ranges[k][1] - ranges[k][0] for k in missing) > self.ahead_limit:
                 return False
             groups = [range(len(keys))] if len(missing) == len(keys) else [[k] for k in missing]
             requests = [(self._register([keys[k] for k in g], [ranges[k][1] - ranges[k][0] for k in g], ahead=True),
                          ranges[g[0]][0], ranges[g[-1]][1]) for g in groups]
         for request, lo, hi in requests:  # outside the lock: an answer may arrive before its callback is added
-            self._launch(request, lambda lo=lo, hi=hi: get(lo, hi))
+            self._launch(request, lambda bufs, lo=lo, hi=hi: get(lo, hi, bufs))
         return True
 
     def _register(self, keys: list, sizes: list, ahead: bool) -> tuple:
@@ -116,37 +128,39 @@ class _Pool:
         return keys, sizes, futures, ahead
 
     def _launch(self, request: tuple, fetch) -> list:
-        """Send a registered request (``fetch()`` gives its parts' bytes end to end; called without the lock, which
-        the answer's callback takes): the parts' futures."""
+        """Send a registered request (``fetch(buffers)`` fills its parts' buffers end to end and returns the count;
+        called without the lock, which the answer's callback takes): the parts' futures."""
         keys, sizes, futures, ahead = request
         total = sum(sizes)
+
+        def run() -> list:
+            parts = [bytearray(size) for size in sizes]  # allocated once the request is sent, not while queued
+            got = fetch(parts)
+            if got != total:
+                raise OSError(f"{got} bytes for the {total} asked for")
+            return parts
 
         def done(f: Future) -> None:
             if ahead:
                 with self.lock:
                     self.ahead_bytes -= total
             err = f.exception()
-            if err is None and len(f.result()) != total:
-                err = OSError(f"{len(f.result())} bytes for the {total} asked for")
-            data = f.result() if err is None else None  # parts are cut out as copies: a view of the answer
-            pos = 0  # would keep the whole answer alive as long as any one of its parts is kept
-            for key, size, fut in zip(keys, sizes, futures):
+            for k, (key, size, fut) in enumerate(zip(keys, sizes, futures)):
                 if err is not None:
                     self.forget(key, fut, size)
                     fut.set_exception(err)
                 else:
-                    fut.set_result(data if len(keys) == 1 else data[pos:pos + size])
-                pos += size
+                    fut.set_result(f.result()[k])
 
         try:
-            inner = self.submit(fetch)
+            inner = self.submit(run)
         except RuntimeError as e:  # the interpreter is shutting down
             inner = Future()
             inner.set_exception(e)
         inner.add_done_callback(done)
         return futures
 
-    def cached(self, key) -> bytes | None:
+    def cached(self, key) -> bytearray | None:
         """Part ``key``'s bytes if fetched already (no request)."""
         with self.lock:
             got = self.parts.get(key)
@@ -164,29 +178,50 @@ class _Pool:
                 self.bytes -= size
 
     def _trim(self) -> None:
-        """Drop the least recently used finished parts beyond the budgets: ``PART_CACHE_BYTES`` for parts reads used,
-        ``AHEAD_BYTES`` for parts fetched ahead and not read yet (a reader that stopped leaves them). Parts in flight
+        """Drop the least recently used finished parts beyond the budgets: ``keep_bytes`` for parts reads used,
+        ``ahead_limit`` for parts fetched ahead and not read yet (a reader that stopped leaves them). Parts in flight
         stay."""
         unread = sum(self.parts[k][1] for k in self.unread)
-        over = {False: self.bytes - unread - PART_CACHE_BYTES, True: unread - AHEAD_BYTES}
+        over = {False: self.bytes - unread - self.keep_bytes, True: unread - self.ahead_limit}
         if over[False] <= 0 and over[True] <= 0:
             return
         for key in list(self.parts):
             fut, size = self.parts[key]
             is_unread = key in self.unread
             if over[is_unread] > 0 and fut.done():
+                if is_unread:
+                    self.paused = PAUSE_AHEADS * self.ahead_limit
                 del self.parts[key]
                 self.unread.discard(key)
                 self.bytes -= size
                 over[is_unread] -= size
 
+    def set_memory(self, budget: int) -> None:
+        with self.lock:
+            self.keep_bytes = budget // 4
+            self.ahead_limit = budget - self.keep_bytes
+            self._trim()
+
     def reset(self) -> None:
         self.__init__()
+
+    def forked(self) -> None:
+        """Empty, in a forked child (threads and answers in flight are the parent's), keeping the budgets."""
+        budgets = self.keep_bytes, self.ahead_limit
+        self.__init__()
+        self.keep_bytes, self.ahead_limit = budgets
 
 
 _pool = _Pool()
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_pool.reset)
+    os.register_at_fork(after_in_child=_pool.forked)
+
+
+def set_memory(budget: int) -> None:
+    """Bound the process's parts by ``budget`` bytes (a share of ``--cache-size``): a quarter for parts reads used,
+    the rest for parts fetched ahead and not read yet. Process-wide, like the parts: the last tree opened over object
+    storage sets it."""
+    _pool.set_memory(max(0, int(budget)))
 
 
 class S3Object(Blob):
@@ -229,7 +264,7 @@ class S3Object(Blob):
         return f"S3Object({self.name}, {self.size} bytes, {self.etag})"
 
     # -- requests ------------------------------------------------------------------------------------------------
-    def _get(self, lo: int, hi: int, into: memoryview | None = None):
+    def _get(self, lo: int, hi: int, into: memoryview | list | None = None):
         r = self.client.get(self.bucket, self.key, start=lo, end=hi, etag=self.etag, into=into)
         if self.user_metadata is None:
             self.user_metadata = r.metadata
@@ -240,12 +275,12 @@ class S3Object(Blob):
 
     def _part(self, i: int) -> Future:
         lo, hi = self._part_range(i)
-        return _pool.part((*self._id, i), lambda: self._get(lo, hi), hi - lo)
+        return _pool.part((*self._id, i), lambda bufs: self._get(lo, hi, bufs), hi - lo)
 
     def will_need(self, offset: int, length: int | None = None) -> None:
         """Queue the parts under ``[offset, offset + length)`` (None: ``READ_AHEAD_PARTS`` parts) that are neither
         cached nor in flight, by groups of ``FETCH_PARTS`` aligned parts, one request each (the group holding
-        ``offset`` from ``offset`` on), while fewer than ``AHEAD_BYTES`` are in flight ahead (best effort, no
+        ``offset`` from ``offset`` on), while the ahead budget allows (best effort, no
         waiting)."""
         if length is None:
             length = READ_AHEAD_PARTS * PART_BYTES
@@ -283,7 +318,7 @@ class S3Object(Blob):
         if data is None:
             return False
         lo = offset - i * PART_BYTES
-        view[:need] = data[lo:lo + need]
+        view[:need] = memoryview(data)[lo:lo + need]
         return True
 
     def _from_parts(self, view: memoryview, offset: int, need: int) -> bool:
@@ -303,7 +338,7 @@ class S3Object(Blob):
             data = fut.result()
             lo = max(offset, i * PART_BYTES) - i * PART_BYTES
             hi = min(end, (i + 1) * PART_BYTES) - i * PART_BYTES
-            view[pos:pos + hi - lo] = data[lo:hi]
+            view[pos:pos + hi - lo] = memoryview(data)[lo:hi]
             pos += hi - lo
         return waited
 

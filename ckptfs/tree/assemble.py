@@ -26,6 +26,7 @@ from ..units import human_size
 from ..views.base import README_NAME, BytesFile, ViewContext, ViewResult
 from ..views.registry import folder_of, names, view
 from .base import split_path
+from .memory import tree_cache
 from .virtual import VirtualTree
 
 log = logging.getLogger("ckptfs.tree")
@@ -286,7 +287,7 @@ def build_tree(ckpt_path, options: MountOptions | None = None, *, cache: BlockCa
     options = options or MountOptions()
     check_options(options)
     if cache is None:
-        cache = BlockCache(options.cache_size)  # this tree's own: never shared with, or replaced by, another tree
+        cache = tree_cache(options.cache_size, ckpt_path)  # this tree's own: never shared with, or replaced by, another
     if views is not None:
         path = Path(ckpt_path).absolute()
         results = views(path, options)

@@ -24,6 +24,7 @@ from ..units import human_size
 from ..views.base import README_NAME, BytesFile, ViewContext
 from ..views.cs import mdl_file, params_yaml
 from ..views.from_hf import MDL_NAME, PARAMS_NAME, HFCheckpoint, open_hf_checkpoint
+from .memory import tree_cache
 from .virtual import VirtualTree
 
 log = logging.getLogger("ckptfs.tree.hf")
@@ -75,7 +76,7 @@ def build_hf_tree(path, options: MountOptions | None = None, *, cache: BlockCach
     if not views:
         raise UsageError(path, f"--views {','.join(options.views)}: a Hugging Face model serves "
                                f"{' and '.join(HF_SOURCE_VIEWS)}")
-    cache = cache if cache is not None else BlockCache(options.cache_size)
+    cache = cache if cache is not None else tree_cache(options.cache_size, path)
     hc = open_hf_checkpoint(path, options, planner)
     files: dict = {}
     notes = list(hc.notes)

@@ -46,7 +46,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
 
-from ..cache import BlockCache
 from ..errors import CheckpointError, CkptfsError
 from ..options import MountOptions, s3_settings
 from ..source.rundir import RunCheckpoint, RunListing, RunScanner
@@ -56,6 +55,7 @@ from ..views.base import README_NAME, BytesFile
 from .assemble import TreeBuilder, build_tree
 from .base import (DIR_MODE, FILE_MODE, LINK_MODE, Attr, Tree, VirtualPathError, read_entry, readinto_entry,
                    split_path)
+from .memory import tree_cache
 from .virtual import Entry, VirtualTree
 
 log = logging.getLogger("ckptfs.run")
@@ -138,7 +138,7 @@ class RunTree(Tree):
         self.options = options or MountOptions()
         self.keep = max(1, int(keep))
         self.poll = float(poll)
-        self.cache = BlockCache(self.options.cache_size)  # shared by the run's trees: --cache-size bounds the run
+        self.cache = tree_cache(self.options.cache_size, model_dir)  # shared by the run's trees: bounds the run
         self._build_tree = build_tree  # a checkpoint's tree, built with this run's cache (``_build_checkpoint``)
         self._build = build or self._build_checkpoint
         self._scanner = RunScanner(self.model_dir, allow_external=self.options.allow_external)
