@@ -143,6 +143,7 @@ def run_dtype(r: Runner, ctx: measure.Ctx, ck: measure.Ckpt, s3: bool = False) -
     d = ck.name
     local = ctx.workdir / "local" / d
     r.item(f"{d}.raw", measure.raw_read, ctx, ck)
+    r.item(f"{d}.disk", measure.disk_read, ctx, ck)
     layout = r.item(f"{d}.layout", measure.discover, ctx, ck, local)
     if layout is None:
         return

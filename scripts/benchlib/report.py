@@ -86,6 +86,12 @@ def target_lines(results: dict, errors: dict, dtypes: list, cache_bytes: int) ->
         else:
             lines.append(Line(f"{d}: raw h5py read (baseline)", f"{raw['mb_s']:.0f} MB/s, {raw['median_s']:.2f} s",
                               "", "INFO"))
+        disk = r.get("disk")
+        name = f"{d}: the .mdl file read whole (disk's ceiling)"
+        if raw is not None and (disk is not None or f"{d}.disk" in errors):  # (not in reports of older runs)
+            lines.append(_measured(name, errors, [f"{d}.disk", f"{d}.raw"], disk,
+                                   lambda dk: Line(name, f"{dk['mb_s']:.0f} MB/s = {dk['mb_s'] / raw['mb_s']:.2f}x raw "
+                                                         f"h5py (cold, O_DIRECT, nothing decoded)", "", "INFO")))
         pt = r.get("cp_passthrough")
         lines += _ratio_lines(d, "cp safetensors", r.get("cp_safetensors"), raw, "cp_safetensors", errors,
                               passthrough=pt)
