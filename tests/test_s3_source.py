@@ -343,7 +343,7 @@ def test_a_tree_over_object_storage_keeps_its_parts_within_its_cache_size(tmp_pa
 
     import ckptfs
     from ckptfs import fusefs
-    from ckptfs.storage import s3client, s3object
+    from ckptfs.storage import s3object
     from ckptfs.tree.memory import REMOTE_SHARE
     from s3help import LocalS3, generated_checkpoint
 
@@ -352,7 +352,6 @@ def test_a_tree_over_object_storage_keeps_its_parts_within_its_cache_size(tmp_pa
     size = 16 << 20
     assert ckptfs.open(mdl, config=str(params), cache_size=size).cache.max_bytes == size
     monkeypatch.setattr(s3object, "PART_BYTES", 1 << 20)  # groups of 4 MiB: several fit in the ahead budget
-    monkeypatch.setattr(s3client, "_clients", {})  # the endpoint (from the environment) is this test's own
     s3object._pool.reset()
     srv = LocalS3(tmp_path / "s3")
     try:
@@ -420,3 +419,18 @@ def test_parts_fetched_ahead_and_dropped_unread_pause_fetching_ahead(tmp_path, m
     finally:
         srv.stop()
         s3object._pool.reset()
+
+
+def test_a_client_follows_the_endpoint_the_environment_names(monkeypatch):
+    """The process keeps one client per settings and ``AWS_*`` environment: the same environment gets the same
+    client, a program that points ``AWS_ENDPOINT_URL`` at another endpoint between two opens gets a new one (the first
+    one's endpoint may be gone: a test's server, a notebook's switch from staging to production)."""
+    from ckptfs.storage.s3client import client_for
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    first = client_for(S3Settings())
+    assert client_for(S3Settings()) is first
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:10")
+    second = client_for(S3Settings())
+    assert second is not first and client_for(S3Settings()) is second
+    assert client_for(S3Settings(endpoint_url="http://127.0.0.1:9")) not in (first, second)

@@ -344,9 +344,12 @@ _clients_lock = threading.Lock()
 
 
 def client_for(settings: S3Settings) -> S3Client:
-    """The process's client for ``settings`` (made once; its boto3 client is made on first use)."""
+    """The process's client for ``settings`` and the ``AWS_*`` environment boto3 reads (endpoint, profile,
+    credentials): made once for each, its boto3 client on first use. A program that points the environment at another
+    endpoint between two opens gets a client for that endpoint, not the first one's."""
+    key = (settings, tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))))
     with _clients_lock:
-        c = _clients.get(settings)
+        c = _clients.get(key)
         if c is None:
-            c = _clients[settings] = S3Client(settings)
+            c = _clients[key] = S3Client(settings)
         return c
