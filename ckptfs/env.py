@@ -21,6 +21,9 @@ FUSE_THREADS = "CKPTFS_FUSE_THREADS"
 #: mfusepy's own: the libfuse to load, by path or by name (``ckptfs.fusefs`` sets the path to libfuse 3 otherwise)
 FUSE_LIBRARY_PATH = "FUSE_LIBRARY_PATH"
 FUSE_LIBRARY_NAME = "FUSE_LIBRARY_NAME"
+#: boto3's own (endpoint, profile, credentials…): ckptfs keeps one S3 client per set of them
+#: (``ckptfs.storage.s3client.client_for``) and never logs their values
+AWS_PREFIX = "AWS_"
 
 
 def _text(name: str, default: str = "") -> str:
@@ -73,3 +76,8 @@ def fuse_library_chosen() -> bool:
 def choose_fuse_library(path: str) -> None:
     """Tell mfusepy (which reads ``FUSE_LIBRARY_PATH`` when imported) to load the libfuse at ``path``."""
     os.environ[FUSE_LIBRARY_PATH] = path
+
+
+def aws_environment() -> tuple:
+    """The ``AWS_*`` variables, ``((name, value), …)`` sorted by name: what boto3 configures a client from."""
+    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(AWS_PREFIX)))

@@ -23,6 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ..env import aws_environment
 from ..errors import SourceChangedError, StorageError
 from .s3url import S3Settings, safe_endpoint
 
@@ -347,7 +348,7 @@ def client_for(settings: S3Settings) -> S3Client:
     """The process's client for ``settings`` and the ``AWS_*`` environment boto3 reads (endpoint, profile,
     credentials): made once for each, its boto3 client on first use. A program that points the environment at another
     endpoint between two opens gets a client for that endpoint, not the first one's."""
-    key = (settings, tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))))
+    key = (settings, aws_environment())
     with _clients_lock:
         c = _clients.get(key)
         if c is None:
