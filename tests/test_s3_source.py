@@ -421,6 +421,38 @@ def test_parts_fetched_ahead_and_dropped_unread_pause_fetching_ahead(tmp_path, m
         s3object._pool.reset()
 
 
+def test_an_objects_own_read_ahead_goes_on_while_announcements_pause(tmp_path, monkeypatch):
+    """While fetching ahead is paused, a reader's announcements (``will_need``) fetch nothing, but a sequential read
+    still has the parts after it fetched ahead by its object (a loader reading a tensor whole after its first pass
+    would otherwise wait for every part)."""
+    from s3help import LocalS3
+
+    from ckptfs.storage import s3object
+
+    part = 256 << 10
+    for name, value in (("PART_BYTES", part), ("PART_MIN", 64 << 10), ("FETCH_PARTS", 4),
+                        ("PART_CACHE_BYTES", 4 * part), ("AHEAD_BYTES", 8 * part)):
+        monkeypatch.setattr(s3object, name, value)
+    s3object._pool.reset()
+    srv = LocalS3(tmp_path / "s3")
+    try:
+        body = bytes(range(256)) * (16 * part // 256)
+        blob = _endpoint_blob(srv, monkeypatch, "own", "ahead", body)
+        s3object._pool.paused = 1 << 40
+        srv.reset()
+        blob.will_need(8 * part, 4 * part)
+        assert srv.counts()["GET"] == 0, srv.requests()  # announced: paused
+        out = bytearray(part)
+        for i in range(2):  # two parts in order: a sequential read
+            blob.read_into(memoryview(out), i * part, part)
+            assert bytes(out) == body[i * part:(i + 1) * part]
+        gets = _wait_for_gets(srv, 3)
+        assert f"bytes={2 * part}-{4 * part - 1}" in [r.range for r in gets], gets  # parts 2-3, read ahead
+    finally:
+        srv.stop()
+        s3object._pool.reset()
+
+
 def test_a_client_follows_the_endpoint_the_environment_names(monkeypatch):
     """The process keeps one client per settings and ``AWS_*`` environment: the same environment gets the same
     client, a program that points ``AWS_ENDPOINT_URL`` at another endpoint between two opens gets a new one (the first

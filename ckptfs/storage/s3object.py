@@ -52,9 +52,9 @@ PART_CACHE_BYTES = 32 << 20
 FETCH_PARTS = 4
 #: bytes asked for ahead (``will_need``) and not read yet, all objects together, unless ``set_memory`` says otherwise
 AHEAD_BYTES = 96 << 20
-#: once a part fetched ahead is dropped unread (the reader went elsewhere), nothing more is fetched ahead until reads
-#: have fetched this many times the ahead budget in parts: a loader reading out of file order would otherwise have
-#: objects fetched twice (announced, dropped, read again)
+#: once a part fetched ahead is dropped unread (the reader went elsewhere), nothing announced is fetched ahead until
+#: reads have fetched this many times the ahead budget in parts: a loader reading out of file order would otherwise
+#: have objects fetched twice (announced, dropped, read again)
 PAUSE_AHEADS = 2
 #: ranges of one ``read_spans``/``read_scattered`` closer than this are fetched as one request
 MERGE_GAP = 1 << 20
@@ -96,13 +96,14 @@ class _Pool:
             request = self._register([key], [size], ahead=False)
         return self._launch(request, fetch)[0]
 
-    def ahead(self, keys: list, ranges: list, get) -> bool:
+    def ahead(self, keys: list, ranges: list, get, announced: bool = True) -> bool:
         """Ask for the consecutive parts ``keys`` (object bytes ``ranges``) ahead of any read: one request
         (``get(lo, hi, buffers)``) for them all when none is cached or in flight, else one for each missing part. False
         (nothing queued) when more than the ahead budget would be in flight ahead. The parts count as unread until a
-        read uses them. False too while paused: a part fetched ahead was dropped unread not long ago."""
+        read uses them. False too for parts ``announced`` by a reader (``will_need``) while paused: a part fetched
+        ahead was dropped unread not long ago (an object's own read-ahead behind a sequential read goes on)."""
         with self.lock:
-            if self.paused:
+            if self.paused and announced:
                 return False
             missing = [k for k, key in enumerate(keys) if key not in self.parts]
             if self.ahead_bytes + sum(ranges[k][1] - ranges[k][0] for k in missing) > self.ahead_limit:
@@ -277,11 +278,11 @@ class S3Object(Blob):
         lo, hi = self._part_range(i)
         return _pool.part((*self._id, i), lambda bufs: self._get(lo, hi, bufs), hi - lo)
 
-    def will_need(self, offset: int, length: int | None = None) -> None:
+    def will_need(self, offset: int, length: int | None = None, announced: bool = True) -> None:
         """Queue the parts under ``[offset, offset + length)`` (None: ``READ_AHEAD_PARTS`` parts) that are neither
         cached nor in flight, by groups of ``FETCH_PARTS`` aligned parts, one request each (the group holding
-        ``offset`` from ``offset`` on), while the ahead budget allows (best effort, no
-        waiting)."""
+        ``offset`` from ``offset`` on), while the ahead budget allows (best effort, no waiting). ``announced``: asked
+        for by a reader (paused after parts fetched ahead were dropped unread), not by this object's own read-ahead."""
         if length is None:
             length = READ_AHEAD_PARTS * PART_BYTES
         if offset >= self.size or length <= 0:
@@ -289,7 +290,8 @@ class S3Object(Blob):
         first, last = offset // PART_BYTES, (self.size - 1) // PART_BYTES
         for g in range(first // FETCH_PARTS, (min(self.size, offset + length) - 1) // PART_BYTES // FETCH_PARTS + 1):
             parts = range(max(first, g * FETCH_PARTS), min(last, (g + 1) * FETCH_PARTS - 1) + 1)  # not behind
-            if not _pool.ahead([(*self._id, i) for i in parts], [self._part_range(i) for i in parts], self._get):
+            if not _pool.ahead([(*self._id, i) for i in parts], [self._part_range(i) for i in parts], self._get,
+                               announced):
                 return  # enough in flight ahead: a later read announces the rest again
 
     # -- reads ---------------------------------------------------------------------------------------------------
@@ -330,7 +332,7 @@ class S3Object(Blob):
         self._streak = self._streak + need if sequential else need
         futures = [self._part(i) for i in range(first, last + 1)]
         if sequential and self._streak >= PART_BYTES:
-            self.will_need(end, READ_AHEAD_PARTS * PART_BYTES)
+            self.will_need(end, READ_AHEAD_PARTS * PART_BYTES, announced=False)
         self._last_end = end
         pos, waited = 0, False
         for i, fut in zip(range(first, last + 1), futures):
