@@ -192,6 +192,19 @@ def _wait_for_gets(srv, n: int) -> list:
     return [r for r in srv.requests() if r.kind == "GET"]
 
 
+def _small_parts(monkeypatch, keep: int, ahead: int) -> int:
+    """Parts of 256 KiB (groups of 4, reads of 64 KiB or more through parts), ``keep`` parts kept after a read and
+    ``ahead`` fetched ahead, in a fresh pool: the part size."""
+    from ckptfs.storage import s3object
+
+    part = 256 << 10
+    for name, value in (("PART_BYTES", part), ("PART_MIN", 64 << 10), ("FETCH_PARTS", 4),
+                        ("PART_CACHE_BYTES", keep * part), ("AHEAD_BYTES", ahead * part)):
+        monkeypatch.setattr(s3object, name, value)
+    s3object._pool.reset()
+    return part
+
+
 def test_parts_asked_for_ahead_come_by_groups_and_stay_until_read(tmp_path, monkeypatch):
     """``will_need`` fetches aligned groups of ``FETCH_PARTS`` parts, one request each, no more than ``AHEAD_BYTES``
     at once; parts fetched ahead outlive other reads pushing the cache over its budget, so the read that comes for
@@ -200,11 +213,7 @@ def test_parts_asked_for_ahead_come_by_groups_and_stay_until_read(tmp_path, monk
 
     from ckptfs.storage import s3object
 
-    part = 256 << 10
-    for name, value in (("PART_BYTES", part), ("PART_MIN", 64 << 10), ("FETCH_PARTS", 4),
-                        ("PART_CACHE_BYTES", 2 * part), ("AHEAD_BYTES", 8 * part)):
-        monkeypatch.setattr(s3object, name, value)
-    s3object._pool.reset()
+    part = _small_parts(monkeypatch, 2, 8)
     srv = LocalS3(tmp_path / "s3")
     try:
         body = bytes(range(256)) * (12 * part // 256)
@@ -230,6 +239,18 @@ def test_parts_asked_for_ahead_come_by_groups_and_stay_until_read(tmp_path, monk
         s3object._pool.reset()
 
 
+def _uploaded(srv, monkeypatch, tmp_path, mdl) -> str:
+    """``mdl`` put on the local endpoint ``srv`` in Cerebras' S3 layout, the environment pointed at it (and at a cache
+    directory of this test's own): its ``s3://`` URL."""
+    from benchlib import s3 as bench_s3  # importable once generated_checkpoint has put scripts/ on the path
+
+    for k, v in srv.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("CKPTFS_CACHE_DIR", str(tmp_path / "cache"))
+    bench_s3.upload(srv, mdl, "run/checkpoint_0.mdl")
+    return f"s3://{bench_s3.BUCKET}/run/checkpoint_0.mdl"
+
+
 def test_a_sequential_read_fetches_the_next_objects_ahead_and_no_byte_twice(tmp_path, monkeypatch):
     """Reading ``model.safetensors`` of a checkpoint in Cerebras' S3 layout in order, as the FUSE server serves it:
     while the first tensor is read, the objects of the tensors after it are already asked for (without that, every
@@ -249,16 +270,12 @@ def test_a_sequential_read_fetches_the_next_objects_ahead_and_no_byte_twice(tmp_
     from s3help import generated_checkpoint
 
     mdl, params = generated_checkpoint(tmp_path / "ck", ffn=2048)
-    from benchlib import s3 as bench_s3  # importable once generated_checkpoint has put scripts/ on the path
     s3object._pool.reset()
     srv = LocalS3(tmp_path / "s3")
     try:
-        for k, v in srv.env().items():
-            monkeypatch.setenv(k, v)
-        monkeypatch.setenv("CKPTFS_CACHE_DIR", str(tmp_path / "cache"))
-        bench_s3.upload(srv, mdl, "run/checkpoint_0.mdl")
+        url = _uploaded(srv, monkeypatch, tmp_path, mdl)
         local = ckptfs.open(mdl, config=str(params)).read("model.safetensors", 0, 1 << 40)
-        tree = ckptfs.open(f"s3://{bench_s3.BUCKET}/run/checkpoint_0.mdl", config=str(params))
+        tree = ckptfs.open(url, config=str(params))
         tree.cache.streaming, tree.cache.read_ahead = True, fusefs.SERVER_READ_AHEAD
         tree.cache.announce_ahead = fusefs.SERVER_ANNOUNCE_AHEAD
         (n,) = struct.unpack("<Q", local[:8])
@@ -348,18 +365,13 @@ def test_a_tree_over_object_storage_keeps_its_parts_within_its_cache_size(tmp_pa
     from s3help import LocalS3, generated_checkpoint
 
     mdl, params = generated_checkpoint(tmp_path / "ck", ffn=2048)
-    from benchlib import s3 as bench_s3
     size = 16 << 20
     assert ckptfs.open(mdl, config=str(params), cache_size=size).cache.max_bytes == size
     monkeypatch.setattr(s3object, "PART_BYTES", 1 << 20)  # groups of 4 MiB: several fit in the ahead budget
     s3object._pool.reset()
     srv = LocalS3(tmp_path / "s3")
     try:
-        for k, v in srv.env().items():
-            monkeypatch.setenv(k, v)
-        monkeypatch.setenv("CKPTFS_CACHE_DIR", str(tmp_path / "cache"))
-        bench_s3.upload(srv, mdl, "run/checkpoint_0.mdl")
-        tree = ckptfs.open(f"s3://{bench_s3.BUCKET}/run/checkpoint_0.mdl", config=str(params), cache_size=size)
+        tree = ckptfs.open(_uploaded(srv, monkeypatch, tmp_path, mdl), config=str(params), cache_size=size)
         pool = s3object._pool
         parts = int(size * REMOTE_SHARE)
         assert tree.cache.max_bytes == size - parts
@@ -389,11 +401,7 @@ def test_parts_fetched_ahead_and_dropped_unread_pause_fetching_ahead(tmp_path, m
 
     from ckptfs.storage import s3object
 
-    part = 256 << 10
-    for name, value in (("PART_BYTES", part), ("PART_MIN", 64 << 10), ("FETCH_PARTS", 4),
-                        ("PART_CACHE_BYTES", 2 * part), ("AHEAD_BYTES", 4 * part)):
-        monkeypatch.setattr(s3object, name, value)
-    s3object._pool.reset()
+    part = _small_parts(monkeypatch, 2, 4)
     srv = LocalS3(tmp_path / "s3")
     try:
         body = bytes(range(256)) * (16 * part // 256)
@@ -429,11 +437,7 @@ def test_an_objects_own_read_ahead_goes_on_while_announcements_pause(tmp_path, m
 
     from ckptfs.storage import s3object
 
-    part = 256 << 10
-    for name, value in (("PART_BYTES", part), ("PART_MIN", 64 << 10), ("FETCH_PARTS", 4),
-                        ("PART_CACHE_BYTES", 4 * part), ("AHEAD_BYTES", 8 * part)):
-        monkeypatch.setattr(s3object, name, value)
-    s3object._pool.reset()
+    part = _small_parts(monkeypatch, 4, 8)
     srv = LocalS3(tmp_path / "s3")
     try:
         body = bytes(range(256)) * (16 * part // 256)
