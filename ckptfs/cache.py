@@ -59,6 +59,7 @@ class BlockCache:
         self.streaming = False
         self.read_ahead = 0  # bytes a sequential read of a pieced file prepares after itself (``ckptfs.readahead``)
         self.announce_ahead = 0  # bytes after it whose storage it asks to fetch ahead (``VirtualTensor.will_need``)
+        self.remote = False  # the tree's tensors are in object storage (``tree.memory.tree_cache``)
         self._size = 0
         self._lock = threading.Lock()
         self.hits = 0

@@ -359,16 +359,16 @@ def fuse_class(fuse):
 
 
 def serve(tree: Tree, mountpoint, *, fsname: str = "ckptfs", allow_other: bool = False,
-          cache_timeout: float = CACHE_TIMEOUT, threads: bool | None = None, remote: bool = False) -> None:
+          cache_timeout: float = CACHE_TIMEOUT, threads: bool | None = None) -> None:
     """Mount ``tree`` at ``mountpoint`` and serve until unmounted or signalled (SIGTERM/SIGINT/SIGHUP).
 
     ``cache_timeout``: how long the kernel may cache entries, attributes and failed lookups (short for a tree that
     changes: a run, ``tree/run.py``). ``threads``: libfuse's multi-threaded loop (default: on when
     ``$CKPTFS_FUSE_THREADS`` is 1; off otherwise: on 2 cores one loop thread with the read-ahead threads of
     ``ckptfs.readahead`` is faster, docs/measurements.md, "FUSE server"). Returns normally on a clean unmount; raises
-    ``CkptfsError`` if the mount itself fails. ``remote``: the tree's tensors are in object storage, whose objects a
-    read running through a file announces ahead (``SERVER_ANNOUNCE_AHEAD``; a local file's storage announces its own
-    next bytes, so local trees skip that work on every read).
+    ``CkptfsError`` if the mount itself fails. A tree whose tensors are in object storage (``cache.remote``) has a
+    read running through a file announce the objects ahead (``SERVER_ANNOUNCE_AHEAD``; a local file's storage
+    announces its own next bytes, so local trees skip that work on every read).
     """
     fuse = load_mfusepy()
     pin_malloc()
@@ -378,7 +378,7 @@ def serve(tree: Tree, mountpoint, *, fsname: str = "ckptfs", allow_other: bool =
     if cache is not None:  # the kernel's page cache keeps what was read: blocks read whole are not kept twice
         cache.streaming = True
         cache.read_ahead = SERVER_READ_AHEAD
-        cache.announce_ahead = SERVER_ANNOUNCE_AHEAD if remote else 0
+        cache.announce_ahead = SERVER_ANNOUNCE_AHEAD if cache.remote else 0
     mountpoint = os.path.abspath(str(mountpoint))
     ops = CkptfsOperations(tree, mount_target(mountpoint))
     opts = dict(foreground=True, nothreads=not threads, ro=True, default_permissions=True, kernel_cache=True,

@@ -513,7 +513,7 @@ def _mount(ckpt, mountpoint, options: MountOptions, *, foreground: bool, allow_o
     log.info("mounting %s at %s (%d %s)", ckpt, mp, tree.file_count, "checkpoints" if run else "files")
     try:
         serve(tree, mp, fsname=f"ckptfs:{_argument(ckpt)}", allow_other=allow_other,
-              cache_timeout=RUN_CACHE_TIMEOUT if run else CACHE_TIMEOUT, remote=is_s3_url(ckpt))
+              cache_timeout=RUN_CACHE_TIMEOUT if run else CACHE_TIMEOUT)
     finally:
         tree.close()
     log.info("unmounted %s", mp)

@@ -217,8 +217,11 @@ class S3Client:
                 raise SourceChangedError(where, f"the object changed since it was opened (ETag {etag} is now "
                                                 f"{info.etag}); remount to serve the new version")
             try:
-                data = r["Body"].read() if into is None else None
-                got = len(data) if into is None else _read_into(r["Body"], into, length)
+                if into is None:
+                    data = r["Body"].read()
+                    got = len(data)
+                else:
+                    data, got = None, _read_into(r["Body"], into, length)
             except Exception as e:  # noqa: BLE001 - a body cut short: ask again (bounded)
                 if attempt < BODY_RETRIES:
                     time.sleep(min(2.0, 0.1 * 2 ** attempt) * random.random())

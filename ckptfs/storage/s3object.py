@@ -105,11 +105,12 @@ class _Pool:
         with self.lock:
             if self.paused and announced:
                 return False
+            sizes = [hi - lo for lo, hi in ranges]
             missing = [k for k, key in enumerate(keys) if key not in self.parts]
-            if self.ahead_bytes + sum(ranges[k][1] - ranges[k][0] for k in missing) > self.ahead_limit:
+            if self.ahead_bytes + sum(sizes[k] for k in missing) > self.ahead_limit:
                 return False
             groups = [range(len(keys))] if len(missing) == len(keys) else [[k] for k in missing]
-            requests = [(self._register([keys[k] for k in g], [ranges[k][1] - ranges[k][0] for k in g], ahead=True),
+            requests = [(self._register([keys[k] for k in g], [sizes[k] for k in g], ahead=True),
                          ranges[g[0]][0], ranges[g[-1]][1]) for g in groups]
         for request, lo, hi in requests:  # outside the lock: an answer may arrive before its callback is added
             self._launch(request, lambda bufs, lo=lo, hi=hi: get(lo, hi, bufs))
@@ -203,19 +204,17 @@ class _Pool:
             self.ahead_limit = budget - self.keep_bytes
             self._trim()
 
-    def reset(self) -> None:
-        self.__init__()
-
-    def forked(self) -> None:
-        """Empty, in a forked child (threads and answers in flight are the parent's), keeping the budgets."""
+    def reset(self, keep_budgets: bool = False) -> None:
+        """Empty (in a forked child, whose threads and answers in flight are the parent's: ``keep_budgets``)."""
         budgets = self.keep_bytes, self.ahead_limit
         self.__init__()
-        self.keep_bytes, self.ahead_limit = budgets
+        if keep_budgets:
+            self.keep_bytes, self.ahead_limit = budgets
 
 
 _pool = _Pool()
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_pool.forked)
+    os.register_at_fork(after_in_child=lambda: _pool.reset(keep_budgets=True))
 
 
 def set_memory(budget: int) -> None:

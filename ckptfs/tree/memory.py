@@ -24,4 +24,6 @@ def tree_cache(cache_size: int, where) -> BlockCache:
 
     parts = int(cache_size * REMOTE_SHARE)
     s3object.set_memory(parts)
-    return BlockCache(cache_size - parts)
+    cache = BlockCache(cache_size - parts)
+    cache.remote = True
+    return cache
