@@ -239,6 +239,55 @@ def test_parts_asked_for_ahead_come_by_groups_and_stay_until_read(tmp_path, monk
         s3object._pool.reset()
 
 
+def test_a_small_read_of_a_part_in_flight_waits_for_it_instead_of_asking_again(tmp_path, monkeypatch):
+    """An object announced ahead (one part, in flight) and then read a little, by one range and by ``read_spans``
+    (whose small ranges otherwise go to the request threads): the read gets the part's bytes, one GET in all. Before,
+    a read that came while the part was still in flight asked for its range again. An object smaller than
+    ``PART_MIN`` is fetched whole by its first read, once, whatever reads follow."""
+    import threading
+
+    from s3help import LocalS3
+
+    from ckptfs.storage import s3object
+
+    part = _small_parts(monkeypatch, 2, 8)
+    srv = LocalS3(tmp_path / "s3")
+    try:
+        body = bytes(range(256)) * (part // 2 // 256)  # more than PART_MIN, inside one part
+        for way in ("read_into", "read_spans"):
+            blob = _endpoint_blob(srv, monkeypatch, "ahead", way, body)
+            release = threading.Event()
+            real_get = blob._get
+
+            def held_get(lo, hi, into=None, real_get=real_get, release=release):
+                release.wait(10)  # the announced request is slow: the read comes while it is in flight
+                return real_get(lo, hi, into)
+
+            blob._get = held_get
+            srv.reset()
+            blob.will_need(0, len(body))
+            threading.Timer(0.3, release.set).start()
+            if way == "read_into":
+                out = bytearray(100)
+                blob.read_into(memoryview(out), 1000, 100)
+                assert bytes(out) == body[1000:1100]
+            else:
+                buf, starts, _ = blob.read_spans([(0, 10), (len(body) - 48, len(body))], bytearray)
+                assert bytes(buf) == body[:10] + body[-48:] and starts == [0, 10]
+            release.set()
+            _wait_for_parts()
+            assert [r.range for r in srv.requests() if r.kind == "GET"] == [f"bytes=0-{len(body) - 1}"], way
+        tiny = _endpoint_blob(srv, monkeypatch, "ahead", "norm", body[:2048])
+        srv.reset()
+        for lo, hi in ((0, 10), (1000, 1100), (2000, 2048)):
+            buf, _, _ = tiny.read_spans([(lo, hi)], bytearray)
+            assert bytes(buf) == body[lo:hi]
+        assert [r.range for r in srv.requests() if r.kind == "GET"] == ["bytes=0-2047"]
+    finally:
+        srv.stop()
+        s3object._pool.reset()
+
+
 def _uploaded(srv, monkeypatch, tmp_path, mdl) -> str:
     """``mdl`` put on the local endpoint ``srv`` in Cerebras' S3 layout, the environment pointed at it (and at a cache
     directory of this test's own): its ``s3://`` URL."""

@@ -7,7 +7,8 @@ fail with ``SourceChangedError`` instead of returning bytes of another version.
 * **Small reads** (a peek, a chunk's frame header, HDF5 metadata) are exact ranges; ranges a read asks for together
   (``read_spans``, ``read_scattered``) are merged when less than ``MERGE_GAP`` apart and fetched concurrently:
   a request costs a round trip, a few hundred KB more of an answer cost less.
-* **Large reads** (``PART_MIN`` bytes or more: a cache block's chunks, a tensor's data) go through *parts*, the
+* **Large reads** (``PART_MIN`` bytes or more: a cache block's chunks, a tensor's data), and every read of an object
+  smaller than ``PART_MIN`` (a norm's weights: fetched whole, once), go through *parts*, the
   object cut at multiples of ``PART_BYTES``: the parts a read needs are fetched concurrently (at most
   ``MAX_IN_FLIGHT`` requests at once for the whole process) and kept in a process-wide cache (least recently used
   first out) whose budget is a share of ``--cache-size`` (``set_memory``; ``PART_CACHE_BYTES`` unless set). Once
@@ -81,7 +82,8 @@ class _Pool:
     def _executor(self) -> ThreadPoolExecutor:
         """The request threads, started on first use (called with the lock held)."""
         if self.executor is None:
-            self.executor = ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="ckptfs-s3")
+            self.executor = ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="ckptfs-s3",
+                                               initializer=_mark_request_thread)
         return self.executor
 
     def part(self, key, fetch, size: int) -> Future:
@@ -163,13 +165,21 @@ class _Pool:
         return futures
 
     def cached(self, key) -> bytearray | None:
-        """Part ``key``'s bytes if fetched already (no request)."""
+        """Part ``key``'s bytes if fetched already or in flight (no request of its own; a request thread does not wait
+        for a part in flight, which may be queued behind it)."""
         with self.lock:
             got = self.parts.get(key)
             self.unread.discard(key)
-        if got is not None and got[0].done() and got[0].exception() is None:
+        if got is None or (not got[0].done() and _on_request_thread()):
+            return None
+        try:
             return got[0].result()
-        return None
+        except Exception:  # noqa: BLE001 - the part's own request failed: the caller asks for its range itself
+            return None
+
+    def holds(self, key) -> bool:
+        with self.lock:
+            return key in self.parts
 
     def forget(self, key, fut: Future, size: int) -> None:
         with self.lock:
@@ -210,6 +220,17 @@ class _Pool:
         self.__init__()
         if keep_budgets:
             self.keep_bytes, self.ahead_limit = budgets
+
+
+_thread = threading.local()
+
+
+def _mark_request_thread() -> None:
+    _thread.request = True
+
+
+def _on_request_thread() -> bool:
+    return getattr(_thread, "request", False)
 
 
 _pool = _Pool()
@@ -300,7 +321,7 @@ class S3Object(Blob):
         need = max(0, min(need, self.size - offset))
         if need == 0:
             return 0, False
-        if need >= PART_MIN:
+        if self._through_parts(need):
             waited = self._from_parts(view, offset, need)
         else:
             waited = not self._from_cache(view, offset, need)
@@ -311,7 +332,8 @@ class S3Object(Blob):
         return need, waited
 
     def _from_cache(self, view: memoryview, offset: int, need: int) -> bool:
-        """Fill ``view[:need]`` from a fetched part, if one holds the whole range."""
+        """Fill ``view[:need]`` from a part fetched or in flight, if one holds the whole range (a small object
+        announced ahead is one part: asking for its range again would fetch it twice)."""
         i = offset // PART_BYTES
         if (offset + need - 1) // PART_BYTES != i:
             return False
@@ -321,6 +343,17 @@ class S3Object(Blob):
         lo = offset - i * PART_BYTES
         view[:need] = memoryview(data)[lo:lo + need]
         return True
+
+    def _through_parts(self, need: int) -> bool:
+        """Whether a read of ``need`` bytes goes through parts: a large one, or any read of an object smaller than
+        ``PART_MIN`` (one part, fetched whole once: two reads of it, or a read and an announcement racing, never ask
+        for its bytes twice)."""
+        return need >= PART_MIN or self.size < PART_MIN
+
+    def _held(self, lo: int, hi: int) -> bool:
+        """Whether one part, fetched or in flight, holds ``[lo, hi)``."""
+        i = lo // PART_BYTES
+        return (hi - 1) // PART_BYTES == i and _pool.holds((*self._id, i))
 
     def _from_parts(self, view: memoryview, offset: int, need: int) -> bool:
         """Copy ``[offset, offset + need)`` from the parts under it (fetched now if need be): whether any part had
@@ -366,10 +399,13 @@ class S3Object(Blob):
         groups = _merge(spans)
         # small groups (exact ranges) go to the request threads, all but one; large ones are read here, their parts
         # fetched concurrently (a request thread never waits for another request: no deadlock)
-        small = [g for g in groups if g[1] - g[0] < PART_MIN]
-        futures = [_pool.submit(self._place, mv, *g, spans, starts) for g in small[1:]]
+        # (a small group inside a part fetched or in flight is copied here, where waiting for that part is safe)
+        small = [g for g in groups if not self._through_parts(g[1] - g[0])]
+        held = [g for g in small if self._held(g[0], g[1])]
+        asked = [g for g in small if g not in held]
+        futures = [_pool.submit(self._place, mv, *g, spans, starts) for g in asked[1:]]
         try:
-            for g in small[:1] + [g for g in groups if g[1] - g[0] >= PART_MIN]:
+            for g in asked[:1] + held + [g for g in groups if self._through_parts(g[1] - g[0])]:
                 self._place(mv, *g, spans, starts)
         finally:
             for f in futures:
