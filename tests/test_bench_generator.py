@@ -189,3 +189,33 @@ def test_report_shows_the_mount_again_beside_the_first_mount():
     assert line.measured == f"{again['median_s']:.2f} s" and line.result == "INFO"
     first = lines["70B: mount (ckptfs mount wall, cold cache)"]
     assert first.result == "FAIL" and first.measured == f"{res['70b']['mount']['median_s']:.2f} s"
+
+def test_report_judges_the_exports_peak_rss_against_the_cache_bound():
+    """An export's peak RSS is a line of its own, judged as a mount's (300 MB + --cache-size); a run from before it
+    was measured has no such line."""
+    from benchlib import report
+
+    run = json.loads((REPO / "tests" / "bench_report_684d6d7.json").read_text())
+    res, cache = run["results"], run["args"]["cache_bytes"]
+    name = "bf16: ckptfs export peak RSS (3 runs)"
+    assert name not in [x.target for x in report.target_lines(res, run["errors"], ["bf16"], cache)]
+    limit = report.RSS_BASE_BYTES + cache
+    for peak, verdict in ((limit, "PASS"), (limit + 1, "FAIL")):
+        res["bf16"]["export"]["peak_rss"] = [limit // 2, peak, limit // 3]
+        lines = {x.target: x for x in report.target_lines(res, run["errors"], ["bf16"], cache)}
+        assert lines[name].result == verdict and lines[name].measured == f"{peak / 1e6:.0f} MB"
+
+
+def test_timed_peak_reports_the_commands_own_peak_rss():
+    """``timed_peak`` gives the peak RSS of the command it ran, not of the largest child waited for before: a child
+    holding 200 MB, then one holding nothing."""
+    import sys
+
+    from benchlib import sysutil
+
+    hold = "b = bytearray(200_000_000); b[::4096] = b'x' * len(b[::4096])"
+    _, big = sysutil.timed_peak([sys.executable, "-c", hold])
+    _, small = sysutil.timed_peak([sys.executable, "-c", "pass"])
+    assert big >= 200_000_000 and small < 100_000_000, (big, small)
+    with pytest.raises(sysutil.StepError, match="exit 3"):
+        sysutil.timed_peak([sys.executable, "-c", "import sys; sys.exit(3)"])

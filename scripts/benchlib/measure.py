@@ -204,18 +204,19 @@ def export_weights(ctx: Ctx, ck: Ckpt, layout: dict, local: Path) -> dict:
     nbytes = sum(layout["sizes"][n] for n in names)
     cores = os.cpu_count() or 1
     out = ctx.workdir / "export-out"
-    sweep = {}
+    sweep, peaks = {}, []
     for threads in sorted({1, 2, cores}):
         runs = []
         for _ in range(ctx.repeat):
             shutil.rmtree(out, ignore_errors=True)
             drop_caches()
             argv = ckptfs_argv("export", ck.path, out, "--views", "hf", "--hf-format", "safetensors",
-                               "--threads", str(threads), "--config", ck.params)
+                               "--threads", str(threads), "--config", ck.params, "--cache-size", ctx.cache_size)
             if ctx.max_shard_size:
                 argv += ["--max-shard-size", ctx.max_shard_size]
-            dt, _ = sysutil.timed(argv, env=_env_with_cache(ctx, "export"))
+            dt, peak = sysutil.timed_peak(argv, env=_env_with_cache(ctx, "export"))
             runs.append(dt)
+            peaks.append(peak)
         sweep[threads] = _summary(runs, nbytes)
     local.mkdir(parents=True, exist_ok=True)
     folder = out / layout["hf_rel"] if layout["hf_rel"] else out
@@ -224,7 +225,7 @@ def export_weights(ctx: Ctx, ck: Ckpt, layout: dict, local: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     sizes_ok = all((local / n).stat().st_size == layout["sizes"][n] for n in names)
     return {**sweep[cores], "threads": cores, "sweep": {str(t): v["mb_s"] for t, v in sweep.items()},
-            "files": names, "sizes_match_mount": sizes_ok, "includes_startup": True}
+            "files": names, "sizes_match_mount": sizes_ok, "includes_startup": True, "peak_rss": peaks}
 
 
 def _env_with_cache(ctx: Ctx, tag: str) -> dict:

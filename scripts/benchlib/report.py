@@ -61,8 +61,9 @@ def _ratio_lines(d: str, label: str, item: dict | None, raw: dict | None, key: s
     return out
 
 
-def _export_lines(d: str, exp: dict | None, raw: dict | None, errors: dict) -> list:
-    """``ckptfs export`` of the HF view's weights against raw h5py (target), and its ``--threads`` sweep."""
+def _export_lines(d: str, exp: dict | None, raw: dict | None, errors: dict, cache_bytes: int) -> list:
+    """``ckptfs export`` of the HF view's weights against raw h5py (target), its ``--threads`` sweep and its peak RSS
+    (within ``--cache-size`` + 300 MB, as a mount's)."""
     name = f"{d}: ckptfs export HF weights vs raw h5py"
     e = _err(name, errors, [f"{d}.export", f"{d}.raw"])
     if e or exp is None or raw is None:
@@ -72,6 +73,10 @@ def _export_lines(d: str, exp: dict | None, raw: dict | None, errors: dict) -> l
                 f">= {EXPORT_TARGET:.2f}x", _verdict(ratio >= EXPORT_TARGET))]
     sweep = ", ".join(f"{t}: {mb:.0f}" for t, mb in sorted(exp["sweep"].items(), key=lambda kv: int(kv[0])))
     out.append(Line(f"{d}: ckptfs export --threads sweep (MB/s)", sweep, "", "INFO"))
+    if exp.get("peak_rss"):  # runs before it was measured have none
+        peak, limit = max(exp["peak_rss"]), RSS_BASE_BYTES + cache_bytes
+        out.append(Line(f"{d}: ckptfs export peak RSS ({len(exp['peak_rss'])} runs)", f"{peak / 1e6:.0f} MB",
+                        f"<= {limit / 1e6:.0f} MB", _verdict(peak <= limit)))
     return out
 
 
@@ -102,7 +107,7 @@ def target_lines(results: dict, errors: dict, dtypes: list, cache_bytes: int) ->
         lines.append(_measured(name, errors, [f"{d}.cp_passthrough", f"{d}.raw"], r.get("cp_passthrough"),
                                lambda pt: Line(name, f"{pt['mb_s'] / raw['mb_s']:.2f}x raw h5py ({pt['mb_s']:.0f} "
                                                      f"MB/s, cold, nothing converted)", "", "INFO")))
-        lines += _export_lines(d, r.get("export"), raw, errors)
+        lines += _export_lines(d, r.get("export"), raw, errors, cache_bytes)
         name = f"{d}: from_pretrained mount / local"
         lines.append(_measured(name, errors, [f"{d}.from_pretrained", f"{d}.layout"], r.get("from_pretrained"),
                                lambda fp: Line(name, f"{fp['ratio']:.2f}x ({fp['mount']['median_s']:.2f} vs "

@@ -62,6 +62,33 @@ def timed(argv: list, **kw) -> tuple:
     return time.perf_counter() - t0, r
 
 
+def timed_peak(argv: list, *, env: dict | None = None, timeout: float = STEP_TIMEOUT) -> tuple:
+    """(wall seconds, peak RSS in bytes) of one command: the command's own ``ru_maxrss`` (``wait4``), not that of
+    every child this process has waited for (``RUSAGE_CHILDREN``). StepError as ``run``."""
+    import tempfile
+    import threading
+
+    with tempfile.TemporaryFile() as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([str(a) for a in argv], env=env, stdout=subprocess.DEVNULL, stderr=err)
+        done: dict = {}
+        reaper = threading.Thread(target=lambda: done.update(r=os.wait4(proc.pid, 0)), daemon=True)
+        reaper.start()
+        reaper.join(timeout)
+        wall = time.perf_counter() - t0
+        if reaper.is_alive():
+            proc.kill()
+            reaper.join()
+            proc.returncode = -9
+            raise StepError(f"{' '.join(map(str, argv[:4]))} …: timed out after {timeout:.0f} s")
+        _, status, usage = done["r"]
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
+        if proc.returncode != 0:
+            err.seek(0)
+            raise StepError(f"{' '.join(map(str, argv[:6]))}: exit {proc.returncode}: {_tail(err.read())}")
+    return wall, usage.ru_maxrss * 1024
+
+
 def probe(name: str, *args, env: dict | None = None, timeout: float = STEP_TIMEOUT) -> dict:
     """Run ``benchlib/probes.py NAME ARGS…`` in a fresh interpreter; return the JSON it prints last."""
     script = Path(__file__).with_name("probes.py")
