@@ -10,7 +10,8 @@
 2. Measures (each 3x, median; page cache dropped before every run when root; every FUSE run on a fresh mount):
    raw h5py read of every tensor (the baseline); ``cp`` of the safetensors and .bin weights (CRC exact, cold CRC
    store, and CRC zero) to /dev/null, beside ``cp`` of the local copy of the same files through a trivial
-   passthrough FUSE filesystem of the same binding (the ceiling of the cp lines); ``ckptfs export``;
+   passthrough FUSE filesystem of the same binding (the ceiling of the cp lines); ``ckptfs export`` (its wall time
+   and peak RSS), beside the .mdl file copied on the output's disk (its ceiling: read, write, fsync);
    ``from_pretrained`` through the mount vs a local copy of the same files (and through the passthrough, its
    ceiling); first read of the weights with the checkpoint in the page cache, beside a trivial passthrough
    FUSE filesystem of the same binding (the ceiling); 4 KiB from every tensor vs every tensor whole; checkpoint ->
@@ -151,6 +152,7 @@ def run_dtype(r: Runner, ctx: measure.Ctx, ck: measure.Ckpt, s3: bool = False) -
     r.item(f"{d}.cp_bin_exact", measure.cp_weights, ctx, ck, layout, "bins", "exact")
     r.item(f"{d}.cp_bin_zero", measure.cp_weights, ctx, ck, layout, "bins", "zero")
     r.item(f"{d}.export", measure.export_weights, ctx, ck, layout, local)
+    r.item(f"{d}.copy_ceiling", measure.copy_ceiling, ctx, ck)
     how = r.item(f"{d}.local_copy", measure.ensure_local_copy, ctx, ck, layout, local)
     if how is None:
         return

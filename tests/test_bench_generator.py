@@ -219,3 +219,19 @@ def test_timed_peak_reports_the_commands_own_peak_rss():
     assert big >= 200_000_000 and small < 100_000_000, (big, small)
     with pytest.raises(sysutil.StepError, match="exit 3"):
         sysutil.timed_peak([sys.executable, "-c", "import sys; sys.exit(3)"])
+
+
+def test_report_puts_the_exports_ceiling_beside_it():
+    """The copy of the .mdl on the output's disk is the export's ceiling: its line gives its speed against raw h5py
+    and the export's share of it, computed from both measurements; runs before it have no such line."""
+    from benchlib import report
+
+    run = json.loads((REPO / "tests" / "bench_report_684d6d7.json").read_text())
+    res, cache = run["results"], run["args"]["cache_bytes"]
+    name = "bf16: export's ceiling: the .mdl copied on the output disk"
+    assert name not in [x.target for x in report.target_lines(res, run["errors"], ["bf16"], cache)]
+    exp, raw = res["bf16"]["export"]["mb_s"], res["bf16"]["raw"]["mb_s"]
+    res["bf16"]["copy_ceiling"] = {"mb_s": 2 * exp, "median_s": 1.0, "runs_s": [1.0]}
+    line = {x.target: x for x in report.target_lines(res, run["errors"], ["bf16"], cache)}[name]
+    assert line.result == "INFO" and f"{2 * exp:.0f} MB/s = {2 * exp / raw:.2f}x raw h5py" in line.measured
+    assert line.measured.endswith("export 0.50x of it")

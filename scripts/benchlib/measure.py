@@ -91,6 +91,40 @@ def disk_read(ctx: Ctx, ck: Ckpt) -> dict:
     return _summary(runs, nbytes, o_direct=hasattr(os, "O_DIRECT"))
 
 
+def copy_ceiling(ctx: Ctx, ck: Ckpt) -> dict:
+    """The export's ceiling on this machine: the .mdl file copied whole into the export's output folder, cold (read
+    8 MiB at a time with O_DIRECT, written through the page cache, fsync'ed at the end, as ``ckptfs export`` does),
+    nothing decoded. An export reads the checkpoint and writes about as many bytes to the same disk."""
+    import mmap
+
+    block = 8 << 20
+    buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT asks
+    out = ctx.workdir / "export-out"
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / "copy-ceiling.bin"
+    runs, nbytes = [], 0
+    try:
+        for _ in range(ctx.repeat):
+            target.unlink(missing_ok=True)
+            drop_caches()
+            src = os.open(ck.path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+            dst = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                t0, off = time.perf_counter(), 0
+                while n := os.preadv(src, [buf], off):
+                    os.write(dst, memoryview(buf)[:n])
+                    off += n
+                os.fsync(dst)
+                runs.append(time.perf_counter() - t0)
+                nbytes = off
+            finally:
+                os.close(src)
+                os.close(dst)
+    finally:
+        target.unlink(missing_ok=True)
+    return _summary(runs, nbytes)
+
+
 def raw_read(ctx: Ctx, ck: Ckpt) -> dict:
     """Baseline: h5py reads every dataset, cold page cache."""
     runs, nbytes = [], None

@@ -108,6 +108,14 @@ def target_lines(results: dict, errors: dict, dtypes: list, cache_bytes: int) ->
                                lambda pt: Line(name, f"{pt['mb_s'] / raw['mb_s']:.2f}x raw h5py ({pt['mb_s']:.0f} "
                                                      f"MB/s, cold, nothing converted)", "", "INFO")))
         lines += _export_lines(d, r.get("export"), raw, errors, cache_bytes)
+        name = f"{d}: export's ceiling: the .mdl copied on the output disk"
+        if raw is not None and (r.get("copy_ceiling") is not None or f"{d}.copy_ceiling" in errors):  # (newer runs)
+            exp = r.get("export")
+            lines.append(_measured(name, errors, [f"{d}.copy_ceiling", f"{d}.raw"], r.get("copy_ceiling"),
+                                   lambda c: Line(name, f"{c['mb_s']:.0f} MB/s = {c['mb_s'] / raw['mb_s']:.2f}x raw h5py "
+                                                        "(cold read + write + fsync, nothing decoded)"
+                                                        + (f"; export {exp['mb_s'] / c['mb_s']:.2f}x of it" if exp
+                                                           else ""), "", "INFO")))
         name = f"{d}: from_pretrained mount / local"
         lines.append(_measured(name, errors, [f"{d}.from_pretrained", f"{d}.layout"], r.get("from_pretrained"),
                                lambda fp: Line(name, f"{fp['ratio']:.2f}x ({fp['mount']['median_s']:.2f} vs "
