@@ -207,8 +207,9 @@ def test_report_judges_the_exports_peak_rss_against_the_cache_bound():
 
 
 def test_timed_peak_reports_the_commands_own_peak_rss():
-    """``timed_peak`` gives the peak RSS of the command it ran, not of the largest child waited for before: a child
-    holding 200 MB, then one holding nothing."""
+    """``timed_peak`` gives the peak RSS of the command it ran, neither that of the largest child waited for before
+    nor the memory of the process that starts it (a forked child's ``ru_maxrss`` counts its parent's): a child holding
+    200 MB, then one holding nothing, started from this test process (hundreds of MB in a test worker)."""
     import sys
 
     from benchlib import sysutil

@@ -62,31 +62,43 @@ def timed(argv: list, **kw) -> tuple:
     return time.perf_counter() - t0, r
 
 
-def timed_peak(argv: list, *, env: dict | None = None, timeout: float = STEP_TIMEOUT) -> tuple:
-    """(wall seconds, peak RSS in bytes) of one command: the command's own ``ru_maxrss`` (``wait4``), not that of
-    every child this process has waited for (``RUSAGE_CHILDREN``). StepError as ``run``."""
-    import tempfile
-    import threading
+#: runs a command in a child of its own and prints ``wall seconds, ru_maxrss KiB`` of that child: a process's
+#: ``ru_maxrss`` counts the memory of the process it was forked from (the address space its exec replaced), so the
+#: command is forked from this small interpreter, not from the benchmark
+_PEAK_HELPER = """\
+import os, sys, time
+t0 = time.perf_counter()
+pid = os.fork()
+if pid == 0:
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.execvp(sys.argv[1], sys.argv[1:])
+    finally:
+        os._exit(127)
+_, status, usage = os.wait4(pid, 0)
+print(time.perf_counter() - t0, usage.ru_maxrss)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
 
-    with tempfile.TemporaryFile() as err:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen([str(a) for a in argv], env=env, stdout=subprocess.DEVNULL, stderr=err)
-        done: dict = {}
-        reaper = threading.Thread(target=lambda: done.update(r=os.wait4(proc.pid, 0)), daemon=True)
-        reaper.start()
-        reaper.join(timeout)
-        wall = time.perf_counter() - t0
-        if reaper.is_alive():
-            proc.kill()
-            reaper.join()
-            proc.returncode = -9
-            raise StepError(f"{' '.join(map(str, argv[:4]))} …: timed out after {timeout:.0f} s")
-        _, status, usage = done["r"]
-        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
-        if proc.returncode != 0:
-            err.seek(0)
-            raise StepError(f"{' '.join(map(str, argv[:6]))}: exit {proc.returncode}: {_tail(err.read())}")
-    return wall, usage.ru_maxrss * 1024
+
+def timed_peak(argv: list, *, env: dict | None = None, timeout: float = STEP_TIMEOUT) -> tuple:
+    """(wall seconds, peak RSS in bytes) of one command, both measured by ``_PEAK_HELPER`` around the command alone
+    (its peak includes the helper's ~10 MB it was forked from, not the benchmark's memory). StepError as ``run``."""
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-c", _PEAK_HELPER, *map(str, argv)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the helper and the command it runs
+        proc.communicate()
+        raise StepError(f"{' '.join(map(str, argv[:4]))} …: timed out after {timeout:.0f} s") from None
+    if proc.returncode != 0:
+        raise StepError(f"{' '.join(map(str, argv[:6]))}: exit {proc.returncode}: {_tail(err)}")
+    wall, kib = out.split()
+    return float(wall), int(kib) * 1024
 
 
 def probe(name: str, *args, env: dict | None = None, timeout: float = STEP_TIMEOUT) -> dict:
