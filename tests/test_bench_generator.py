@@ -236,3 +236,16 @@ def test_report_puts_the_exports_ceiling_beside_it():
     line = {x.target: x for x in report.target_lines(res, run["errors"], ["bf16"], cache)}[name]
     assert line.result == "INFO" and f"{2 * exp:.0f} MB/s = {2 * exp / raw:.2f}x raw h5py" in line.measured
     assert line.measured.endswith("export 0.50x of it")
+
+
+def test_report_reproduces_the_run_with_the_exports_lines():
+    """The README's fourth run (the export's peak RSS and ceiling lines) gives back exactly the lines it printed."""
+    from benchlib import report
+
+    run = json.loads((REPO / "tests" / "bench_report_1e9d6c6.json").read_text())
+    lines = report.target_lines(run["results"], run["errors"], run["args"]["dtypes"], run["args"]["cache_bytes"])
+    assert report.as_json(lines) == run["targets"]
+    text = report.table(lines)
+    assert "322 MB/s = 0.43x raw h5py" in text and "export 0.77x of it" in text
+    assert "516 MB" in text and "452 MB" in text
+    assert sum(x.result == "PASS" for x in lines) == 14
