@@ -334,8 +334,8 @@ class S3Object(Blob):
     def _from_cache(self, view: memoryview, offset: int, need: int) -> bool:
         """Fill ``view[:need]`` from a part fetched or in flight, if one holds the whole range (a small object
         announced ahead is one part: asking for its range again would fetch it twice)."""
-        i = offset // PART_BYTES
-        if (offset + need - 1) // PART_BYTES != i:
+        i = _one_part(offset, offset + need)
+        if i is None:
             return False
         data = _pool.cached((*self._id, i))
         if data is None:
@@ -352,8 +352,8 @@ class S3Object(Blob):
 
     def _held(self, lo: int, hi: int) -> bool:
         """Whether one part, fetched or in flight, holds ``[lo, hi)``."""
-        i = lo // PART_BYTES
-        return (hi - 1) // PART_BYTES == i and _pool.holds((*self._id, i))
+        i = _one_part(lo, hi)
+        return i is not None and _pool.holds((*self._id, i))
 
     def _from_parts(self, view: memoryview, offset: int, need: int) -> bool:
         """Copy ``[offset, offset + need)`` from the parts under it (fetched now if need be): whether any part had
@@ -400,12 +400,12 @@ class S3Object(Blob):
         # small groups (exact ranges) go to the request threads, all but one; large ones are read here, their parts
         # fetched concurrently (a request thread never waits for another request: no deadlock)
         # (a small group inside a part fetched or in flight is copied here, where waiting for that part is safe)
-        small = [g for g in groups if not self._through_parts(g[1] - g[0])]
-        held = [g for g in small if self._held(g[0], g[1])]
-        asked = [g for g in small if g not in held]
+        asked, here = [], []
+        for g in groups:
+            (here if self._through_parts(g[1] - g[0]) or self._held(g[0], g[1]) else asked).append(g)
         futures = [_pool.submit(self._place, mv, *g, spans, starts) for g in asked[1:]]
         try:
-            for g in asked[:1] + held + [g for g in groups if self._through_parts(g[1] - g[0])]:
+            for g in asked[:1] + here:
                 self._place(mv, *g, spans, starts)
         finally:
             for f in futures:
@@ -431,6 +431,12 @@ class S3Object(Blob):
 
     def close(self) -> None:
         """Nothing to release: the parts age out of the shared cache, the connections belong to the client."""
+
+
+def _one_part(lo: int, hi: int) -> int | None:
+    """The part holding all of ``[lo, hi)``, or None when the range crosses a part boundary."""
+    i = lo // PART_BYTES
+    return i if (hi - 1) // PART_BYTES == i else None
 
 
 def _merge(spans: list) -> list:

@@ -72,57 +72,50 @@ def _summary(runs: list, nbytes: int | None = None, **extra) -> dict:
 def disk_read(ctx: Ctx, ck: Ckpt) -> dict:
     """The disk's own ceiling for every cold line: the .mdl file read whole, in order, 8 MiB at a time with O_DIRECT
     (no page cache, nothing decoded), cold. Nothing that reads the checkpoint cold can be faster than this."""
-    import mmap
-
-    block = 8 << 20
-    buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT asks
-    runs, nbytes = [], 0
-    for _ in range(ctx.repeat):
-        drop_caches()
-        fd = os.open(ck.path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-        try:
-            t0, off = time.perf_counter(), 0
-            while n := os.preadv(fd, [buf], off):
-                off += n
-            runs.append(time.perf_counter() - t0)
-            nbytes = off
-        finally:
-            os.close(fd)
-    return _summary(runs, nbytes, o_direct=hasattr(os, "O_DIRECT"))
+    return _stream_cold(ctx, ck.path)
 
 
 def copy_ceiling(ctx: Ctx, ck: Ckpt) -> dict:
     """The export's ceiling on this machine: the .mdl file copied whole into the export's output folder, cold (read
-    8 MiB at a time with O_DIRECT, written through the page cache, fsync'ed at the end, as ``ckptfs export`` does),
-    nothing decoded. An export reads the checkpoint and writes about as many bytes to the same disk."""
-    import mmap
-
-    block = 8 << 20
-    buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT asks
+    as ``disk_read`` does, written through the page cache, fsync'ed at the end, as ``ckptfs export`` does), nothing
+    decoded. An export reads the checkpoint and writes about as many bytes to the same disk."""
     out = ctx.workdir / "export-out"
     out.mkdir(parents=True, exist_ok=True)
     target = out / "copy-ceiling.bin"
-    runs, nbytes = [], 0
     try:
-        for _ in range(ctx.repeat):
-            target.unlink(missing_ok=True)
-            drop_caches()
-            src = os.open(ck.path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-            dst = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                t0, off = time.perf_counter(), 0
-                while n := os.preadv(src, [buf], off):
-                    os.write(dst, memoryview(buf)[:n])
-                    off += n
-                os.fsync(dst)
-                runs.append(time.perf_counter() - t0)
-                nbytes = off
-            finally:
-                os.close(src)
-                os.close(dst)
+        return _stream_cold(ctx, ck.path, target)
     finally:
         target.unlink(missing_ok=True)
-    return _summary(runs, nbytes)
+
+
+def _stream_cold(ctx: Ctx, path: Path, copy_to: Path | None = None) -> dict:
+    """``path`` read whole in order, 8 MiB at a time with O_DIRECT, page cache dropped before each run; with
+    ``copy_to``, each block also written there (a new file each run) and fsync'ed at the end, inside the timing."""
+    import mmap
+
+    buf = mmap.mmap(-1, 8 << 20)  # page-aligned, as O_DIRECT asks
+    runs, nbytes = [], 0
+    for _ in range(ctx.repeat):
+        if copy_to is not None:
+            copy_to.unlink(missing_ok=True)
+        drop_caches()
+        src = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        dst = None if copy_to is None else os.open(copy_to, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            t0, off = time.perf_counter(), 0
+            while n := os.preadv(src, [buf], off):
+                if dst is not None:
+                    os.write(dst, memoryview(buf)[:n])
+                off += n
+            if dst is not None:
+                os.fsync(dst)
+            runs.append(time.perf_counter() - t0)
+            nbytes = off
+        finally:
+            os.close(src)
+            if dst is not None:
+                os.close(dst)
+    return _summary(runs, nbytes, o_direct=hasattr(os, "O_DIRECT"))
 
 
 def raw_read(ctx: Ctx, ck: Ckpt) -> dict:

@@ -49,10 +49,18 @@ def run(argv: list, *, env: dict | None = None, timeout: float = STEP_TIMEOUT, s
         r = subprocess.run([str(a) for a in argv], env=env, stdout=stdout, stderr=subprocess.PIPE,
                            timeout=timeout, cwd=cwd)
     except subprocess.TimeoutExpired:
-        raise StepError(f"{' '.join(map(str, argv[:4]))} …: timed out after {timeout:.0f} s") from None
+        raise _timed_out(argv, timeout) from None
     if r.returncode != 0:
-        raise StepError(f"{' '.join(map(str, argv[:6]))}: exit {r.returncode}: {_tail(r.stderr)}")
+        raise _exited(argv, r.returncode, r.stderr)
     return r
+
+
+def _timed_out(argv: list, timeout: float) -> StepError:
+    return StepError(f"{' '.join(map(str, argv[:4]))} …: timed out after {timeout:.0f} s")
+
+
+def _exited(argv: list, code: int, stderr) -> StepError:
+    return StepError(f"{' '.join(map(str, argv[:6]))}: exit {code}: {_tail(stderr)}")
 
 
 def timed(argv: list, **kw) -> tuple:
@@ -94,9 +102,9 @@ def timed_peak(argv: list, *, env: dict | None = None, timeout: float = STEP_TIM
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the helper and the command it runs
         proc.communicate()
-        raise StepError(f"{' '.join(map(str, argv[:4]))} …: timed out after {timeout:.0f} s") from None
+        raise _timed_out(argv, timeout) from None
     if proc.returncode != 0:
-        raise StepError(f"{' '.join(map(str, argv[:6]))}: exit {proc.returncode}: {_tail(err)}")
+        raise _exited(argv, proc.returncode, err)
     wall, kib = out.split()
     return float(wall), int(kib) * 1024
 
