@@ -34,10 +34,12 @@ Box = tuple  # tuple[tuple[int, int], ...]
 _ids = itertools.count(1)
 _uid_lock = threading.Lock()
 
-#: target size of one cached block of a tensor's bytes
-BLOCK_BYTES = 1 << 20
-#: largest block a chunk-aligned block may grow to (one chunk row can exceed BLOCK_BYTES)
-MAX_BLOCK_BYTES = 4 * BLOCK_BYTES
+#: target size of one cached block of a tensor's bytes: 2 MiB took ~13% less server CPU per GB than 1 MiB (half the
+#: Python per block; docs/measurements.md, "Cache blocks of 2 MiB")
+BLOCK_BYTES = 2 << 20
+#: largest block a chunk-aligned block may grow to (one chunk row can exceed BLOCK_BYTES); also an S3 tensor's
+#: largest single block (``source/s3tensor.py``)
+MAX_BLOCK_BYTES = 4 << 20
 #: a read of at most this many bytes of a block a streaming cache does not hold decodes only its own chunks
 SMALL_READ = 64 << 10
 
