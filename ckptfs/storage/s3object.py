@@ -155,6 +155,9 @@ class _Pool:
                     fut.set_exception(err)
                 else:
                     fut.set_result(f.result()[k])
+            if err is None:  # parts in flight could not be trimmed when asked for: the budget holds once they are here
+                with self.lock:
+                    self._trim()
 
         try:
             inner = self.submit(run)
