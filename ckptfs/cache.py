@@ -58,6 +58,11 @@ class BlockCache:
         # (``VirtualTensor.read_into``) instead of the whole block
         self.streaming = False
         self.read_ahead = 0  # bytes a sequential read of a pieced file prepares after itself (``ckptfs.readahead``)
+        # the last block computed ahead came from memory alone (``storage.base.memory_reads``): while blocks do, a
+        # sequential read computes its own next blocks (a thread computing ahead only takes turns with it for the
+        # GIL: docs/measurements.md, "Cache blocks of 2 MiB"), until one of its own reads waits for the storage
+        self.from_memory = False
+        self.memory_run = 0  # blocks in a row the read-ahead computed from memory alone (``ckptfs.readahead``)
         self.announce_ahead = 0  # bytes after it whose storage it asks to fetch ahead (``VirtualTensor.will_need``)
         self.remote = False  # the tree's tensors are in object storage (``tree.memory.tree_cache``)
         self._size = 0

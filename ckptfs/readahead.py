@@ -17,10 +17,14 @@ from collections import deque
 from typing import Callable, Hashable
 
 from .env import read_ahead_threads
-from .storage.base import waited_reads
+from .storage.base import memory_reads, waited_reads
 
 #: blocks queued at most; further requests are dropped (the reader computes them itself)
 MAX_QUEUED = 8
+
+#: blocks in a row computed from memory alone before a cache counts as ``from_memory`` (a cold read meets short runs
+#: of pages the kernel read ahead of its own accord; a checkpoint in the page cache is one long run)
+FROM_MEMORY_RUN = 8
 
 
 #: background threads computing blocks (``$CKPTFS_READ_AHEAD_THREADS``, default two): one waits for the storage
@@ -31,13 +35,16 @@ WORKERS = read_ahead_threads()
 class ReadAhead:
     """Background threads (``workers``) computing queued cache blocks, oldest request first. ``waited_reads()``
     counts the calling thread's reads that waited for the storage (the storage layer's hook): all workers run while
-    the last block's reads waited, one while they came from memory."""
+    the last block's reads waited, one while they came from memory. ``memory_reads()`` counts its reads known to be
+    served from memory: ``FROM_MEMORY_RUN`` blocks in a row made of those alone set their cache's ``from_memory``, and
+    sequential reads then stop queueing blocks (``ckptfs.layouts.pieces``) until one of their own reads waits."""
 
     def __init__(self, max_queued: int = MAX_QUEUED, workers: int = WORKERS,
-                 waited_reads: Callable[[], int] = waited_reads):
+                 waited_reads: Callable[[], int] = waited_reads, memory_reads: Callable[[], int] = memory_reads):
         self.max_queued = max_queued
         self.workers = max(1, workers)
         self._waited_reads = waited_reads
+        self._memory_reads = memory_reads
         self._queue: deque = deque()
         self._queued: set = set()
         lock = threading.Lock()
@@ -72,12 +79,15 @@ class ReadAhead:
                     self._cond.wait()
                 ident, cache, key, compute = self._queue.popleft()
                 self._busy += 1
-            reads = self._waited_reads()
+            reads, from_memory = self._waited_reads(), self._memory_reads()
             try:
                 cache.prefetch(key, compute)
             finally:
+                waited = self._waited_reads() > reads
+                run = cache.memory_run + 1 if not waited and self._memory_reads() > from_memory else 0
+                cache.memory_run, cache.from_memory = run, run >= FROM_MEMORY_RUN
                 with self._cond:
-                    self._limit = self.workers if self._waited_reads() > reads else 1
+                    self._limit = self.workers if waited else 1
                     self._queued.discard(ident)
                     self._busy -= 1
                     if self._queue:  # this worker takes the next block itself; another one only if two may run
@@ -100,4 +110,4 @@ class ReadAhead:
 
 
 #: the process's read-ahead threads (started on first use), counting waits with the storage layer's counter
-READ_AHEAD = ReadAhead(waited_reads=waited_reads)
+READ_AHEAD = ReadAhead(waited_reads=waited_reads, memory_reads=memory_reads)

@@ -235,3 +235,64 @@ def test_an_idle_worker_is_not_woken_for_a_block_it_may_not_take():
     assert done == Counter({k: 1 for k in range(20)})
     # each worker waits once when it has nothing it may take (and again when the queue runs dry): not per block
     assert CountingCondition.waits <= 6, CountingCondition.waits
+
+
+def test_a_block_computed_from_memory_alone_marks_its_cache_and_one_that_waited_clears_it():
+    """The worker marks the cache ``from_memory`` after ``FROM_MEMORY_RUN`` blocks in a row whose reads were all known
+    to come from memory (the ``memory_reads`` hook counted them, ``waited_reads`` did not move), and clears it at any
+    other block."""
+    from ckptfs.readahead import ReadAhead
+
+    counts = threading.local()
+
+    def counter(name):
+        return lambda: getattr(counts, name, 0)
+
+    def compute(kind):
+        def run():
+            setattr(counts, kind, getattr(counts, kind, 0) + 1)  # what the storage counts for one read
+            return b"x"
+        return run
+
+    from ckptfs.readahead import FROM_MEMORY_RUN
+
+    ra = ReadAhead(workers=1, waited_reads=counter("waited"), memory_reads=counter("memory"))
+    cache = BlockCache(1 << 20)
+    blocks = iter(range(10_000))
+
+    def run(kind, n=1):
+        for _ in range(n):
+            ra.submit(cache, ("m", next(blocks)), compute(kind))
+            assert ra.wait_idle(30)
+        return cache.from_memory
+
+    assert not run("memory", FROM_MEMORY_RUN - 1)  # a short run: what a cold read meets between its own waits
+    assert not run("waited")
+    assert not run("memory", FROM_MEMORY_RUN - 1)
+    assert run("memory")  # the run is long enough
+    assert not run("waited") and cache.memory_run == 0
+    assert run("memory", FROM_MEMORY_RUN)
+    assert not run("neither")  # reads the storage could not tell about: read ahead as before
+
+
+def test_sequential_reads_queue_nothing_while_blocks_come_from_memory_until_one_of_their_own_waits(monkeypatch):
+    """With the cache ``from_memory``, a sequential read computes its own blocks and queues none (a thread computing
+    ahead only took turns with the reader); once a read of the reader's own waits for the storage, the blocks after
+    it are queued again. Bytes are exact either way."""
+    from ckptfs.layouts import pieces
+
+    f, tensors, expected = _run_file([24 * BLOCK])
+    t = tensors[0]
+    f.cache.from_memory = True
+    for off in range(0, 100 + 8 * BLOCK, BLOCK):
+        assert _read(f, off, BLOCK) == expected[off:off + BLOCK]
+    assert READ_AHEAD.wait_idle(30)
+    assert not [blk for (who, blk) in t.computed if who == "ckptfs-readahead"]
+    waits = iter(range(1, 1000))  # every call a new count: the read's own blocks waited
+    monkeypatch.setattr(pieces, "waited_reads", lambda: next(waits))
+    off = 100 + 8 * BLOCK
+    assert _read(f, off, BLOCK) == expected[off:off + BLOCK]
+    assert READ_AHEAD.wait_idle(30)
+    assert not f.cache.from_memory
+    ahead = sorted(blk for (who, blk) in t.computed if who == "ckptfs-readahead")
+    assert ahead and min(ahead) >= 9, ahead

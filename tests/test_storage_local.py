@@ -325,3 +325,36 @@ def test_reads_inside_the_announced_range_announce_nothing_more(tmp_path, monkey
     assert calls == [(mib, w)]
     f.read_spans([(9 * mib, 10 * mib)], scratch)  # past it: cached of its own accord
     assert calls == [(mib, w), (10 * mib, w)]
+
+
+def test_only_pages_cached_before_they_were_announced_count_as_served_from_memory(tmp_path, monkeypatch):
+    """A block-sized read whose pages are all in the page cache counts as served from memory (the read-ahead then
+    stops computing ahead); pages cached because ckptfs announced them while they were not (a cold read's own
+    WILLNEED) do not, and a read from the disk counts as waited."""
+    from ckptfs.storage.base import memory_reads, waited_reads
+
+    n = 16 * ALIGN  # whole blocks: a direct read needs them
+    path, _ = _file(tmp_path, 64 * ALIGN + n)
+    cached = {"now": True}
+    monkeypatch.setattr(local.page_cache, "cached", lambda fd, off, n: cached["now"])
+    monkeypatch.setattr(local, "hint_will_need", lambda fd, off, n: None)
+    f = LocalFile(str(path))
+    assert f.direct_fd is not None, "O_DIRECT refused on the test file system"
+    view = memoryview(mmap.mmap(-1, n))  # page-aligned, as direct reads need
+
+    def counts():
+        return memory_reads(), waited_reads()
+
+    m, w = counts()
+    assert f.read_into(view, 0, n)[0] == n
+    assert counts() == (m + 1, w)  # cached before anything was announced
+    cached["now"] = False
+    f.will_need(8 * ALIGN, 16 * ALIGN)  # announced while not cached
+    cached["now"] = True  # ... and now cached because of it
+    f.read_into(view, 8 * ALIGN, n)
+    assert counts() == (m + 1, w)
+    f.read_into(view, 40 * ALIGN, n)  # past the announced range, cached of its own accord
+    assert counts() == (m + 2, w)
+    cached["now"] = False
+    assert f.read_into(view, 48 * ALIGN, n) == (n, True)  # from the disk
+    assert counts() == (m + 2, w + 1)

@@ -46,6 +46,7 @@ from typing import Callable, Sequence
 
 from ..cache import BlockCache
 from ..errors import TensorReadError
+from ..storage.base import waited_reads
 from ..virtual_file import VirtualFile
 from ..virtual_tensor import VirtualTensor, trace_element, unravel
 
@@ -441,6 +442,7 @@ class PiecedFile(VirtualFile):
             return 0
         i = bisect_right(plan.starts, offset) - 1
         pos = offset
+        waited = waited_reads()
         while pos < end:
             piece, start = plan.pieces[i], plan.starts[i]
             a = pos - start
@@ -455,8 +457,10 @@ class PiecedFile(VirtualFile):
         cache = self.cache
         if cache is not None and cache.read_ahead and (len(out) >= SEQUENTIAL_READ or (
                 offset == self._last_end and len(out) >= SEQUENTIAL_CONTINUATION)):
-            self._read_ahead(plan, i - 1, end, end + cache.read_ahead, cache)  # from the last piece read: a
-            # piece may hold many tensors (a TensorRun is a whole safetensors data section)
+            if cache.from_memory and waited_reads() > waited:  # this read's own blocks came from the storage
+                cache.from_memory, cache.memory_run = False, 0
+            if not cache.from_memory:  # from the last piece read: one piece may hold many tensors (a TensorRun)
+                self._read_ahead(plan, i - 1, end, end + cache.read_ahead, cache)
             if cache.announce_ahead > cache.read_ahead and self._in_file_order(plan, end, cache.read_ahead):
                 self._announce(plan, i - 1, end + cache.read_ahead, end + cache.announce_ahead)
         self._last_end = end

@@ -13,7 +13,8 @@ Two kinds of thing, each one declared here and implemented once per backend (``l
 
 A backend that waits for a device or the network on a read (a read straight from the disk, a GET) says so with
 ``count_waited_read()``: the read-ahead (``ckptfs.readahead``) runs a second worker while blocks wait
-(``waited_reads``, the hook it is given).
+(``waited_reads``, the hook it is given). A read the backend knows was served from memory says so with
+``count_memory_read()``: while blocks come from memory alone, nothing is computed ahead (``memory_reads``).
 
 Adding a backend is one module in this package implementing both classes (docs/architecture.md, "Layers").
 """
@@ -44,6 +45,16 @@ def count_waited_read() -> None:
 def waited_reads() -> int:
     """How many reads the calling thread made that waited for the device or network (``count_waited_read``)."""
     return getattr(_this_thread, "waited", 0)
+
+
+def count_memory_read() -> None:
+    """Count one read of the calling thread known to be served from memory (the kernel said every page was cached)."""
+    _this_thread.memory = memory_reads() + 1
+
+
+def memory_reads() -> int:
+    """How many reads the calling thread made that were known to be served from memory (``count_memory_read``)."""
+    return getattr(_this_thread, "memory", 0)
 
 
 class Blob(ABC):

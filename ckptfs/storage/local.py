@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..env import direct_io_enabled
-from .base import Blob, Folder, FolderEntry, ShortRead, count_waited_read
+from .base import Blob, Folder, FolderEntry, ShortRead, count_memory_read, count_waited_read
 
 #: direct reads are widened and aligned to this (the largest logical block size of common disks; also the page size)
 ALIGN = 4096
@@ -160,6 +160,7 @@ class LocalFile(Blob):
         self.direct_fd: int | None = None  # the O_DIRECT descriptor while direct reads are used
         self._owned_fd: int | None = None  # the O_DIRECT descriptor, closed with this object
         self._hinted = (0, 0)  # the file range last announced with ``will_need``
+        self._fetched = (0, 0)  # consecutive announced ranges that were not all in the page cache when announced
         st = os.fstat(self.fd)
         self._version = FileIdentity.of_stat(st)
         if (direct_io_enabled() and hasattr(os, "O_DIRECT") and page_cache.cached(self.fd, 0, 1) is not None
@@ -219,7 +220,8 @@ class LocalFile(Blob):
         at the end of the file. ``offset`` and the view's address and length must be ``ALIGN``-aligned (a direct read
         fills the whole view, up to the end of the file); a buffered read reads ``need`` bytes."""
         dfd = self.direct_fd
-        if dfd is not None and need >= DIRECT_MIN_BYTES and page_cache.cached(self.fd, offset, need) is False:
+        cached = page_cache.cached(self.fd, offset, need) if dfd is not None and need >= DIRECT_MIN_BYTES else None
+        if cached is False:
             try:
                 got = os.preadv(dfd, [view], offset)
                 count_waited_read()
@@ -228,6 +230,8 @@ class LocalFile(Blob):
                 if e.errno != errno.EINVAL:
                     raise
                 self._no_direct()  # alignment this device does not take: buffered from now on
+        elif cached and not self._fetched[0] <= offset < self._fetched[1]:  # cached before, not as announced
+            count_memory_read()
         return os.preadv(self.fd, [view[:need]], offset), False
 
     def _no_direct(self) -> None:
@@ -263,6 +267,9 @@ class LocalFile(Blob):
         else:
             start = lo = offset
         self._hinted = (lo, end)
+        if self.direct_fd is not None and not page_cache.cached(self.fd, start, end - start):
+            a, b = self._fetched  # pages cached from now on are there because they were announced
+            self._fetched = (a if a <= start <= b else start, end)
         hint_will_need(self.fd, start, end - start)
 
     def close(self) -> None:
