@@ -58,9 +58,10 @@ class BlockCache:
         # (``VirtualTensor.read_into``) instead of the whole block
         self.streaming = False
         self.read_ahead = 0  # bytes a sequential read of a pieced file prepares after itself (``ckptfs.readahead``)
-        # the last block computed ahead came from memory alone (``storage.base.memory_reads``): while blocks do, a
-        # sequential read computes its own next blocks (a thread computing ahead only takes turns with it for the
-        # GIL: docs/measurements.md, "Cache blocks of 2 MiB"), until one of its own reads waits for the storage
+        # the last blocks computed ahead came from memory alone (``readahead.FROM_MEMORY_RUN`` in a row,
+        # ``storage.base.memory_reads``): a sequential read then computes its own next blocks (a thread computing ahead
+        # only takes turns with it for the GIL: docs/measurements.md, "Cache blocks of 2 MiB") until one of its own
+        # reads waits for the storage; both are set without a lock (a hint: a race costs one block either way)
         self.from_memory = False
         self.memory_run = 0  # blocks in a row the read-ahead computed from memory alone (``ckptfs.readahead``)
         self.announce_ahead = 0  # bytes after it whose storage it asks to fetch ahead (``VirtualTensor.will_need``)
