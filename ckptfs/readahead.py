@@ -22,10 +22,6 @@ from .storage.base import memory_reads, waited_reads
 #: blocks queued at most; further requests are dropped (the reader computes them itself)
 MAX_QUEUED = 8
 
-#: blocks in a row computed from memory alone before a cache counts as ``from_memory`` (a cold read meets short runs
-#: of pages the kernel read ahead of its own accord; a checkpoint in the page cache is one long run)
-FROM_MEMORY_RUN = 8
-
 
 #: background threads computing blocks (``$CKPTFS_READ_AHEAD_THREADS``, default two): one waits for the storage
 #: while the other places a block; the second runs only while blocks wait (docs/measurements.md, "Read-ahead threads")
@@ -36,8 +32,9 @@ class ReadAhead:
     """Background threads (``workers``) computing queued cache blocks, oldest request first. ``waited_reads()``
     counts the calling thread's reads that waited for the storage (the storage layer's hook): all workers run while
     the last block's reads waited, one while they came from memory. ``memory_reads()`` counts its reads known to be
-    served from memory: ``FROM_MEMORY_RUN`` blocks in a row made of those alone set their cache's ``from_memory``, and
-    sequential reads then stop queueing blocks (``ckptfs.layouts.pieces``) until one of their own reads waits."""
+    served from memory: ``cache.FROM_MEMORY_RUN`` blocks in a row made of those alone set their cache's
+    ``from_memory``, and sequential reads then stop queueing blocks (``ckptfs.layouts.pieces``) until one of their
+    own reads waits."""
 
     def __init__(self, max_queued: int = MAX_QUEUED, workers: int = WORKERS,
                  waited_reads: Callable[[], int] = waited_reads, memory_reads: Callable[[], int] = memory_reads):
@@ -84,8 +81,7 @@ class ReadAhead:
                 cache.prefetch(key, compute)
             finally:
                 waited = self._waited_reads() > reads
-                run = cache.memory_run + 1 if not waited and self._memory_reads() > from_memory else 0
-                cache.memory_run, cache.from_memory = run, run >= FROM_MEMORY_RUN
+                cache.memory_run = cache.memory_run + 1 if not waited and self._memory_reads() > from_memory else 0
                 with self._cond:
                     self._limit = self.workers if waited else 1
                     self._queued.discard(ident)

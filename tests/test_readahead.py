@@ -254,7 +254,7 @@ def test_a_block_computed_from_memory_alone_marks_its_cache_and_one_that_waited_
             return b"x"
         return run
 
-    from ckptfs.readahead import FROM_MEMORY_RUN
+    from ckptfs.cache import FROM_MEMORY_RUN
 
     ra = ReadAhead(workers=1, waited_reads=counter("waited"), memory_reads=counter("memory"))
     cache = BlockCache(1 << 20)

@@ -458,7 +458,7 @@ class PiecedFile(VirtualFile):
         if cache is not None and cache.read_ahead and (len(out) >= SEQUENTIAL_READ or (
                 offset == self._last_end and len(out) >= SEQUENTIAL_CONTINUATION)):
             if cache.from_memory and waited_reads() > waited:  # this read's own blocks came from the storage
-                cache.from_memory, cache.memory_run = False, 0
+                cache.from_memory = False
             if not cache.from_memory:  # from the last piece read: one piece may hold many tensors (a TensorRun)
                 self._read_ahead(plan, i - 1, end, end + cache.read_ahead, cache)
             if cache.announce_ahead > cache.read_ahead and self._in_file_order(plan, end, cache.read_ahead):
