@@ -190,6 +190,46 @@ def test_report_shows_the_mount_again_beside_the_first_mount():
     first = lines["70B: mount (ckptfs mount wall, cold cache)"]
     assert first.result == "FAIL" and first.measured == f"{res['70b']['mount']['median_s']:.2f} s"
 
+def test_report_puts_the_machines_floor_beside_the_70b_lines():
+    """The 70B mount and ``ls -lR`` lines show the floors measured beside them (a cold Python importing numpy and
+    h5py, the passthrough's cold mount, its ``ls -lR`` of the same tree shape), computed from those runs; a run from
+    before they were measured shows the lines as it printed them."""
+    from benchlib import report
+
+    run = json.loads((REPO / "tests" / "bench_report_e8e8f5a.json").read_text())
+    res = run["results"]
+    res["70b"]["cold_start_floor"] = {"python_numpy_h5py": {"median_s": 0.386}, "passthrough_mount": {"median_s": 0.19}}
+    res["70b"]["ls_lR_passthrough"] = {"median_s": 0.613}
+    lines = {x.target: x for x in report.target_lines(res, run["errors"], ["bf16"], run["args"]["cache_bytes"])}
+    mount = lines["70B: mount (ckptfs mount wall, cold cache)"]
+    assert mount.measured == (f"{res['70b']['mount']['median_s']:.2f} s (floor, cold: python + numpy + h5py 0.39 s; "
+                              "passthrough mount 0.19 s)")
+    ls = lines[f"70B: ls -lR ({res['70b']['ls_lR']['files']} files)"]
+    assert ls.measured == f"{res['70b']['ls_lR']['median_s']:.2f} s (passthrough ceiling 0.61 s)"
+    assert ls.result == ("PASS" if res["70b"]["ls_lR"]["median_s"] <= report.LS_70B_TARGET_S else "FAIL")
+
+
+def test_mirror_tree_copies_the_shape_without_data(tmp_path):
+    """The passthrough's ``ls -lR`` serves a copy of the mounted tree's shape: the same folders, files of the same
+    sizes holding no data blocks, links with the same targets."""
+    from benchlib.measure import mirror_tree
+
+    src, dest = tmp_path / "src", tmp_path / "mirror"
+    (src / "a" / "b").mkdir(parents=True)
+    (src / "a" / "b" / "big.bin").write_bytes(b"x" * 100_000)
+    (src / "empty.txt").write_bytes(b"")
+    (src / "link").symlink_to("a/b/big.bin")
+    (src / "dirlink").symlink_to("a")
+    dest.mkdir()
+    (dest / "stale").write_text("left from an earlier run")
+    assert mirror_tree(src, dest) == 2
+    assert sorted(str(p.relative_to(dest)) for p in dest.rglob("*")) == \
+        ["a", "a/b", "a/b/big.bin", "dirlink", "empty.txt", "link"]
+    big = dest / "a" / "b" / "big.bin"
+    assert big.stat().st_size == 100_000 and big.stat().st_blocks == 0
+    assert (dest / "link").readlink() == Path("a/b/big.bin") and (dest / "dirlink").readlink() == Path("a")
+
+
 def test_report_judges_the_exports_peak_rss_against_the_cache_bound():
     """An export's peak RSS is a line of its own, judged as a mount's (300 MB + --cache-size); a run from before it
     was measured has no such line."""

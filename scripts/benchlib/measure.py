@@ -404,30 +404,83 @@ def torch_first_open(ctx: Ctx, ck: Ckpt, layout: dict) -> dict:
     return out
 
 
+def mirror_tree(src: Path, dest: Path) -> int:
+    """Copy the shape of the tree at ``src`` to ``dest`` (removed first): its folders, its files as sparse files of
+    the same sizes (no data), its links with the same targets. Returns the number of files."""
+    shutil.rmtree(dest, ignore_errors=True)
+    files = 0
+    for root, dirs, names in os.walk(src):
+        rel = Path(root).relative_to(src)
+        (dest / rel).mkdir(parents=True, exist_ok=True)
+        for name in names + [d for d in dirs if (Path(root) / d).is_symlink()]:
+            path = Path(root) / name
+            if path.is_symlink():
+                os.symlink(os.readlink(path), dest / rel / name)
+            else:
+                with open(dest / rel / name, "wb") as f:
+                    f.truncate(path.stat().st_size)
+                files += 1
+    return files
+
+
+def _ls_lR(path: Path) -> tuple:
+    """(seconds, files listed) of ``ls -lR path`` (output discarded)."""
+    t0 = time.perf_counter()
+    r = sysutil.run(["ls", "-lR", path], timeout=120)
+    secs = time.perf_counter() - t0
+    return secs, sum(1 for ln in r.stdout.decode(errors="replace").splitlines() if ln.startswith("-"))
+
+
+def _passthrough_ls(ctx: Ctx, mirror: Path) -> float:
+    """``ls -lR`` through the trivial passthrough serving ``mirror``, whose own metadata is read once before (the
+    ceiling of a listing with this binding on this machine: FUSE round trips, no tree to compute)."""
+    _ls_lR(mirror)
+    with passthrough_mount(ctx, mirror) as mnt:
+        return _ls_lR(mnt)[0]
+
+
+def _cold_start_floor(ctx: Ctx, mirror: Path) -> dict:
+    """What any mount of an HDF5 checkpoint waits for with the page cache dropped, whatever it computes: a Python
+    that imports numpy and h5py, and the trivial passthrough's whole mount (Python, the FUSE binding, the mount)."""
+    imports, passthrough = [], []
+    for _ in range(ctx.repeat):
+        drop_caches()
+        imports.append(sysutil.timed([sys.executable, "-c", "import numpy, h5py"], env=ctx.env)[0])
+        drop_caches()
+        t0 = time.perf_counter()
+        with passthrough_mount(ctx, mirror):
+            passthrough.append(time.perf_counter() - t0)
+    return {"python_numpy_h5py": _summary(imports), "passthrough_mount": _summary(passthrough)}
+
+
 def metadata_scale(ctx: Ctx, ck: Ckpt) -> dict:
     """70B-shaped (unallocated) checkpoint: mount wall time (cold page cache, and warm; each a first mount, with an
     empty cache directory), mounting it again (cold page cache, the catalog index of the first mount in the cache
     directory), ``ls -lR`` time right after mounting, index read time, server read bytes; plus where the mount time
-    goes (``probes.mount_breakdown``)."""
-    mounts, lss, idx, rchar, nfiles = [], [], [], [], None
-    for _ in range(ctx.repeat):
+    goes (``probes.mount_breakdown``). Beside them, the machine's floor for each: ``ls -lR`` of the same tree shape
+    through the trivial passthrough (interleaved), and a cold Python importing numpy and h5py and the passthrough's
+    cold mount (``_cold_start_floor``)."""
+    mounts, lss, idx, rchar, nfiles, ceiling = [], [], [], [], None, []
+    mirror = ctx.workdir / "mirror-70b"
+    for i in range(ctx.repeat):
         m = ctx.mount(ck, "70b")
         drop_caches()
         mounts.append(m.start())
         try:
             io0 = m.io()
-            t0 = time.perf_counter()
-            r = sysutil.run(["ls", "-lR", m.mountpoint], timeout=120)
-            lss.append(time.perf_counter() - t0)
-            nfiles = sum(1 for ln in r.stdout.decode(errors="replace").splitlines() if ln.startswith("-"))
+            secs, nfiles = _ls_lR(m.mountpoint)
+            lss.append(secs)
             index = m.mountpoint / ("hf" if (m.mountpoint / "hf").is_dir() else "") / "model.safetensors.index.json"
             t0 = time.perf_counter()
             with open(index, "rb") as f:
                 data = f.read()
             idx.append(time.perf_counter() - t0)
             rchar.append(m.io()["rchar"] - io0["rchar"])
+            if i == 0:
+                mirror_tree(m.mountpoint, mirror)
         finally:
             m.stop()
+        ceiling.append(_passthrough_ls(ctx, mirror))
     warm = []  # the same mount with the page cache left warm (Python modules, checkpoint metadata)
     for _ in range(ctx.repeat):
         m = ctx.mount(ck, "70b-warm")
@@ -448,7 +501,8 @@ def metadata_scale(ctx: Ctx, ck: Ckpt) -> dict:
     breakdown = probe("mount_breakdown", ck.path, ck.params, env=ctx.env)
     breakdown["python_startup_s"] = t_python
     return {"mount": _summary(mounts), "mount_warm_cache": _summary(warm), "remount": _summary(remount),
-            "mount_breakdown": breakdown, "ls_lR": _summary(lss, files=nfiles),
+            "mount_breakdown": breakdown, "cold_start_floor": _cold_start_floor(ctx, mirror),
+            "ls_lR": _summary(lss, files=nfiles), "ls_lR_passthrough": _summary(ceiling),
             "index_read": _summary(idx, index_bytes=len(data)),
             "server_rchar_during_ls_and_index": rchar,
             "note": "datasets are unallocated, so no tensor bytes exist on disk; rchar is metadata + FUSE requests"}
