@@ -44,10 +44,11 @@ ALIGN = 4096
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 #: bytes after a block read that ``will_need`` announces to the kernel
 HINT_AHEAD = 8 << 20
-#: a ``read_spans`` of at least this many bytes (a cache block's chunks, not a peek) of which some came from the page
-#: cache tells the kernel that the ``HINT_AHEAD`` bytes of the file after it will be read soon (``will_need``): the
-#: next chunks usually follow in the file (docs/measurements.md, "Announcing the next bytes"). Not after reads
-#: straight from the disk: those bytes are not to be loaded into the page cache; nor after a read inside the range
+#: a ``read_spans`` of at least this many bytes (a cache block's chunks, not a peek) that came through the page cache
+#: tells the kernel that the ``HINT_AHEAD`` bytes of the file after it will be read soon (``will_need``): the
+#: next chunks usually follow in the file (docs/measurements.md, "Announcing the next bytes"). Not after a read of
+#: which any span came straight from the disk (its small spans, always buffered, say nothing about the page cache):
+#: those bytes are not to be loaded into the page cache; nor after a read inside the range
 #: announced last, whose pages are cached because it was announced: announcing on from there would turn a cold
 #: read of the whole file into a buffered one (docs/measurements.md, "Announcing the next bytes").
 HINT_AFTER_BYTES = 512 << 10
@@ -190,8 +191,9 @@ class LocalFile(Blob):
         ``(buffer, position of each span's first byte, whether any span came from the page cache)``. A span of at
         least ``DIRECT_MIN_BYTES`` gets a slot of whole ``ALIGN`` blocks (it may be read directly); smaller ones are
         packed, so the buffer outgrows the bytes read by at most ``2 * ALIGN`` per large span, whatever the spans.
-        With ``hint``, a read of ``HINT_AFTER_BYTES`` or more partly from the page cache, and not inside the range
-        announced last, announces the bytes after it (``will_need``). Raises ``ShortRead`` when the file ends inside a span."""
+        With ``hint``, a read of ``HINT_AFTER_BYTES`` or more through the page cache (no span of it read directly),
+        and not inside the range announced last, announces the bytes after it (``will_need``). Raises ``ShortRead``
+        when the file ends inside a span."""
         spans, slots, total = list(spans), [], 0
         for lo, end in spans:
             if end - lo >= DIRECT_MIN_BYTES:
@@ -202,14 +204,15 @@ class LocalFile(Blob):
                 slots.append((total, lo, end - lo))
             total += slots[-1][2]
         buf = scratch(total)
-        mv, starts, buffered = memoryview(buf), [], False
+        mv, starts, buffered, from_disk = memoryview(buf), [], False, False
         for k, ((at, a, n), (lo, end)) in enumerate(zip(slots, spans)):
             got, direct = self.read_into(mv[at:at + n], a, end - a)
             if got < end - a:
                 raise ShortRead(k, max(0, got - (lo - a)))
             buffered |= not direct
+            from_disk |= direct
             starts.append(at + lo - a)
-        if hint and buffered and sum(end - lo for lo, end in spans) >= HINT_AFTER_BYTES:
+        if hint and buffered and not from_disk and sum(end - lo for lo, end in spans) >= HINT_AFTER_BYTES:
             first, last = min(lo for lo, _ in spans), max(end for _, end in spans)
             if not self._hinted[0] <= first < last <= self._hinted[1]:  # cached of its own accord, not as announced
                 self.will_need(last)
