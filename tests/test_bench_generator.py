@@ -209,6 +209,20 @@ def test_report_puts_the_machines_floor_beside_the_70b_lines():
     assert ls.result == ("PASS" if res["70b"]["ls_lR"]["median_s"] <= report.LS_70B_TARGET_S else "FAIL")
 
 
+def test_report_reproduces_the_run_with_the_70b_floors():
+    """The README's sixth run (the 70B lines with the machine's floor beside them) gives back exactly the lines it
+    printed."""
+    from benchlib import report
+
+    run = json.loads((REPO / "tests" / "bench_report_cf0c97c.json").read_text())
+    lines = report.target_lines(run["results"], run["errors"], run["args"]["dtypes"], run["args"]["cache_bytes"])
+    assert report.as_json(lines) == run["targets"]
+    text = report.table(lines)
+    assert "1.31 s (floor, cold: python + numpy + h5py 0.35 s; passthrough mount 0.21 s)" in text
+    assert "0.86 s (passthrough ceiling 0.61 s)" in text
+    assert sum(x.result == "PASS" for x in lines) == 13
+
+
 def test_mirror_tree_copies_the_shape_without_data(tmp_path):
     """The passthrough's ``ls -lR`` serves a copy of the mounted tree's shape: the same folders, files of the same
     sizes holding no data blocks, links with the same targets."""
