@@ -304,16 +304,22 @@ def test_a_local_folder_lists_stats_opens_and_reads_its_entries(tmp_path):
     assert folder.folder("sub").entries() == []
 
 
-def test_reads_inside_the_announced_range_announce_nothing_more(tmp_path, monkeypatch):
-    """A block read from the page cache announces the bytes after it; the blocks read next from inside that range
-    are cached because they were announced, and announcing on from them would load the whole file through the page
-    cache, block after block: they announce nothing, and the first cached read past the range announces again."""
+def _announcing_file(tmp_path, monkeypatch) -> tuple:
+    """A sparse file of three announcement windows and the list its ``posix_fadvise`` calls go to (offset, length)."""
     path = tmp_path / "f.bin"
     with open(path, "wb") as f:
         f.truncate(3 * local.HINT_AHEAD)
     calls = []
     monkeypatch.setattr(local.os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n)),
                         raising=False)
+    return path, calls
+
+
+def test_reads_inside_the_announced_range_announce_nothing_more(tmp_path, monkeypatch):
+    """A block read from the page cache announces the bytes after it; the blocks read next from inside that range
+    are cached because they were announced, and announcing on from them would load the whole file through the page
+    cache, block after block: they announce nothing, and the first cached read past the range announces again."""
+    path, calls = _announcing_file(tmp_path, monkeypatch)
     monkeypatch.setattr(local.page_cache, "cached", lambda fd, off, n: True)
     mib, w = 1 << 20, local.HINT_AHEAD
     f = LocalFile(str(path))
@@ -332,12 +338,7 @@ def test_a_read_partly_straight_from_the_disk_announces_nothing(tmp_path, monkey
     straight from the disk is a cold read: announcing the bytes after it would have the kernel load them into the page
     cache while the next blocks read them again directly (a cold read of a 1 GB checkpoint read 11-15% more from the
     disk). A block read wholly through the page cache still announces."""
-    path = tmp_path / "f.bin"
-    with open(path, "wb") as f:
-        f.truncate(3 * local.HINT_AHEAD)
-    calls = []
-    monkeypatch.setattr(local.os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n)),
-                        raising=False)
+    path, calls = _announcing_file(tmp_path, monkeypatch)
     cold = {"now": True}
     monkeypatch.setattr(local.page_cache, "cached", lambda fd, off, n: not cold["now"])
     monkeypatch.setattr(local, "DIRECT_MIN_BYTES", 512 << 10)  # the rule of the server: small spans buffered
