@@ -87,6 +87,10 @@ class BlockCache:
     def from_memory(self, value: bool) -> None:
         self.memory_run = FROM_MEMORY_RUN if value else 0
 
+    def block_computed(self, from_memory_alone: bool) -> None:
+        """A block computed ahead (``ckptfs.readahead``): one more in the run of blocks from memory, or the run ends."""
+        self.memory_run = self.memory_run + 1 if from_memory_alone else 0
+
     def peek(self, key: Hashable) -> bool:
         """True when ``key`` is kept or being computed (no LRU update, no counting)."""
         with self._lock:

@@ -81,7 +81,7 @@ class ReadAhead:
                 cache.prefetch(key, compute)
             finally:
                 waited = self._waited_reads() > reads
-                cache.memory_run = cache.memory_run + 1 if not waited and self._memory_reads() > from_memory else 0
+                cache.block_computed(not waited and self._memory_reads() > from_memory)
                 with self._cond:
                     self._limit = self.workers if waited else 1
                     self._queued.discard(ident)

@@ -212,7 +212,7 @@ class LocalFile(Blob):
             buffered |= not direct
             from_disk |= direct
             starts.append(at + lo - a)
-        if hint and buffered and not from_disk and sum(end - lo for lo, end in spans) >= HINT_AFTER_BYTES:
+        if hint and not from_disk and sum(end - lo for lo, end in spans) >= HINT_AFTER_BYTES:  # all buffered
             first, last = min(lo for lo, _ in spans), max(end for _, end in spans)
             if not self._hinted[0] <= first < last <= self._hinted[1]:  # cached of its own accord, not as announced
                 self.will_need(last)
