@@ -105,6 +105,29 @@ def flat_range_to_boxes(shape: Sequence[int], start: int, stop: int) -> Iterator
             yield ((r1, r1 + 1),) + sub
 
 
+def box_chunks(box: Box, chunks: Sequence[int]) -> int:
+    """How many chunks of shape ``chunks`` the box ``box`` touches."""
+    return math.prod(-(-b // c) - a // c for (a, b), c in zip(box, chunks))
+
+
+def covering_rows(shape: Sequence[int], boxes: Sequence[Box], chunks: Sequence[int] | None) -> Box | None:
+    """One box of whole rows covering ``boxes`` (those of one flat element range, ``flat_range_to_boxes``), when
+    reading it costs less than reading them one by one: at most twice their elements, and, for a chunked tensor,
+    no more chunks than they touch together (a peek at a tensor's first 1.5 rows reads two whole rows once, not a
+    row and then a part of the next over the same chunks). None for a single box or when it costs more."""
+    if len(boxes) < 2 or not shape:
+        return None
+    rows = (min(b[0][0] for b in boxes), max(b[0][1] for b in boxes))
+    cover = (rows,) + full_box(shape[1:])
+    need = sum(math.prod(box_shape(b)) for b in boxes)
+    if math.prod(box_shape(cover)) > 2 * need:
+        return None
+    if chunks is not None and len(chunks) == len(shape) and all(c > 0 for c in chunks):
+        if box_chunks(cover, chunks) > sum(box_chunks(b, chunks) for b in boxes):
+            return None
+    return cover
+
+
 def aligned_block_elems(shape, chunks, itemsize: int, base: int, max_bytes: int) -> int:
     """A cache-block size (elements) that starts every block on a chunk-row boundary, or ``base`` when not cheap.
 
@@ -268,7 +291,14 @@ class VirtualTensor(ABC):
         b = min(b, self.nbytes)
         item = self.dtype.itemsize
         e0, e1 = a // item, -(-b // item)
-        arr = np.ascontiguousarray(self.read_flat(e0, e1)).astype(self.dtype.storage, copy=False)
+        boxes = list(flat_range_to_boxes(self.shape, e0, e1))
+        cover = covering_rows(self.shape, boxes, self.chunk_shape())
+        if cover is None:
+            arr = self.read_flat(e0, e1)
+        else:  # one read of whole rows, the range cut out of it
+            skip = cover[0][0] * math.prod(self.shape[1:])
+            arr = self.read(cover).reshape(-1)[e0 - skip:e1 - skip]
+        arr = np.ascontiguousarray(arr).astype(self.dtype.storage, copy=False)
         data = memoryview(arr).cast("B")
         out[:b - a] = data[a - e0 * item:b - e0 * item]
         return b - a

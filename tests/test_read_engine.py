@@ -155,6 +155,22 @@ def test_blocks_of_a_transposed_tensor_decode_each_source_chunk_once(make):
     assert be % (128 * t.shape[1]) == 0  # whole chunk rows of the transposed tensor
 
 
+@pytest.mark.parametrize("start,length,reads", [
+    (0, 6 << 10, 1),  # a row and a half from a tensor's start: two whole rows, read once over the same chunks
+    (4096 - 8, 16, 2),  # a few bytes either side of a row's end: two small reads, not two whole rows
+    (15 * 4096 + 2048, 4096 + 1024, 2),  # across a chunk row's end: whole rows would touch more chunks
+    (3 * 4096 + 100, 2 * 4096, 1),  # a wrap whose parts cover every column: the same chunks either way
+], ids=["head", "row-end", "chunk-row-end", "wrap"])
+def test_a_peek_over_parts_of_rows_reads_whole_rows_once_when_that_costs_less(start, length, reads):
+    src = ChunkedTensor((64, 1024), (16, 128))  # rows of 4 KiB, 8 chunks across
+    cache = BlockCache(64 << 20)
+    cache.streaming = True  # as mounted: a small read decodes only the chunks under it
+    buf = bytearray(length)
+    assert src.read_into(start, memoryview(buf), cache) == length
+    assert bytes(buf) == src.array.tobytes()[start:start + length]
+    assert src.reads == reads
+
+
 def test_box_shapes_match(tmp_path):
     """ChunkedTensor counts what a box touches (a check of the test helper itself)."""
     s = ChunkedTensor((10, 10), (4, 4))
