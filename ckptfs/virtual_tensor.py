@@ -256,7 +256,11 @@ class VirtualTensor(ABC):
 
     def read_flat(self, start: int, stop: int) -> np.ndarray:
         """Elements [start, stop) in C order, as a 1-D array (no caching)."""
-        parts = [self.read(b).reshape(-1) for b in flat_range_to_boxes(self.shape, start, stop)]
+        return self._read_boxes(flat_range_to_boxes(self.shape, start, stop))
+
+    def _read_boxes(self, boxes) -> np.ndarray:
+        """The elements of ``boxes`` (those of one flat range, in order), concatenated as a 1-D array."""
+        parts = [self.read(b).reshape(-1) for b in boxes]
         if not parts:
             return np.empty(0, self.dtype.storage)
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
@@ -292,9 +296,9 @@ class VirtualTensor(ABC):
         item = self.dtype.itemsize
         e0, e1 = a // item, -(-b // item)
         boxes = list(flat_range_to_boxes(self.shape, e0, e1))
-        cover = covering_rows(self.shape, boxes, self.chunk_shape())
+        cover = covering_rows(self.shape, boxes, self.chunk_shape()) if len(boxes) > 1 else None  # (one box: as is)
         if cover is None:
-            arr = self.read_flat(e0, e1)
+            arr = self._read_boxes(boxes)
         else:  # one read of whole rows, the range cut out of it
             skip = cover[0][0] * math.prod(self.shape[1:])
             arr = self.read(cover).reshape(-1)[e0 - skip:e1 - skip]
