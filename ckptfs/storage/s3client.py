@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from ..env import aws_environment
 from ..errors import SourceChangedError, StorageError
+from .etag import if_match, normal_etag, same_etag
 from .s3url import S3Settings, safe_endpoint
 
 #: seconds to set up a connection, and to wait for any byte of an answer
@@ -97,7 +98,8 @@ def _mtime_ns(value) -> int:
 
 
 def _etag(value) -> str:
-    return str(value or "").strip()
+    """Every ETag as ckptfs keeps it, however the endpoint spelled it (``storage.etag``)."""
+    return normal_etag(value)
 
 
 class S3Client:
@@ -195,7 +197,8 @@ class S3Client:
                 raise ValueError(f"empty range [{start}, {end})")
             kw["Range"] = f"bytes={start}-{end - 1}"
         if etag:
-            kw["IfMatch"] = etag
+            etag = normal_etag(etag)
+            kw["IfMatch"] = if_match(etag)
         for attempt in range(BODY_RETRIES + 1):
             self._check_up(where)
             try:
@@ -212,7 +215,7 @@ class S3Client:
                 raise StorageError(where, f"object of {length} bytes, more than the {max_bytes} read whole",
                                    "refused")
             info = ObjectInfo(key, _total_size(r, length), _etag(r.get("ETag")), _mtime_ns(r.get("LastModified")))
-            if etag and info.etag and info.etag != etag:  # an endpoint that ignores If-Match
+            if etag and info.etag and not same_etag(info.etag, etag):  # an endpoint that ignores If-Match
                 r["Body"].close()
                 raise SourceChangedError(where, f"the object changed since it was opened (ETag {etag} is now "
                                                 f"{info.etag}); remount to serve the new version")
