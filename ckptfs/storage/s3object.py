@@ -37,7 +37,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .base import Blob, ShortRead, count_waited_read
-from .etag import normal_etag
+from ckptfs.storage.etag import normal_etag
 from .s3client import S3Client
 
 #: the object is fetched in parts of this size for large reads (and cached by part)
