@@ -91,10 +91,11 @@ def test_each_refused_call_names_its_permission(proxy, env, call, permission):
     assert permission in line and "(AccessDenied)" in line, line
 
 
-@pytest.mark.parametrize("code", ["ExpiredToken", "ExpiredTokenException", "RequestExpired", "InvalidToken"])
-def test_expired_credentials_are_said_so_and_never_asked_again(proxy, env, code):
+@pytest.mark.parametrize("code,status", [("ExpiredToken", 400), ("ExpiredTokenException", 400),
+                                         ("RequestExpired", 400), ("InvalidToken", 400), ("ExpiredToken", 403)])
+def test_expired_credentials_are_said_so_and_never_asked_again(proxy, env, code, status):
     before = proxy.faults()
-    proxy.set_faults(*({"call": c, "status": 400, "code": code}
+    proxy.set_faults(*({"call": c, "status": status, "code": code}
                        for c in ("HeadObject", "GetObject", "ListObjectsV2", "HeadBucket")))
     try:
         line = one_line_error(ckptfs("info", LAYOUT, env={**env, "AWS_ENDPOINT_URL": proxy.url,
@@ -108,8 +109,8 @@ def test_expired_credentials_are_said_so_and_never_asked_again(proxy, env, code)
         assert "expired" in line and "aws sso login" in line and "AWS_SESSION_TOKEN" in line, line
     after = proxy.faults()
     asked = {c: after.get(c, 0) - before.get(c, 0) for c in after}
-    # the HEAD (whose error answer has no body), botocore's look for the bucket's region after a HEAD's 400, and
-    # the GET of one byte that says why: each asked once, none again
+    # the HEAD (whose error answer has no body), botocore's look for the bucket's region after a HEAD's 400 or 403,
+    # and the GET of one byte that says why: each asked once, none again
     assert asked.get("HeadObject") == 1 and asked.get("GetObject") == 1 and max(asked.values()) == 1, asked
     assert "FQoGZXIvYXdzEXPIRED" not in line
 

@@ -183,19 +183,19 @@ class S3Client:
             err = self._failed(self._translate(e, where, bucket, key=key))
             if isinstance(err, StorageError) and err.kind == "missing" and "bucket" not in err.problem:
                 return None
-            if _status(e) == 400 and _code(e) in ("", "400", "BadRequest"):
+            if _status(e) in (400, 403) and _code(e) in ("", "400", "403", "BadRequest", "Forbidden"):
                 err = self._why_head_failed(bucket, key, err)
             raise err from None
         return ObjectInfo(key, int(r.get("ContentLength", 0)), _etag(r.get("ETag")), _mtime_ns(r.get("LastModified")))
 
     def _why_head_failed(self, bucket: str, key: str, err: Exception) -> Exception:
-        """A HEAD's error answer has no body, so no error code (an expired token reads "400"): the error of a GET of
-        the object's first byte, which has one, when it is about the credentials or access; else ``err``."""
+        """A HEAD's error answer has no body, so no error code (an expired token reads "400" or "403"): the error of
+        a GET of the object's first byte, which has one, when it is about the credentials; else ``err``."""
         try:
             r = self.client.get_object(Bucket=bucket, Key=key, Range="bytes=0-0")
         except Exception as e:  # noqa: BLE001
             why = self._translate(e, f"s3://{bucket}/{key}", bucket, key=key)
-            return why if isinstance(why, StorageError) and why.kind in ("credentials", "denied") else err
+            return why if isinstance(why, StorageError) and why.kind == "credentials" else err
         r["Body"].close()
         return err
 
