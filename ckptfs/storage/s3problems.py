@@ -65,7 +65,7 @@ def denied_problem(operation: str | None, bucket: str, key: str | None, code: st
     resource = arn(bucket) if call.on_bucket or not key else arn(bucket, key)
     line = f"access denied: {call.action} on {resource} was refused ({code}) — {call.needed_for}"
     if operation == "HeadObject":
-        line += " (S3 also answers a missing object so when s3:ListBucket is not granted)"
+        line += " (S3 answers a HEAD of a missing object so too when s3:ListBucket is not granted)"
     return line + ("; grant it or name the checkpoint object itself (s3://BUCKET/…/checkpoint_N.mdl)"
                    if call.action == "s3:ListBucket" else "; grant it")
 
