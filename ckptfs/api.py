@@ -61,7 +61,9 @@ def load(ckpt, *, allow_partial: bool = False, allow_external=(), model: str | N
     from .source.materialize import to_torch
     from .storage.locate import locate
     from .storage.s3url import S3Location, S3Settings
+    from ckptfs.source.materialize import require_torch
 
+    require_torch()  # before anything is opened: without torch, say so at once
     where = locate(ckpt, S3Settings(endpoint_url, profile))
     if not isinstance(where, S3Location) and is_hf_folder(where):
         from .views.from_hf import open_hf_checkpoint

@@ -19,6 +19,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     which is most of a cold ``ckptfs mount``'s start)."""
     p = argparse.ArgumentParser(prog="ckptfs", description="Mount Cerebras checkpoints as Hugging Face / torch / upgraded Cerebras files, converted lazily on read.")
     p.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
+    p.add_argument("--version", action="version", version=f"ckptfs {version()}",
+                   help="print the installed version and exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in [only] if only else COMMANDS:
@@ -27,6 +29,17 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         sp.set_defaults(_run=mod.run)
     return p
+
+
+def version() -> str:
+    """The installed package's version (its metadata); for a source tree that was never installed, saying so."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("ckptfs")
+    except PackageNotFoundError:
+        return "(not installed: run from a source tree)"
 
 
 def _command_named(argv: list) -> str | None:

@@ -149,3 +149,42 @@ def generated_checkpoint(folder: Path, ffn: int) -> tuple:
     folder.mkdir(parents=True)
     gen.write_checkpoint(folder / "checkpoint_0.mdl", dims, "bf16")
     return folder / "checkpoint_0.mdl", gen.write_params(folder / "params.yaml", dims)
+
+
+class FaultProxy:
+    """An HTTP proxy on 127.0.0.1 in front of ``upstream`` (an endpoint URL), in a process of its own
+    (``s3faults.py``), answering the calls ``set_faults`` names with an S3 error: a real endpoint, botocore parsing
+    a real answer."""
+
+    def __init__(self, upstream: str, tmp: Path):
+        self.tmp = Path(tmp)
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        self.rules = self.tmp / "faults.json"
+        self.rules.write_text("[]")
+        port_file = self.tmp / "proxy-port"
+        port_file.unlink(missing_ok=True)
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("s3faults.py")), upstream,
+                                      str(port_file), str(self.rules)],
+                                     stdout=subprocess.DEVNULL, stderr=open(self.tmp / "proxy.log", "wb"))
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the fault proxy did not start: {(self.tmp / 'proxy.log').read_text()}")
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{int(port_file.read_text())}"
+
+    def set_faults(self, *rules: dict) -> None:
+        """Answer these calls with these errors from now on: ``{"call", "status", "code", "key": suffix}``."""
+        tmp = self.rules.with_suffix(".tmp")
+        tmp.write_text(json.dumps(list(rules)))
+        os.replace(tmp, self.rules)
+
+    def faults(self) -> dict:
+        """How many times each call was answered with an error so far."""
+        with urllib.request.urlopen(self.url + "/__faults__", timeout=30) as r:
+            return json.loads(r.read())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)

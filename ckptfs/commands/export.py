@@ -19,6 +19,7 @@ from ..outfiles import OutputDir
 from ..tree.base import Tree, VirtualPathError, split_path
 from .export_tree import export_tree, read_failed
 from .. import options as mount_options
+from ckptfs.commands.ckpt_arg import CKPT_FORMS, CKPT_HELP
 
 BLOCK = 8 << 20
 
@@ -31,8 +32,8 @@ def add_parser(subparsers):
                     "`cp -r MOUNT/. OUTDIR` would, decoding in parallel; a re-run keeps the files a previous run "
                     "finished. With VIRTUAL_PATH DEST: write that one file of the mount (e.g. model.safetensors or "
                     "torch/checkpoint.pt) to DEST ('-' for stdout). Either way without FUSE, with exactly the bytes "
-                    "the mount serves.")
-    p.add_argument("ckpt", metavar="CKPT", help="checkpoint .mdl file or model_dir")
+                    "the mount serves. " + CKPT_FORMS)
+    p.add_argument("ckpt", metavar="CKPT", help=CKPT_HELP)
     p.add_argument("virtual_path", metavar="OUTDIR|VIRTUAL_PATH",
                    help="output directory for the whole tree, or a path inside the mount (see README.txt)")
     p.add_argument("dest", metavar="DEST", nargs="?", help="output file, existing directory, or - for stdout")

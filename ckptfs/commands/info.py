@@ -64,6 +64,7 @@ class Summary:
     root_kind: str
     family: FamilyInfo
     warnings: list = field(default_factory=list)
+    notes: list = field(default_factory=list)  # where things came from (a params file fetched from a bucket)
 
 
 def detect(ckpt: Checkpoint) -> FamilyInfo:
@@ -119,7 +120,7 @@ def summarize(ckpt: Checkpoint, family: FamilyInfo | None = None) -> Summary:
         by_dtype=dict(sorted(by_dtype.items(), key=lambda kv: -kv[1].bytes)), values=values, opaque=opaque,
         unreadable=unreadable, aliases=len(ckpt.links), top_level_keys=top, root_kind=kind,
         family=family or detect(ckpt),
-        warnings=list(ckpt.warnings))
+        warnings=list(ckpt.warnings), notes=list(getattr(ckpt, "notes", None) or []))
 
 
 def family_line(f: FamilyInfo) -> str:
@@ -144,6 +145,7 @@ def format_text(s: Summary) -> str:
                  f"{s.aliases} aliases (links)")
     for key, reason in s.unreadable.items():
         lines.append(f"  unreadable {key}: {reason}")
+    lines += s.notes
     for msg in s.warnings:
         lines.append(f"warning: {msg}")
     return "\n".join(lines)

@@ -8,15 +8,16 @@ from __future__ import annotations
 import argparse
 
 from .. import options as mount_options
+from ckptfs.commands.ckpt_arg import CKPT_FORMS, CKPT_HELP
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "mount", help="mount a checkpoint as a read-only directory of converted files",
-        description="Mount a Cerebras checkpoint (a .mdl file or a model_dir) read-only at MOUNTPOINT. Files are "
-                    "generated on read. Without --foreground the server runs in the background (its log file is "
-                    "printed); stop it with `ckptfs umount MOUNTPOINT`.")
-    p.add_argument("ckpt", metavar="CKPT", help="checkpoint .mdl file or model_dir")
+        description="Mount a checkpoint read-only at MOUNTPOINT. Files are generated on read. Without --foreground "
+                    "the server runs in the background (its log file is printed); stop it with `ckptfs umount "
+                    "MOUNTPOINT`. " + CKPT_FORMS)
+    p.add_argument("ckpt", metavar="CKPT", help=CKPT_HELP)
     p.add_argument("mountpoint", metavar="MOUNTPOINT", help="an existing empty directory")
     mount_options.add_arguments(p)
     p.add_argument("--foreground", "-f", action="store_true",

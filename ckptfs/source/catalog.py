@@ -72,6 +72,12 @@ class Checkpoint:
     leaves: dict  # dict[str, Leaf], every flat key in spec order
     links: dict = field(default_factory=dict)  # alias key -> target key
     warnings: list = field(default_factory=list)
+    #: where things it is served with came from (a params file fetched from beside it in a bucket): README.txt and
+    #: ``info`` show these as they are — facts, not problems (those are ``warnings``)
+    notes: list = field(default_factory=list)
+    #: the ``S3Location`` of the params file fetched from beside a checkpoint in S3 (None otherwise): where its
+    #: tokenizer files are looked for too
+    params_location: Any = None
     #: a checkpoint that is not a local file (S3): what names its stored version (a digest of its objects' ETags)
     #: and when it was written; None for a local file, whose identity comes from the file system
     version: str | None = None

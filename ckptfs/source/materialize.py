@@ -34,9 +34,23 @@ _FACTORIES = {"builtins.list": list, "builtins.dict": dict, "builtins.set": set,
               "builtins.float": float, "builtins.str": str, "builtins.tuple": tuple}
 
 
+def require_torch():
+    """The ``torch`` module; ``ModuleNotFoundError`` in one line saying how to install it when it is missing (only
+    ``ckptfs.load`` needs it)."""
+    try:
+        import torch
+    except ModuleNotFoundError as e:
+        if e.name != "torch":
+            raise
+        raise ModuleNotFoundError("ckptfs.load needs PyTorch, which is not installed here: pip install "
+                                  "'ckptfs[torch]' (or any torch>=2.1); mounts and exports work without it",
+                                  name="torch") from None
+    return torch
+
+
 def tensor_to_torch(leaf: TensorLeaf):
     """One tensor leaf read in full: a torch tensor (bf16 as torch.bfloat16) or, for numpy leaves, an ndarray."""
-    import torch
+    torch = require_torch()
 
     arr = np.array(leaf.tensor.read_all(), copy=True)
     dt = leaf.tensor.dtype

@@ -139,5 +139,6 @@ def params_for(ckpt, cache: Path) -> Path | None:
         ckpt.warnings.append(f"params beside the checkpoint not fetched: {e}")
         return None
     if local is not None:
-        ckpt.warnings.append(f"params: {where} (fetched to {local})")
+        ckpt.notes.append(f"params: {where} (fetched to {local})")
+        ckpt.params_location = where
     return local

@@ -9,10 +9,13 @@ is retried with exponential backoff and jitter (botocore's "standard" mode) a bo
 vanished or stalled endpoint makes a request fail within ``worst_case_seconds()``, never hang; for ``DOWN_SECONDS``
 after that, requests fail at once (a read that needs many objects fails within one request's bound).
 
-Failures become ``StorageError(location, one line, kind)``: the bucket or key that is missing, access denied,
-credentials refused or absent, the endpoint unreachable — never the server's raw message (which ckptfs does not
-control) and never a key, token or signature. A ranged read of an object whose ETag changed since it was listed
-(``If-Match`` refused, HTTP 412) raises ``SourceChangedError``.
+Failures become ``StorageError(location, one line, kind)``: the bucket or key that is missing, access denied (naming
+the IAM permission the refused call needed and what for: ``s3problems``), credentials refused, expired or absent,
+the endpoint unreachable — never the server's raw message (which ckptfs does not control) and never a key, token or
+signature. Only transient failures are asked again (botocore's standard mode: 5xx answers, throttling, timeouts, a
+broken connection); an answer about the credentials or access never is: asking again cannot change it. A ranged
+read of an object whose ETag changed since it was listed (``If-Match`` refused, HTTP 412) raises
+``SourceChangedError``.
 """
 from __future__ import annotations
 
@@ -25,6 +28,9 @@ from dataclasses import dataclass
 
 from ..env import aws_environment
 from ..errors import SourceChangedError, StorageError
+from ckptfs.storage.etag import if_match, normal_etag, same_etag
+from ckptfs.storage.s3problems import (CREDENTIAL_CODES, SSO_ERRORS, credentials_problem, denied_problem,
+                                       profile_problem, sso_problem)
 from .s3url import S3Settings, safe_endpoint
 
 #: seconds to set up a connection, and to wait for any byte of an answer
@@ -45,8 +51,6 @@ DOWN_SECONDS = 5.0
 _UNREACHABLE = ("EndpointConnectionError", "ConnectionClosedError", "ProxyConnectionError", "ConnectionError",
                 "SSLError")
 _TIMEOUT = ("ConnectTimeoutError", "ReadTimeoutError")
-_CREDENTIALS_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
-                      "TokenRefreshRequired", "InvalidSecurity", "AuthorizationHeaderMalformed"}
 
 
 # boto3's own loggers say at DEBUG level what they send (headers, a session token among them): never into ckptfs's
@@ -97,7 +101,8 @@ def _mtime_ns(value) -> int:
 
 
 def _etag(value) -> str:
-    return str(value or "").strip()
+    """Every ETag as ckptfs keeps it, however the endpoint spelled it (``storage.etag``)."""
+    return normal_etag(value)
 
 
 class S3Client:
@@ -137,8 +142,7 @@ class S3Client:
         except BotoCoreError as e:
             name = type(e).__name__
             if name == "ProfileNotFound":
-                raise StorageError(where, f"AWS profile {self.settings.profile!r} not found in the AWS config "
-                                          "files", "credentials") from None
+                raise StorageError(where, profile_problem(self.settings.profile), "credentials") from None
             if name in ("InvalidEndpointConfigurationError", "ValueError") or "endpoint" in name.lower():
                 raise StorageError(where, "the endpoint URL is not usable", "failed") from None
             raise StorageError(where, f"cannot set up the S3 client ({name})", "failed") from None
@@ -176,11 +180,24 @@ class S3Client:
         try:
             r = self.client.head_object(Bucket=bucket, Key=key)
         except Exception as e:  # noqa: BLE001 - every botocore failure is translated
-            err = self._failed(self._translate(e, where, bucket))
+            err = self._failed(self._translate(e, where, bucket, key=key))
             if isinstance(err, StorageError) and err.kind == "missing" and "bucket" not in err.problem:
                 return None
+            if _status(e) in (400, 403) and _code(e) in ("", "400", "403", "BadRequest", "Forbidden"):
+                err = self._why_head_failed(bucket, key, err)
             raise err from None
         return ObjectInfo(key, int(r.get("ContentLength", 0)), _etag(r.get("ETag")), _mtime_ns(r.get("LastModified")))
+
+    def _why_head_failed(self, bucket: str, key: str, err: Exception) -> Exception:
+        """A HEAD's error answer has no body, so no error code (an expired token reads "400" or "403"): the error of
+        a GET of the object's first byte, which has one, when it is about the credentials; else ``err``."""
+        try:
+            r = self.client.get_object(Bucket=bucket, Key=key, Range="bytes=0-0")
+        except Exception as e:  # noqa: BLE001
+            why = self._translate(e, f"s3://{bucket}/{key}", bucket, key=key)
+            return why if isinstance(why, StorageError) and why.kind == "credentials" else err
+        r["Body"].close()
+        return err
 
     def get(self, bucket: str, key: str, *, start: int | None = None, end: int | None = None,
             etag: str | None = None, into: memoryview | list | None = None, max_bytes: int | None = None) -> GetResult:
@@ -195,13 +212,14 @@ class S3Client:
                 raise ValueError(f"empty range [{start}, {end})")
             kw["Range"] = f"bytes={start}-{end - 1}"
         if etag:
-            kw["IfMatch"] = etag
+            etag = normal_etag(etag)
+            kw["IfMatch"] = if_match(etag)
         for attempt in range(BODY_RETRIES + 1):
             self._check_up(where)
             try:
                 r = self.client.get_object(**kw)
             except Exception as e:  # noqa: BLE001
-                raise self._failed(self._translate(e, where, bucket, etag)) from None
+                raise self._failed(self._translate(e, where, bucket, etag, key=key)) from None
             length = int(r.get("ContentLength", 0))
             want = None if start is None else end - start
             if want is not None and length != want:
@@ -212,7 +230,7 @@ class S3Client:
                 raise StorageError(where, f"object of {length} bytes, more than the {max_bytes} read whole",
                                    "refused")
             info = ObjectInfo(key, _total_size(r, length), _etag(r.get("ETag")), _mtime_ns(r.get("LastModified")))
-            if etag and info.etag and info.etag != etag:  # an endpoint that ignores If-Match
+            if etag and info.etag and not same_etag(info.etag, etag):  # an endpoint that ignores If-Match
                 r["Body"].close()
                 raise SourceChangedError(where, f"the object changed since it was opened (ETag {etag} is now "
                                                 f"{info.etag}); remount to serve the new version")
@@ -226,7 +244,7 @@ class S3Client:
                 if attempt < BODY_RETRIES:
                     time.sleep(min(2.0, 0.1 * 2 ** attempt) * random.random())
                     continue
-                raise self._failed(self._translate(e, where, bucket, etag)) from None
+                raise self._failed(self._translate(e, where, bucket, etag, key=key)) from None
             if got != length:
                 if attempt < BODY_RETRIES:
                     continue
@@ -270,8 +288,10 @@ class S3Client:
             raise self._failed(self._translate(e, f"s3://{bucket}", bucket)) from None
 
     # -- errors --------------------------------------------------------------------------------------------------
-    def _translate(self, e: Exception, where: str, bucket: str, etag: str | None = None) -> Exception:
-        """A botocore failure as one line (``StorageError``, or ``SourceChangedError`` for a refused If-Match)."""
+    def _translate(self, e: Exception, where: str, bucket: str, etag: str | None = None, *,
+                   key: str | None = None) -> Exception:
+        """A botocore failure as one line (``StorageError``, or ``SourceChangedError`` for a refused If-Match);
+        ``key``: the object the call was about (None: the bucket), for the permission an access denied names."""
         if isinstance(e, (StorageError, SourceChangedError)):
             return e
         name = type(e).__name__
@@ -287,23 +307,25 @@ class S3Client:
                 return StorageError(f"s3://{bucket}", "no such bucket", "missing")
             if code in ("NoSuchKey", "NotFound", "404") or status == 404:
                 return StorageError(where, "no such object", "missing")
-            if code in _CREDENTIALS_CODES:
-                return StorageError(where, f"the endpoint refused the credentials ({code}): check "
-                                           "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, the profile, or the token's "
-                                           "expiry", "credentials")
+            if code in CREDENTIAL_CODES:
+                return StorageError(where, credentials_problem(code, self.settings.profile), "credentials")
             if code in ("AccessDenied", "AllAccessDisabled", "403", "Forbidden") or status == 403:
-                return StorageError(where, f"access denied ({code or status}) for these credentials", "denied")
+                return StorageError(where, denied_problem(getattr(e, "operation_name", None), bucket, key,
+                                                          code or str(status)), "denied")
             if code == "InvalidRange" or status == 416:
                 return StorageError(where, "the endpoint refused the byte range (the object is shorter than "
                                            "listed)", "refused")
-            return StorageError(where, f"the endpoint answered {status or '?'} {code or 'with an error'} "
-                                       f"(after {ATTEMPTS} attempts)", "failed")
+            attempts = int((response.get("ResponseMetadata") or {}).get("RetryAttempts") or 0) + 1
+            return StorageError(where, f"the endpoint answered {status or '?'} {code or 'with an error'}"
+                                       + (f" (after {attempts} attempts)" if attempts > 1 else ""), "failed")
         if name in ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
                     "UnknownCredentialError"):
             return StorageError(where, "no usable AWS credentials (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
                                        "or name a profile of ~/.aws with --profile or AWS_PROFILE)", "credentials")
         if name == "ProfileNotFound":
-            return StorageError(where, f"AWS profile {self.settings.profile!r} not found", "credentials")
+            return StorageError(where, profile_problem(self.settings.profile), "credentials")
+        if name in SSO_ERRORS:
+            return StorageError(where, sso_problem(self.settings.profile), "credentials")
         if name in _TIMEOUT:
             return StorageError(where, f"no answer from {self.endpoint} within the timeouts "
                                        f"({ATTEMPTS} attempts)", "timeout")
@@ -314,6 +336,19 @@ class S3Client:
         if name == "ParamValidationError":
             return StorageError(where, "not a valid bucket or key for S3", "refused")
         return StorageError(where, f"S3 request failed ({name})", "failed")
+
+
+def _status(e: Exception) -> int:
+    """The HTTP status of a botocore error answer (0 for a failure without one)."""
+    response = getattr(e, "response", None)
+    return int(((response or {}).get("ResponseMetadata") or {}).get("HTTPStatusCode") or 0) \
+        if isinstance(response, dict) else 0
+
+
+def _code(e: Exception) -> str:
+    """The error code of a botocore error answer ('' without one)."""
+    response = getattr(e, "response", None)
+    return str(((response or {}).get("Error") or {}).get("Code") or "") if isinstance(response, dict) else ""
 
 
 def _read_into(body, into, length: int) -> int:

@@ -37,6 +37,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .base import Blob, ShortRead, count_waited_read
+from ckptfs.storage.etag import normal_etag
 from .s3client import S3Client
 
 #: the object is fetched in parts of this size for large reads (and cached by part)
@@ -254,7 +255,7 @@ class S3Object(Blob):
     def __init__(self, client: S3Client, bucket: str, key: str, size: int, etag: str, mtime_ns: int = 0):
         self.client = client
         self.bucket, self.key = bucket, key
-        self._size, self.etag, self.mtime_ns = int(size), etag, int(mtime_ns)
+        self._size, self.etag, self.mtime_ns = int(size), normal_etag(etag), int(mtime_ns)
         self._id = (bucket, key, etag)
         self._last_end: int | None = None  # where the last large read ended
         self._streak = 0  # bytes read by large reads that continued each other (a part's worth: read ahead)

@@ -314,7 +314,8 @@ def build_tree(ckpt_path, options: MountOptions | None = None, *, cache: BlockCa
         given = ckpt_path if is_s3_url(ckpt_path) else Path(ckpt_path).absolute()
         resolved_from = given if str(given).rstrip("/") != str(path) and (is_s3_url(given) or given.is_dir()) else None
         info = SourceInfo(path, getattr(ckpt, "format_version", None), getattr(ckpt, "release", None),
-                          getattr(ckpt, "success", None), [str(w) for w in getattr(ckpt, "warnings", []) or []],
+                          getattr(ckpt, "success", None),
+                          [str(w) for w in [*getattr(ckpt, "notes", ()), *(getattr(ckpt, "warnings", None) or [])]],
                           resolved_from)
         closers = [ckpt.close] if callable(getattr(ckpt, "close", None)) else []
         mtime_ns = ckpt.mtime_ns  # a checkpoint in S3: its objects' time; a local file: its stat below

@@ -153,7 +153,8 @@ def arrange(files: dict, hf, ctx) -> tuple:
         for folder in folders:
             per_folder_extra[folder] = overlay.folder(folder)
     else:
-        found, where, hints = discover_tokenizer(ctx.ckpt_path, hf.params_path, opts.allow_external)
+        found, where, hints = discover_tokenizer(ctx.ckpt_path, hf.params_path, opts.allow_external,
+                                                 getattr(ctx.checkpoint, "params_location", None))
         notes += hints
         targets = [""] if "" in folders else list(folders)
         if where is not None:

@@ -29,6 +29,7 @@ from ..source.hf_layout import hub_blobs, hub_snapshot_of
 from ..storage.local import FileIdentity
 from ..virtual_file import VirtualFile
 from ..storage.locate import local_folder
+from ckptfs.storage.s3url import is_s3_url
 
 #: file names of a Hugging Face tokenizer (and chat template) that are picked up without --overlay
 TOKENIZER_FILES = (
@@ -226,15 +227,28 @@ def params_tokenizer_paths(params_path: Path | None) -> tuple:
     return out, hints
 
 
-def discover_tokenizer(ckpt_path: Path, params_path: Path | None, allow_external=()) -> tuple:
+def discover_tokenizer(ckpt_path: Path, params_path: Path | None, allow_external=(), params_location=None) -> tuple:
     """({file name: OverlayFile}, where, hints): the tokenizer files of the first place that has any — a location
     the params YAML names, the checkpoint's folder (the model_dir), its ``tokenizer/`` folder, then the params
     file's folder and its ``tokenizer/`` folder. ``where`` is None when none has any.
 
     Confinement (as for a checkpoint's external tensors, ``ckptfs.source.confine``): a place is read only when,
     symlinks resolved, it lies in the checkpoint's folder, the params file's folder or an ``allow_external``
-    folder. A crafted params YAML (or a ``tokenizer`` link) naming another folder only gets a hint."""
+    folder. A crafted params YAML (or a ``tokenizer`` link) naming another folder only gets a hint.
+
+    A checkpoint in S3 (``ckpt_path`` an ``S3Location``; ``params_location``: where its params file was fetched
+    from) has its bucket looked at first, the same places in the same order (``views.s3tokenizer``); then the local
+    places its params name."""
+    s3_hints: list = []
+    if is_s3_url(ckpt_path):
+        from ckptfs.views.s3tokenizer import discover_s3_tokenizer
+
+        found, where, s3_hints = discover_s3_tokenizer(ckpt_path, params_path if params_location else None,
+                                                       params_location)
+        if where is not None:
+            return found, where, s3_hints
     named, hints = params_tokenizer_paths(params_path)
+    hints = s3_hints + hints
     places = list(named)
     here = local_folder(ckpt_path)  # None for a checkpoint in S3: only its params file's folder is looked at
     if here is not None:
