@@ -204,6 +204,7 @@ def open_source(ckpt_path, options: MountOptions):
     checkpoint, options)``. For a checkpoint in S3 without ``--config``, the options name the params file found
     beside it in the bucket, fetched into the cache folder (``source.s3params``)."""
     from ..source import open_checkpoint, resolve_checkpoint  # h5py: not imported before a tree is built
+    from ckptfs.source.tf_locate import is_tf_source
 
     path = locate(ckpt_path, s3_settings(options))
     if isinstance(path, S3Location):
@@ -211,7 +212,7 @@ def open_source(ckpt_path, options: MountOptions):
         if options.config is None:
             options = _with_s3_params(ckpt, options)
         return ckpt.path, ckpt, options
-    if not path.exists():
+    if not path.exists() and not is_tf_source(path):  # a TF checkpoint's prefix names no file
         raise CheckpointError(path, "no such file or directory")
     path = Path(resolve_checkpoint(path, options.allow_external))
     return path, open_checkpoint(path, allow_partial=options.allow_partial,

@@ -1,0 +1,135 @@
+"""Opening a TensorFlow saver checkpoint (TF1 name-based or TF2 object-based, sharded or not) without TensorFlow:
+``open_tf_saver(index_path) -> Checkpoint``, a flat state keyed by the variables' names.
+
+The ``.index`` file is read whole (at most ``MAX_INDEX_BYTES``) and parsed by the tensor-bundle codec
+(``ckptfs.tfbundle.parse_index``: every varint, count, offset, block and checksum checked). Each data shard
+``<prefix>.data-0000i-of-0000N`` must be a regular file inside the checkpoint's folder (symbolic links resolved);
+a missing or refused one is a one-line error. Each numeric entry becomes a ``TfBundleTensor`` over its byte
+range (``tf_tensor``: CRC-checked, read through ``ckptfs.storage``); an entry whose range does not lie inside its
+shard, a partitioned variable saved as slices, and string tensors (TF2's ``_CHECKPOINTABLE_OBJECT_GRAPH`` among
+them) are unreadable leaves saying why. No tensor data is read here.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ckptfs import dtypes
+from ckptfs.errors import CheckpointError
+from ckptfs.source.catalog import TF_SAVER, Checkpoint, Container, TensorLeaf, UnreadableLeaf
+from ckptfs.source.confine import Confinement, RefusedReference, open_regular
+from ckptfs.source.tf_locate import prefix_of
+from ckptfs.source.tf_tensor import TfBundleTensor, TfShard
+from ckptfs.source.validate import shape_problem
+from ckptfs.storage.local import FileIdentity
+from ckptfs.tfbundle import BundleFormatError, data_file_name, parse_index
+
+#: the largest ``.index`` read (100,000 variables take about 10 MB)
+MAX_INDEX_BYTES = 1 << 30
+
+
+def _read_index(index: Path) -> tuple:
+    """``(bytes, FileIdentity)`` of the ``.index`` file, read as a regular file of at most ``MAX_INDEX_BYTES``."""
+    try:
+        fd = open_regular(index)
+    except RefusedReference as e:
+        raise CheckpointError(index, e.problem) from None
+    except OSError as e:
+        raise CheckpointError(index, f"cannot open ({e.strerror or e})") from None
+    try:
+        st = os.fstat(fd)
+        if st.st_size > MAX_INDEX_BYTES:
+            raise CheckpointError(index, f"TensorFlow index of {st.st_size:,} bytes, more than {MAX_INDEX_BYTES:,}")
+        chunks, pos = [], 0
+        while pos < st.st_size:
+            b = os.pread(fd, min(1 << 24, st.st_size - pos), pos)
+            if not b:
+                raise CheckpointError(index, f"shrank while it was read ({pos} of {st.st_size} bytes)")
+            chunks.append(b)
+            pos += len(b)
+        return b"".join(chunks), FileIdentity.of_stat(st)
+    except OSError as e:
+        raise CheckpointError(index, f"cannot read ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+
+
+def _shards(index: Path, num_shards: int, confinement: Confinement) -> list:
+    """The ``TfShard`` of each data file, each a regular file inside the checkpoint's folder."""
+    prefix = prefix_of(index)
+    shards = []
+    for i in range(num_shards):
+        path = Path(data_file_name(str(prefix), i, num_shards))
+        if not os.path.lexists(path):
+            raise CheckpointError(index, f"data shard {i} of {num_shards} ({path.name}) is missing")
+        try:
+            real = confinement.resolve(str(path))
+            fd = open_regular(real)
+        except RefusedReference as e:
+            raise CheckpointError(index, f"data shard {path.name}: {e.problem}") from None
+        except OSError as e:
+            raise CheckpointError(index, f"data shard {path.name} cannot be opened ({e.strerror or e})") from None
+        try:
+            ident = FileIdentity.of_stat(os.fstat(fd))
+        finally:
+            os.close(fd)
+        shards.append(TfShard(Path(real), ident, index, confinement))
+    return shards
+
+
+def _leaf(name: str, e, shards: list):
+    """The leaf of index entry ``e`` (a ``tfbundle.BundleEntry``)."""
+    shape = tuple(int(n) for n in e.dims)
+    dt_name = e.dtype_name
+    if e.slices:
+        return UnreadableLeaf(name, f"partitioned variable saved as {len(e.slices)} slices: not read", shape=shape,
+                              dtype=dt_name)
+    if dt_name == "string":
+        return UnreadableLeaf(name, f"string tensor ({e.size:,} bytes in the data file): no numeric representation",
+                              shape=shape, dtype="string")
+    try:
+        dt = dtypes.by_name(dt_name)
+    except KeyError:
+        return UnreadableLeaf(name, f"element type {dt_name}: not read", shape=shape, dtype=dt_name)
+    why = shape_problem(shape, dt.itemsize)
+    if why:
+        return UnreadableLeaf(name, f"bad tensor: {why}", dtype=dt.name)
+    shard = shards[e.shard_id]
+    end = e.offset + e.size
+    if end > shard.identity.size:
+        return UnreadableLeaf(name, f"its bytes [{e.offset}, {end}) lie beyond the end of {shard.path.name} "
+                                    f"({shard.identity.size} bytes): the data file is truncated or the index lies",
+                              shape=shape, dtype=dt.name)
+    return TensorLeaf(name, TfBundleTensor(shard, e.offset, shape, dt, name, e.crc32c), numpy=True)
+
+
+def open_tf_saver(index) -> Checkpoint:
+    """The TF checkpoint whose ``.index`` file is ``index`` (``tf_locate.resolve_tf_index``), as a flat state."""
+    index = Path(index)
+    data, _ = _read_index(index)
+    try:
+        bundle = parse_index(data, index)
+    except BundleFormatError as e:
+        raise CheckpointError(index, getattr(e, "problem", None) or str(e)) from None
+    del data
+    confinement = Confinement.of(index)
+    shards = _shards(index, bundle.header.num_shards, confinement)
+    leaves: dict = {}
+    warnings: list = []
+    for key, e in bundle.entries:
+        if key[:1] == b"\0":
+            continue  # a slice of a partitioned variable: its full entry says so
+        try:
+            name = key.decode("utf-8")
+        except UnicodeDecodeError:
+            warnings.append(f"an index key that is not UTF-8 ({key[:40]!r}…) was skipped")
+            continue
+        leaves[name] = _leaf(name, e, shards)
+    bad = [k for k, v in leaves.items() if isinstance(v, UnreadableLeaf) and v.dtype != "string"]
+    if bad:
+        warnings.append(f"{len(bad)} variable(s) cannot be read: " + ", ".join(bad[:5]) + (" …" if len(bad) > 5 else ""))
+    root = Container("dict", list(leaves), list(leaves.values()))
+    ckpt = Checkpoint(path=index, format_version=0.0, release=None, success=True, root=root, leaves=leaves,
+                      warnings=warnings, mtime_ns=None, kind=TF_SAVER)
+    ckpt._closers.extend(s.close for s in shards)
+    return ckpt
