@@ -44,7 +44,7 @@ def why_not_h5saver(tensor: VirtualTensor) -> str | None:
     name = tensor.dtype.name
     if name in H5SAVER_DTYPES:
         return None
-    return f"{name}: no H5Saver representation (numpy has no {name} type)"
+    return f"{name}: no H5Saver representation"
 
 
 def build_h5saver_skeleton(items: list, buffer: SkeletonBuffer) -> Skeleton:

@@ -5,12 +5,14 @@ The ``.index`` file is read whole (at most ``MAX_INDEX_BYTES``) and parsed by th
 (``ckptfs.tfbundle.parse_index``: every varint, count, offset, block and checksum checked). Each data shard
 ``<prefix>.data-0000i-of-0000N`` must be a regular file inside the checkpoint's folder (symbolic links resolved);
 a missing or refused one is a one-line error. Each numeric entry becomes a ``TfBundleTensor`` over its byte
-range (``tf_tensor``: CRC-checked, read through ``ckptfs.storage``); an entry whose range does not lie inside its
-shard, a partitioned variable saved as slices, and string tensors (TF2's ``_CHECKPOINTABLE_OBJECT_GRAPH`` among
+range (``tf_tensor``: CRC-checked, read through ``ckptfs.storage``), a variable saved as slices (TF splits one
+across shards) a ``TfSlicedTensor`` over its slices' ranges; an entry whose range does not lie inside its shard,
+slices that do not tile their variable, and string tensors (TF2's ``_CHECKPOINTABLE_OBJECT_GRAPH`` among
 them) are unreadable leaves saying why. No tensor data is read here.
 """
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -19,10 +21,10 @@ from ckptfs.errors import CheckpointError
 from ckptfs.source.catalog import TF_SAVER, Checkpoint, Container, TensorLeaf, UnreadableLeaf
 from ckptfs.source.confine import Confinement, RefusedReference, open_regular
 from ckptfs.source.tf_locate import prefix_of
-from ckptfs.source.tf_tensor import TfBundleTensor, TfShard
+from ckptfs.source.tf_tensor import TfBundleTensor, TfShard, TfSlicedTensor, tiling_problem
 from ckptfs.source.validate import shape_problem
 from ckptfs.storage.local import FileIdentity
-from ckptfs.tfbundle import BundleFormatError, data_file_name, parse_index
+from ckptfs.tfbundle import BundleFormatError, data_file_name, encode_slice_key, parse_index
 
 #: the largest ``.index`` read (100,000 variables take about 10 MB)
 MAX_INDEX_BYTES = 1 << 30
@@ -63,7 +65,7 @@ def _shards(index: Path, num_shards: int, confinement: Confinement) -> list:
         if not os.path.lexists(path):
             raise CheckpointError(index, f"data shard {i} of {num_shards} ({path.name}) is missing")
         try:
-            real = confinement.resolve(str(path))
+            real = confinement.resolve(path.name)  # a sibling of the .index, in its folder
             fd = open_regular(real)
         except RefusedReference as e:
             raise CheckpointError(index, f"data shard {path.name}: {e.problem}") from None
@@ -77,13 +79,57 @@ def _shards(index: Path, num_shards: int, confinement: Confinement) -> list:
     return shards
 
 
-def _leaf(name: str, e, shards: list):
+#: slices a variable may be saved as (TF splits one per shard it crosses)
+MAX_SLICES = 1024
+
+
+def _sliced(name: str, e, dt, shape: tuple, shards: list, by_key: dict):
+    """The leaf of a variable saved as slices: each slice's entry found by its key (``encode_slice_key``)."""
+    if len(e.slices) > MAX_SLICES:
+        return UnreadableLeaf(name, f"saved as {len(e.slices):,} slices, more than {MAX_SLICES:,}", shape=shape,
+                              dtype=dt.name)
+    parts = []
+    for extents in e.slices:
+        if len(extents) != len(shape):
+            return UnreadableLeaf(name, f"a slice of rank {len(extents)} of a rank-{len(shape)} tensor", shape=shape,
+                                  dtype=dt.name)
+        box = tuple((0, n) if length is None or length < 0 else (start, start + length)
+                    for (start, length), n in zip(extents, shape))
+        se = by_key.get(encode_slice_key(name, extents))
+        if se is None:
+            return UnreadableLeaf(name, f"slice {list(box)} has no entry in the index", shape=shape, dtype=dt.name)
+        sub = tuple(hi - lo for lo, hi in box)
+        leaf = _whole(f"{name}[{', '.join(f'{lo}:{hi}' for lo, hi in box)}]", se, dt, sub, shards)
+        if isinstance(leaf, UnreadableLeaf):
+            return UnreadableLeaf(name, leaf.reason, shape=shape, dtype=dt.name)
+        if tuple(se.dims) != sub:
+            return UnreadableLeaf(name, f"slice {list(box)} is stored as shape {list(se.dims)}", shape=shape,
+                                  dtype=dt.name)
+        parts.append((box, leaf.tensor))
+    why = tiling_problem(shape, [b for b, _ in parts])
+    if why:
+        return UnreadableLeaf(name, f"saved slices: {why}", shape=shape, dtype=dt.name)
+    return TensorLeaf(name, TfSlicedTensor(shape, dt, name, parts), numpy=True)
+
+
+def _whole(name: str, e, dt, shape: tuple, shards: list):
+    """The leaf of an entry holding a whole tensor (or one slice) in one byte range of its shard."""
+    if e.size != math.prod(shape) * dt.itemsize:
+        return UnreadableLeaf(name, f"its entry holds {e.size} bytes, shape {list(shape)} {dt.name} needs "
+                                    f"{math.prod(shape) * dt.itemsize}", shape=shape, dtype=dt.name)
+    shard = shards[e.shard_id]
+    end = e.offset + e.size
+    if end > shard.identity.size:
+        return UnreadableLeaf(name, f"its bytes [{e.offset}, {end}) lie beyond the end of {shard.path.name} "
+                                    f"({shard.identity.size} bytes): the data file is truncated or the index lies",
+                              shape=shape, dtype=dt.name)
+    return TensorLeaf(name, TfBundleTensor(shard, e.offset, shape, dt, name, e.crc32c), numpy=True)
+
+
+def _leaf(name: str, e, shards: list, by_key: dict):
     """The leaf of index entry ``e`` (a ``tfbundle.BundleEntry``)."""
     shape = tuple(int(n) for n in e.dims)
     dt_name = e.dtype_name
-    if e.slices:
-        return UnreadableLeaf(name, f"partitioned variable saved as {len(e.slices)} slices: not read", shape=shape,
-                              dtype=dt_name)
     if dt_name == "string":
         return UnreadableLeaf(name, f"string tensor ({e.size:,} bytes in the data file): no numeric representation",
                               shape=shape, dtype="string")
@@ -94,13 +140,9 @@ def _leaf(name: str, e, shards: list):
     why = shape_problem(shape, dt.itemsize)
     if why:
         return UnreadableLeaf(name, f"bad tensor: {why}", dtype=dt.name)
-    shard = shards[e.shard_id]
-    end = e.offset + e.size
-    if end > shard.identity.size:
-        return UnreadableLeaf(name, f"its bytes [{e.offset}, {end}) lie beyond the end of {shard.path.name} "
-                                    f"({shard.identity.size} bytes): the data file is truncated or the index lies",
-                              shape=shape, dtype=dt.name)
-    return TensorLeaf(name, TfBundleTensor(shard, e.offset, shape, dt, name, e.crc32c), numpy=True)
+    if e.slices:
+        return _sliced(name, e, dt, shape, shards, by_key)
+    return _whole(name, e, dt, shape, shards)
 
 
 def open_tf_saver(index) -> Checkpoint:
@@ -116,6 +158,7 @@ def open_tf_saver(index) -> Checkpoint:
     shards = _shards(index, bundle.header.num_shards, confinement)
     leaves: dict = {}
     warnings: list = []
+    by_key = dict(bundle.entries)
     for key, e in bundle.entries:
         if key[:1] == b"\0":
             continue  # a slice of a partitioned variable: its full entry says so
@@ -124,7 +167,7 @@ def open_tf_saver(index) -> Checkpoint:
         except UnicodeDecodeError:
             warnings.append(f"an index key that is not UTF-8 ({key[:40]!r}…) was skipped")
             continue
-        leaves[name] = _leaf(name, e, shards)
+        leaves[name] = _leaf(name, e, shards, by_key)
     bad = [k for k, v in leaves.items() if isinstance(v, UnreadableLeaf) and v.dtype != "string"]
     if bad:
         warnings.append(f"{len(bad)} variable(s) cannot be read: " + ", ".join(bad[:5]) + (" …" if len(bad) > 5 else ""))

@@ -148,3 +148,45 @@ class TfBundleTensor(VirtualTensor):
             dst[pos:pos + end - lo] = src[at:at + end - lo]
             pos += end - lo
         return out.reshape(shape)
+
+
+class TfSlicedTensor(VirtualTensor):
+    """A variable saved as slices (TF's ``MaxShardSizePolicy`` splits a large one across shards; a TF1 partitioned
+    variable): ``parts`` are ``(box of the whole tensor, TfBundleTensor of that box's shape)``, tiling it exactly
+    (``tiling_problem``). A read asks each part only for its share of the box."""
+
+    __slots__ = ("parts", "key")
+
+    def __init__(self, shape, dtype: DType, key: str, parts: list):
+        super().__init__(shape, dtype)
+        self.parts = parts
+        self.key = key
+
+    def describe(self) -> str:
+        return f"{len(self.parts)} saved slices {_shape_str(self.shape)} {self.dtype.name}"
+
+    def read(self, box: Box) -> np.ndarray:
+        out = np.empty(box_shape(box), dtype=self.dtype.storage)
+        for extent, part in self.parts:
+            inter = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(box, extent))
+            if any(lo >= hi for lo, hi in inter):
+                continue
+            sub = part.read(tuple((lo - c, hi - c) for (lo, hi), (c, _) in zip(inter, extent)))
+            out[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(inter, box))] = sub
+        return out
+
+
+def tiling_problem(shape: tuple, boxes: list) -> str | None:
+    """Why the slices ``boxes`` (``((start, stop), …)`` each) do not tile a tensor of ``shape`` exactly, or None."""
+    total = 0
+    for b in boxes:
+        if len(b) != len(shape) or any(not 0 <= lo < hi <= n for (lo, hi), n in zip(b, shape)):
+            return f"slice {list(b)} does not lie inside shape {list(shape)}"
+        total += math.prod(hi - lo for lo, hi in b)
+    if total != math.prod(shape):
+        return f"its {len(boxes)} slices hold {total} elements, the shape {math.prod(shape)}"
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            if all(max(x0, y0) < min(x1, y1) for (x0, x1), (y0, y1) in zip(a, b)):
+                return f"slices {list(a)} and {list(b)} overlap"
+    return None

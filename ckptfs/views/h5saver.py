@@ -7,6 +7,7 @@ string tensors (TF2's ``_CHECKPOINTABLE_OBJECT_GRAPH`` among them) and bfloat16 
 """
 from __future__ import annotations
 
+from ckptfs.errors import CheckpointError
 from ckptfs.layouts.h5saver import H5SaverLayout, why_not_h5saver
 from ckptfs.source.catalog import TensorLeaf, UnreadableLeaf
 from ckptfs.views.base import DeferredFile, ViewResult
@@ -14,7 +15,8 @@ from ckptfs.views.base import DeferredFile, ViewResult
 
 def h5saver_items(ckpt) -> tuple:
     """``([(variable, tensor)], [note])``: the variables of the flat state ``ckpt`` an H5Saver file holds, in the
-    checkpoint's order, and a README.txt note for each one left out (and why)."""
+    checkpoint's order, and a README.txt note for each one left out (and why). ``CheckpointError`` when a numeric
+    variable cannot be read: a file without it would load as a different model."""
     items, notes = [], []
     for key, leaf in ckpt.leaves.items():
         if key in ckpt.links:
@@ -26,8 +28,11 @@ def h5saver_items(ckpt) -> tuple:
             if why is None:
                 items.append((key, leaf.tensor))
                 continue
+        elif isinstance(leaf, UnreadableLeaf) and leaf.dtype == "string":
+            why = "string: no H5Saver representation"
         elif isinstance(leaf, UnreadableLeaf):
-            why = leaf.reason
+            raise CheckpointError(None, f"{ckpt.path.stem}.h5 not generated: variable {key} cannot be read "
+                                        f"({leaf.reason})")
         else:
             why = f"a {type(leaf).__name__}, not a tensor"
         notes.append(f"h5: {key}: left out ({why})")
@@ -45,4 +50,6 @@ def build(ctx) -> ViewResult:
         lay.size  # lays the HDF5 metadata out once
         return lay
 
-    return ViewResult(files={f"h5/{name}": DeferredFile(skeleton)}, notes=notes)
+    about = (f"h5: {name} holds {len(items)} variable(s) as tensorflow-to-h5 writes them (the appliance's H5Saver "
+             "layout, uncompressed); H5Saver().load() reads it")
+    return ViewResult(files={f"h5/{name}": DeferredFile(skeleton)}, notes=[about, *notes])
