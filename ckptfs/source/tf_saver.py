@@ -109,7 +109,7 @@ def _sliced(name: str, e, dt, shape: tuple, shards: list, by_key: dict):
     why = tiling_problem(shape, [b for b, _ in parts])
     if why:
         return UnreadableLeaf(name, f"saved slices: {why}", shape=shape, dtype=dt.name)
-    return TensorLeaf(name, TfSlicedTensor(shape, dt, name, parts), numpy=True)
+    return TensorLeaf(name, TfSlicedTensor(shape, dt, name, parts), numpy=dt.npy_native)
 
 
 def _whole(name: str, e, dt, shape: tuple, shards: list):
@@ -123,7 +123,7 @@ def _whole(name: str, e, dt, shape: tuple, shards: list):
         return UnreadableLeaf(name, f"its bytes [{e.offset}, {end}) lie beyond the end of {shard.path.name} "
                                     f"({shard.identity.size} bytes): the data file is truncated or the index lies",
                               shape=shape, dtype=dt.name)
-    return TensorLeaf(name, TfBundleTensor(shard, e.offset, shape, dt, name, e.crc32c), numpy=True)
+    return TensorLeaf(name, TfBundleTensor(shard, e.offset, shape, dt, name, e.crc32c), numpy=dt.npy_native)
 
 
 def _leaf(name: str, e, shards: list, by_key: dict):
