@@ -4,7 +4,7 @@ fixtures for every record. This module imports nothing of the views themselves: 
 without importing what building a view needs.
 
 Adding a view: write ``ckptfs/views/<name>.py`` with ``build(ctx: ViewContext) -> ViewResult`` (files relative to
-its folder), add its ``View`` to ``VIEWS`` below, and add its check to tests/test_view_conformance.py.
+its folder), add its ``View`` to ``VIEWS`` below (``default=False``: only when ``--views`` names it), and add its check to tests/test_view_conformance.py.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ class View:
     folder: str
     build: Callable
     about: str = ""
+    default: bool = True  # generated when --views is not given
 
 
 def _builder(module: str) -> Callable:
@@ -42,12 +43,19 @@ VIEWS: tuple = (
     View("cs", "cs/", _builder("cs"), "the checkpoint upgraded to Cerebras 2.10 (.mdl and params .yaml)"),
     View("torch", "torch/", _builder("torch"), "the whole state as torch.save files"),
     View("tensors", "tensors/", _builder("npy_tree"), "every source tensor as a .npy file"),
+    View("tf", "tf/", _builder("tf"), "every tensor in a TensorFlow saver checkpoint (.index, .data, checkpoint)",
+         default=False),
 )
 
 
 def names() -> tuple:
     """Every registered view's name, in mount order."""
     return tuple(v.name for v in VIEWS)
+
+
+def default_names() -> tuple:
+    """The views generated when ``--views`` is not given, in mount order."""
+    return tuple(v.name for v in VIEWS if v.default)
 
 
 def view(name: str) -> View:
