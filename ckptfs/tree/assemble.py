@@ -24,7 +24,7 @@ from ..storage.locate import locate
 from ..storage.s3url import S3Location, is_s3_url
 from ..units import human_size
 from ..views.base import README_NAME, BytesFile, ViewContext, ViewResult
-from ..views.registry import folder_of, names, view, views_for
+from ..views.registry import default_names, folder_of, names, view, views_for
 from .base import split_path
 from .memory import tree_cache
 from .virtual import VirtualTree
@@ -313,7 +313,8 @@ def build_tree(ckpt_path, options: MountOptions | None = None, *, cache: BlockCa
                           crc_store=CrcStore(), identity=identity, cache=cache, fork_builds=fork_builds)
         # the views this kind of checkpoint gets (a TensorFlow one: no hf view, the h5 view…), those it cannot have
         # missing with the reason
-        chosen = views_for(getattr(ckpt, "kind", "cerebras"), options.views, set(options.views) != set(names()))
+        explicit = set(options.views) != set(default_names())  # --views given
+        chosen = views_for(getattr(ckpt, "kind", "cerebras"), options.views if explicit else names(), explicit)
         wanted = [n for n, why in chosen if why is None]
         # a view that forks a build (cs) goes first, so that the build overlaps the others'; outcomes keep their order
         first = [n for n in wanted if fork_builds and n in FORKING_VIEWS]

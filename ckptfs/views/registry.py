@@ -4,7 +4,7 @@ fixtures for every record. This module imports nothing of the views themselves: 
 without importing what building a view needs.
 
 Adding a view: write ``ckptfs/views/<name>.py`` with ``build(ctx: ViewContext) -> ViewResult`` (files relative to
-its folder), add its ``View`` to ``VIEWS`` below, and add its check to tests/test_view_conformance.py.
+its folder), add its ``View`` to ``VIEWS`` below (``default=False``: only when ``--views`` names it), and add its check to tests/test_view_conformance.py.
 """
 from __future__ import annotations
 
@@ -23,11 +23,16 @@ class View:
     folder: str
     build: Callable
     about: str = ""
-    #: the kinds of checkpoint (``source.catalog.Checkpoint.kind``) it is built for by default; another kind gets it
-    #: only when ``--views`` names it
+    #: the kinds of checkpoint (``source.catalog.Checkpoint.kind``) it is built for when ``--views`` is not given;
+    #: another kind gets it only when ``--views`` names it
     kinds: tuple = ("cerebras",)
     #: ``((kind, why), …)``: kinds it cannot be built for, and the one line README.txt says about it
     not_for: tuple = ()
+
+    @property
+    def default(self) -> bool:
+        """Generated for a Cerebras checkpoint when ``--views`` is not given."""
+        return "cerebras" in self.kinds
 
 
 def _builder(module: str) -> Callable:
@@ -54,6 +59,8 @@ VIEWS: tuple = (
     View("torch", "torch/", _builder("torch"), "the whole state as torch.save files"),
     View("tensors", "tensors/", _builder("npy_tree"), "every source tensor as a .npy file",
          kinds=("cerebras", *TF_KINDS)),
+    View("tf", "tf/", _builder("tf"), "every tensor in a TensorFlow saver checkpoint (.index, .data, checkpoint)",
+         kinds=TF_KINDS),
     View("h5", "h5/", _builder("h5saver"), "a TensorFlow checkpoint as the Cerebras H5 file tensorflow-to-h5 writes "
                                          "(the appliance's H5Saver layout)", kinds=("tf-saver",)),
 )
@@ -62,6 +69,12 @@ VIEWS: tuple = (
 def names() -> tuple:
     """Every registered view's name, in mount order."""
     return tuple(v.name for v in VIEWS)
+
+
+def default_names() -> tuple:
+    """The views generated for a Cerebras checkpoint when ``--views`` is not given, in mount order (a TensorFlow
+    one gets those built for its kind: ``views_for``)."""
+    return tuple(v.name for v in VIEWS if v.default)
 
 
 def view(name: str) -> View:
