@@ -86,6 +86,8 @@ class Checkpoint:
     version: str | None = None
     mtime_ns: int | None = None
     kind: str = CEREBRAS  # CEREBRAS, TF_H5 or TF_SAVER: a TF kind's state is flat, keyed by TF variable names
+    #: the source's own files, for a view that serves them as they are (a TF saver checkpoint's: ``tf_saver.TfFiles``)
+    source_files: Any = None
     _closers: list = field(default_factory=list, repr=False)
 
     @property

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from ckptfs import dtypes
@@ -25,6 +26,19 @@ from ckptfs.source.tf_tensor import TfBundleTensor, TfShard, TfSlicedTensor, til
 from ckptfs.source.validate import shape_problem
 from ckptfs.storage.local import FileIdentity
 from ckptfs.tfbundle import BundleFormatError, data_file_name, encode_slice_key, parse_index
+
+@dataclass(eq=False)
+class TfFiles:
+    """The checkpoint's own files, to serve as they are: the ``.index`` (``index``: a ``TfShard`` over it, so its
+    reads are checked against the version parsed), and for each data shard its tensors' byte ranges
+    (``regions[i]``: ``(offset, size, TfBundleTensor or None)`` sorted by offset; None: bytes with no numeric tensor,
+    a string tensor's, served raw)."""
+
+    prefix: str  # the prefix's file name (``model.ckpt-100``)
+    index: TfShard
+    shards: list
+    regions: list
+
 
 #: the largest ``.index`` read (100,000 variables take about 10 MB)
 MAX_INDEX_BYTES = 1 << 30
@@ -145,10 +159,32 @@ def _leaf(name: str, e, shards: list, by_key: dict):
     return _whole(name, e, dt, shape, shards)
 
 
+def _regions(bundle, leaves: dict, shards: list) -> list:
+    """Per shard, the byte ranges of its entries (``TfFiles.regions``): a numeric tensor's (or slice's) with its
+    tensor, any other entry's raw; ranges beyond the shard's end or overlapping another are left raw."""
+    tensors: dict = {}  # (shard, offset, size) -> TfBundleTensor
+    for leaf in leaves.values():
+        if isinstance(leaf, TensorLeaf):
+            t = leaf.tensor
+            for part in ([p for _, p in t.parts] if isinstance(t, TfSlicedTensor) else [t]):
+                tensors[(id(part.shard), part.offset, part.nbytes)] = part
+    out = []
+    for i, shard in enumerate(shards):
+        spans = sorted((e.offset, e.size) for _, e in bundle.entries if e.shard_id == i and e.size)
+        regions, end = [], 0
+        for off, size in spans:
+            if off < end or off + size > shard.identity.size:
+                continue  # raw bytes serve it as the file holds them
+            regions.append((off, size, tensors.get((id(shard), off, size))))
+            end = off + size
+        out.append(regions)
+    return out
+
+
 def open_tf_saver(index) -> Checkpoint:
     """The TF checkpoint whose ``.index`` file is ``index`` (``tf_locate.resolve_tf_index``), as a flat state."""
     index = Path(index)
-    data, _ = _read_index(index)
+    data, index_identity = _read_index(index)
     try:
         bundle = parse_index(data, index)
     except BundleFormatError as e:
@@ -172,7 +208,9 @@ def open_tf_saver(index) -> Checkpoint:
     if bad:
         warnings.append(f"{len(bad)} variable(s) cannot be read: " + ", ".join(bad[:5]) + (" …" if len(bad) > 5 else ""))
     root = Container("dict", list(leaves), list(leaves.values()))
+    files = TfFiles(prefix_of(index).name, TfShard(index, index_identity, index, confinement), shards,
+                    _regions(bundle, leaves, shards))
     ckpt = Checkpoint(path=index, format_version=0.0, release=None, success=True, root=root, leaves=leaves,
-                      warnings=warnings, mtime_ns=None, kind=TF_SAVER)
-    ckpt._closers.extend(s.close for s in shards)
+                      warnings=warnings, mtime_ns=None, kind=TF_SAVER, source_files=files)
+    ckpt._closers.extend(s.close for s in [*shards, files.index])
     return ckpt

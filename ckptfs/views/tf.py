@@ -35,6 +35,10 @@ def _utf8(key: str) -> bytes | None:
 
 
 def build(ctx) -> ViewResult:
+    if getattr(ctx.checkpoint, "source_files", None) is not None:  # a TF saver checkpoint: its own files, as they are
+        from ckptfs.views.tf_source import source_files
+
+        return source_files(ctx)
     named, notes = [], []
     for key, leaf in ctx.checkpoint.tensors().items():
         t = leaf.tensor
