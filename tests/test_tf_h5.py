@@ -5,6 +5,7 @@ nor a Cerebras checkpoint stays a one-line error; the reader's bounds hold."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import h5py
@@ -156,7 +157,8 @@ def test_mount_a_tf_era_h5_file():
     case = "tf2_bert_sharded"
     ref = {k: v for k, v in reference(case).items() if k not in manifest(case)["h5"]["left_out"]}
     with mounted(h5_of(case)) as mnt:
-        assert sorted(p.name for p in mnt.iterdir()) == ["README.txt", "tensors"]
+        assert sorted(p.name for p in mnt.iterdir()) == ["README.txt", "tensors", "tf"]
         readme = (mnt / "README.txt").read_text()
         assert "not applicable: TensorFlow variable names" in readme
         check_tensors_folder(mnt / "tensors", ref)
+        assert sorted(os.listdir(mnt / "tf")) == ["checkpoint", "model.ckpt.data-00000-of-00001", "model.ckpt.index"]

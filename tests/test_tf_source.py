@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import hashlib
 import json
 import os
 import subprocess
@@ -27,6 +28,8 @@ from tfsrchelp import (CASES, case_dir, check_h5saver_file, check_tensors_folder
                        reference)
 
 CASE_PARAMS = [pytest.param(c, id=c) for c in CASES]
+#: the cases as their folders (what tests/test_view_conformance.py asks of a view's conformance test)
+CASE_DIRS = [pytest.param(str(case_dir(c)), id=c) for c in CASES]
 H5_NAME = {c: prefix(c).name + ".h5" for c in CASES}
 
 
@@ -102,10 +105,11 @@ def test_the_python_api_loads_it():
 # ---- the H5Saver file -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", CASE_PARAMS)
-def test_the_h5_file_is_what_tensorflow_to_h5_writes(case, tmp_path):
+@pytest.mark.parametrize("folder", CASE_DIRS)
+def test_the_h5_file_is_what_tensorflow_to_h5_writes(folder, tmp_path):
     """Export it (the CLI), then read it by H5Saver's rule: every variable equals the reference and the case's own
     h5/model.h5; ckptfs's own reader opens it as a TF-era H5 file with the same values."""
+    case = os.path.basename(folder)
     out = tmp_path / "model.h5"
     run_ckptfs("export", prefix(case), f"h5/{H5_NAME[case]}", out, check=True)
     check_h5saver_file(out, case)
@@ -125,6 +129,14 @@ def test_the_h5_file_is_the_same_bytes_every_time():
     finally:
         a.close()
         b.close()
+
+
+def test_tf_files_are_the_sources_own_bytes(tmp_path):
+    """Without a mount: the tf/ files of a sharded TF2 checkpoint (slices, a string tensor) equal the source's."""
+    case = "tf2_bert_sharded"
+    run_ckptfs("export", prefix(case), tmp_path / "out", check=True)
+    for name, sha in manifest(case)["tf_file_sha256"].items():
+        assert hashlib.sha256((tmp_path / "out" / "tf" / name).read_bytes()).hexdigest() == sha, name
 
 
 def test_readme_lists_what_the_h5_file_leaves_out():
@@ -347,6 +359,13 @@ def test_mount_serves_the_h5_file_and_tensors(case):
                 assert leaf.tensor.read_all().tobytes() == ref[name][1].tobytes(), name
         check_tensors_folder(mnt / "tensors", ref)
         assert "left out" in (mnt / "README.txt").read_text() or not manifest(case)["h5"]["left_out"]
+        # tf/: the source's own index and data files, byte for byte (what TensorFlow wrote: MANIFEST.json)
+        shas = manifest(case)["tf_file_sha256"]
+        assert sorted(os.listdir(mnt / "tf")) == sorted([*shas, "checkpoint"])
+        for name, sha in shas.items():
+            assert hashlib.sha256((mnt / "tf" / name).read_bytes()).hexdigest() == sha, name
+            assert (mnt / "tf" / name).read_bytes() == (prefix(case).parent / name).read_bytes(), name
+        assert (mnt / "tf" / "checkpoint").read_text() == (prefix(case).parent / "checkpoint").read_text()
 
 
 @needs_fuse
@@ -367,6 +386,10 @@ def test_mount_gives_eio_for_the_tensor_whose_crc_mismatches(tmp_path):
         with pytest.raises(OSError) as ei:
             (mnt / "h5" / "model.ckpt-7.h5").read_bytes()
         assert ei.value.errno == errno.EIO
+        with pytest.raises(OSError) as ei:  # the pass-through data file too: never the corrupt bytes
+            (mnt / "tf" / "model.ckpt-7.data-00000-of-00001").read_bytes()
+        assert ei.value.errno == errno.EIO
+        assert (mnt / "tf" / "model.ckpt-7.index").read_bytes() == p.with_name(p.name + ".index").read_bytes()
         assert np.load(mnt / "tensors" / "dtypes" / "f32_matrix.npy").tobytes() == \
             ref["dtypes/f32_matrix"][1].tobytes()
 
