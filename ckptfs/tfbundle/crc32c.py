@@ -131,9 +131,9 @@ def _lanes(data: memoryview, crc: int) -> int:
 
 def crc32c(data, crc: int = 0) -> int:
     """CRC-32C of ``data`` (bytes-like), continuing from the CRC-32C ``crc`` of the bytes before it."""
+    if _fast is not None:  # it takes bytes only (not a memoryview): a copy, at memory speed
+        return _fast(crc, data if type(data) is bytes else bytes(data))
     view = memoryview(data).cast("B")
-    if _fast is not None:
-        return _fast(crc, view)
     n = len(view)
     big = n - n % _LANES
     if big >= _LANES * 64:
