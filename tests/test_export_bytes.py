@@ -41,6 +41,9 @@ MOUNTS = {
     "edge_empty_tensor": ("cstorch_edge_cases/empty_tensor.mdl", {}),
     "edge_scalar0d": ("cstorch_edge_cases/scalar0d.mdl", {}),
     "edge_nonctg": ("cstorch_edge_cases/nonctg.mdl", {}),
+    "llama_tf": ("llama/cs/checkpoint.mdl", {"views": "tf"}),
+    "edge_dtypes_tf_sharded": ("cstorch_edge_cases/dtypes.mdl", {"views": "tf", "tf_max_shard_size": "1KB",
+                                                                 "tf_shard_by": 1}),
 }
 
 
