@@ -189,3 +189,29 @@ def test_tf_files_hold_the_source_tensors(ckpt):
     finally:
         tree.close()
         source.close()
+
+
+def test_an_hf_folder_serves_tf_too(tmp_path):
+    """A Hugging Face model mounted as a Cerebras checkpoint: tf/ holds the planned checkpoint's tensors (the same
+    keys and bytes as its tensors/ .npy files)."""
+    import io
+
+    from hfhelp import save_llama
+
+    folder = save_llama(tmp_path / "hf")
+    tree = ckptfs.open(folder, views="tf,tensors")
+    try:
+        paths = tree.file_paths()
+        assert {"tf/checkpoint", "tf/model.ckpt.index", "tf/model.ckpt.data-00000-of-00001"} <= set(paths)
+        assert "tf/:" in tree.read("README.txt", 0, 1 << 20).decode()
+        index = parse_index(tree.read("tf/model.ckpt.index", 0, tree.attr("tf/model.ckpt.index").size))
+        data = tree.read("tf/model.ckpt.data-00000-of-00001", 0,
+                         tree.attr("tf/model.ckpt.data-00000-of-00001").size)
+        npy = {tree.lookup(p).file.name: p for p in paths if p.startswith("tensors/")}
+        entries = index.tensors()
+        assert sorted(entries) == sorted(npy) and all(k.startswith("model.") for k in entries)
+        for key, e in entries.items():
+            arr = np.load(io.BytesIO(tree.read(npy[key], 0, tree.attr(npy[key]).size)))
+            assert data[e.offset:e.offset + e.size] == arr.tobytes(), key
+    finally:
+        tree.close()

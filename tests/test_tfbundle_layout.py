@@ -167,3 +167,29 @@ def test_shard_by_prefix_groups_and_unsupported_dtype_refused():
     assert data[1][:8] == np.float32([4, 5]).tobytes()  # the slice [1, 1:3] of a/x/w, as its rows' bytes
     with pytest.raises(CkptfsError, match="complex32|cannot be stored"):
         TFSaverLayout([("q", _Unsupported())], "p")
+
+
+class _Counting(ArrayTensor):
+    """An in-memory tensor that counts the reads of its bytes."""
+
+    reads = 0
+
+    def read_into(self, start, out, cache=None):
+        type(self).reads += 1
+        return super().read_into(start, out, cache)
+
+
+def test_crcs_are_computed_once_and_persisted(tmp_path):
+    from ckptfs.layouts.crc import CrcStore
+
+    tensors = [(f"w{i}", _Counting(np.arange(i + 1, dtype=np.float32))) for i in range(5)]
+    store = CrcStore(tmp_path)
+    first = TFSaverLayout(tensors, "model.ckpt", crc_store=store, identity="ckpt-A").files()["model.ckpt.index"]
+    _Counting.reads = 0
+    data = _read(first)
+    assert _Counting.reads == 5  # one read per tensor, for its CRC
+    assert [first.read(a, 7) for a in range(0, first.size, 7)] and _Counting.reads == 5  # not again
+    again = TFSaverLayout(tensors, "model.ckpt", crc_store=store, identity="ckpt-A").files()["model.ckpt.index"]
+    assert _read(again) == data and _Counting.reads == 5  # a later mount: from the store
+    other = TFSaverLayout(tensors, "model.ckpt", crc_store=store, identity="ckpt-B").files()["model.ckpt.index"]
+    assert _read(other) == data and _Counting.reads == 10  # another checkpoint: computed

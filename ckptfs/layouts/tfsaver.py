@@ -25,7 +25,7 @@ from typing import Sequence
 
 from ckptfs.cache import BlockCache
 from ckptfs.errors import CkptfsError, TensorReadError
-from ckptfs.layouts.pieces import Computed, PiecedFile, TensorRun
+from ckptfs.layouts.pieces import Computed, PiecedFile, TensorRun, packed
 from ckptfs.tfbundle import (DT, BundleEntry, BundleHeader, checkpoint_state, crc32c, data_file_name, encode_index,
                              encode_slice_key, mask)
 from ckptfs.tfbundle.sharding import max_shard_size_shards, prefix_groups
@@ -171,6 +171,7 @@ class TFSaverLayout:
             self.shard_records.append(recs)
             self.records.extend(recs)
         self._crcs: list | None = None
+        self._index = None  # the index's bytes once made (packed when large)
         self._lock = threading.Lock()
         self._index_size = len(self._index_bytes([0] * len(self.records)))
 
@@ -233,9 +234,17 @@ class TFSaverLayout:
         return self._crcs
 
     def _index_part(self, a: int, b: int) -> bytes:
-        data = self._index_bytes(self.crcs())
-        if len(data) != self._index_size:  # pragma: no cover - the size never depends on the CRCs
-            raise TensorReadError(self.index_name, f"index came out {len(data)} bytes, {self._index_size} announced")
+        data = self._index
+        if data is None:
+            crcs = self.crcs()
+            with self._lock:
+                if self._index is None:
+                    made = self._index_bytes(crcs)
+                    if len(made) != self._index_size:  # pragma: no cover - the size never depends on the CRCs
+                        raise TensorReadError(self.index_name, f"index came out {len(made)} bytes, "
+                                                               f"{self._index_size} announced")
+                    self._index = packed(made)
+                data = self._index
         return data[a:b]
 
     # -- the files ------------------------------------------------------------------------------------------------

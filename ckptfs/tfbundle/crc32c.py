@@ -2,8 +2,8 @@
 
 ``crc32c(data, crc=0)`` extends ``crc`` (a finished CRC-32C value) over ``data``, so that
 ``crc32c(b, crc32c(a)) == crc32c(a + b)``. It uses the ``google_crc32c`` C extension when it is installed
-(several GB/s), else a numpy version that runs many lanes of the byte-wise table algorithm side by side and joins
-them with ``combine`` (about 1 GB/s on large buffers), else, for small inputs, the byte-wise loop.
+(over 1 GB/s), else a numpy version that runs many lanes of the table algorithm side by side, four bytes a step,
+and joins them with ``combine`` (200-300 MB/s), and for small inputs the byte-wise loop.
 
 ``mask(crc)`` / ``unmask(masked)`` are TF's (and LevelDB's): rotate right by 15 bits and add ``0xa282ead8``;
 a tensor bundle stores masked values both in its index entries and in its table blocks' trailers.
@@ -106,23 +106,43 @@ def _apply_vec(cols: list[int], x: np.ndarray) -> np.ndarray:
 
 
 _LANES = 1 << 14
+_WIDE: tuple | None = None  # two 65536-entry tables: slicing by 4 bytes, two bytes per lookup
+
+
+def _wide_tables() -> tuple:
+    global _WIDE
+    if _WIDE is None:
+        t = [_NP_TABLE]
+        for _ in range(3):  # t[k][b]: the CRC register after byte b followed by k zero bytes
+            prev = t[-1]
+            t.append(_NP_TABLE[prev & np.uint32(0xFF)] ^ (prev >> np.uint32(8)))
+        lo = np.arange(1 << 16, dtype=np.uint32)
+        low = t[3][lo & np.uint32(0xFF)] ^ t[2][lo >> np.uint32(8)]
+        high = t[1][lo & np.uint32(0xFF)] ^ t[0][lo >> np.uint32(8)]
+        _WIDE = (low, high)
+    return _WIDE
 
 
 def _lanes(data: memoryview, crc: int) -> int:
-    """Many lanes of the byte-wise algorithm at once, joined pairwise (``len(data)`` a multiple of ``_LANES``)."""
+    """Many lanes of the table algorithm at once, four bytes a step, joined pairwise (``len(data)`` a multiple of
+    ``4 * _LANES``)."""
     n = len(data)
-    m = n // _LANES
-    arr = np.frombuffer(data, dtype=np.uint8).reshape(_LANES, m)
+    words = n // 4 // _LANES
+    arr = np.frombuffer(data, dtype="<u4").reshape(_LANES, words)
+    low, high = _wide_tables()
     state = np.full(_LANES, 0xFFFFFFFF, dtype=np.uint32)
-    step = 4096
-    eight = np.uint32(8)
-    ff = np.uint32(0xFF)
-    for j0 in range(0, m, step):
+    x = np.empty(_LANES, dtype=np.uint32)
+    halves = x.view("<u2").reshape(_LANES, 2)  # the low and high 16 bits of each lane's register
+    lo_half, hi_half = halves[:, 0], halves[:, 1]
+    step = 1024
+    for j0 in range(0, words, step):
         cols = np.ascontiguousarray(arr[:, j0:j0 + step].T)
         for row in cols:
-            state = _NP_TABLE[(state ^ row) & ff] ^ (state >> eight)
+            np.bitwise_xor(state, row, out=x)
+            np.take(low, lo_half, out=state)
+            state ^= np.take(high, hi_half)
     state ^= np.uint32(0xFFFFFFFF)
-    length = m
+    length = words * 4
     while len(state) > 1:  # join lanes 2i and 2i+1: crc(a+b) = Z^len(b) crc(a) ^ crc(b)
         state = _apply_vec(_zeros_operator(length), state[0::2]) ^ state[1::2]
         length *= 2
@@ -131,12 +151,12 @@ def _lanes(data: memoryview, crc: int) -> int:
 
 def crc32c(data, crc: int = 0) -> int:
     """CRC-32C of ``data`` (bytes-like), continuing from the CRC-32C ``crc`` of the bytes before it."""
+    if _fast is not None:  # it takes bytes only (not a memoryview): a copy, at memory speed
+        return _fast(crc, data if type(data) is bytes else bytes(data))
     view = memoryview(data).cast("B")
-    if _fast is not None:
-        return _fast(crc, view)
     n = len(view)
-    big = n - n % _LANES
-    if big >= _LANES * 64:
+    big = n - n % (4 * _LANES)
+    if big >= _LANES * 256:
         crc = _lanes(view[:big], crc)
         return _bytewise(view[big:], crc)
     return _bytewise(view, crc)
