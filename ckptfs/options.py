@@ -58,6 +58,13 @@ def _int(text: str) -> int:
         raise ValueError(f"invalid integer {text!r}") from None
 
 
+def _positive_int(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise ValueError(f"{text!r} is not a positive integer")
+    return value
+
+
 def _abspath(p) -> str:
     return os.path.abspath(str(p))
 
@@ -100,6 +107,7 @@ def _directory(text: str) -> Path:
 
 TEXT = Kind(str)
 INT = Kind(_int, metavar="N")
+POSITIVE = Kind(_positive_int, metavar="N")
 SIZE = Kind(parse_size, show=format_size, metavar="SIZE")
 PATH = Kind(Path, text=_abspath, metavar="PATH", path=True)
 DIRECTORY = Kind(_directory, text=_abspath, metavar="DIR", path=True)
@@ -161,6 +169,13 @@ def _all_views() -> tuple:
     return names()
 
 
+def _default_views() -> tuple:
+    """The views generated when ``--views`` is not given (every registered view but those off by default: tf)."""
+    from .views.registry import default_names
+
+    return default_names()
+
+
 @dataclass
 class MountOptions:
     """What a mount (or an export, or ``ckptfs.open``) is built with. One field per option, each declared once."""
@@ -176,7 +191,8 @@ class MountOptions:
                        help="LoRA-trained checkpoints: fold the adapters into the HF weights (fold), or also serve "
                             "base/ (the model before LoRA) and adapter/ (a PEFT LoRA adapter of it) beside the "
                             "folded model (keep)")
-    views: tuple = option(None, "--views", VIEWS, factory=_all_views, help="comma-separated views to generate")
+    views: tuple = option(None, "--views", VIEWS, factory=_default_views,
+                          help="comma-separated views to generate (tf, a TensorFlow saver checkpoint, only when named)")
     max_shard_size: int = option(5 * 10**9, "--max-shard-size", SIZE, content=True,
                                  help="largest HF weight shard, e.g. 5GB, 500MB, 2GiB")
     hf_format: str = option(hf_formats.ALL, "--hf-format", choice(hf_formats.choices), content=True,
@@ -186,6 +202,13 @@ class MountOptions:
                                  "generation_config.json, model card…), replacing generated files of the same name "
                                  "(repeatable; a later one wins); without it, tokenizer files next to the checkpoint "
                                  "or its params are used")
+    tf_max_shard_size: int | None = option(None, "--tf-max-shard-size", SIZE, content=True,
+                                           help="tf view: split the data into shards of at most this size with "
+                                                "TensorFlow's MaxShardSizePolicy (tensors cut into slices as TF cuts "
+                                                "them), e.g. 2GB (default: one data file)")
+    tf_shard_by: int | None = option(None, "--tf-shard-by", POSITIVE, content=True,
+                                     help="tf view: give each group of tensors whose names share their first N "
+                                          "components (separated by / or .) data shards of its own")
     zip_crc: str = option("exact", "--zip-crc", choice("exact", "zero"), content=True,
                           help="CRC-32 of torch zip records: exact (computed) or zero (faster; torch does not check)")
     cache_size: int = option(DEFAULT_CACHE_BYTES, "--cache-size", SIZE,

@@ -16,7 +16,9 @@
    ceiling); first read of the weights with the checkpoint in the page cache, beside a trivial passthrough
    FUSE filesystem of the same binding (the ceiling); 4 KiB from every tensor vs every tensor whole; checkpoint ->
    loaded model end to end (mount + from_pretrained + umount) vs ``ckptfs export`` + local from_pretrained;
-   ``torch.load(mmap=True)`` first open of a .bin (cold and warm CRC store); for the first dtype, the checkpoint in
+   ``torch.load(mmap=True)`` first open of a .bin (cold and warm CRC store); ``cp -r`` of the tf view (a TF
+   saver checkpoint, cold CRC store) vs TensorFlow's Saver writing the same variables from memory, with both peak
+   RSS and whether the bytes are the same; for the first dtype, the checkpoint in
    Cerebras' S3 layout on a local S3-compatible endpoint (``benchlib/s3.py``: ``cp`` from the S3-sourced mount vs
    boto3's managed download, ``from_pretrained`` vs the local-file mount, requests per 4 KiB peek); 70B mount and
    ``ls -lR`` time and index read; that no tensor data is read to answer stat/index; for bf16, the local copy (an HF
@@ -167,6 +169,7 @@ def run_dtype(r: Runner, ctx: measure.Ctx, ck: measure.Ckpt, s3: bool = False) -
     r.item(f"{d}.partial_reads", measure.partial_reads, ctx, ck, layout)
     r.item(f"{d}.end_to_end", measure.end_to_end, ctx, ck, layout)
     r.item(f"{d}.torch_first_open", measure.torch_first_open, ctx, ck, layout)
+    r.item(f"{d}.tf_cp", measure.tf_cp, ctx, ck)
     if s3:
         r.item(f"{d}.s3", s3bench.measure_s3, ctx, ck, layout)
     shutil.rmtree(local, ignore_errors=True)

@@ -41,6 +41,11 @@ MOUNTS = {
     "edge_empty_tensor": ("cstorch_edge_cases/empty_tensor.mdl", {}),
     "edge_scalar0d": ("cstorch_edge_cases/scalar0d.mdl", {}),
     "edge_nonctg": ("cstorch_edge_cases/nonctg.mdl", {}),
+    "llama_tf": ("llama/cs/checkpoint.mdl", {"views": "tf"}),
+    "edge_dtypes_tf_sharded": ("cstorch_edge_cases/dtypes.mdl", {"views": "tf", "tf_max_shard_size": "1KB",
+                                                                 "tf_shard_by": 1}),
+    "tf2_sharded_source": ("tf/tf2_bert_sharded/tf", {}),  # a TF saver checkpoint: h5/, tensors/, tf/
+    "tf1_dtypes_h5": ("tf/tf1_dtypes/h5/model.h5", {}),  # a TF-era Cerebras H5 file: tensors/, tf/
 }
 
 

@@ -95,7 +95,7 @@ def test_views_choose_the_files(tmp_path):
     assert sorted(t.listdir("")) == ["README.txt", "tensors"]
     t = build_hf_tree(tmp_path / "m", MountOptions(views=("hf", "cs")), planner=identity_plan)
     assert sorted(t.listdir("")) == ["README.txt", "checkpoint.mdl", "params.yaml"]
-    with pytest.raises(UsageError, match="serves cs and tensors"):
+    with pytest.raises(UsageError, match="serves cs, tensors and tf"):
         build_hf_tree(tmp_path / "m", MountOptions(views=("hf",)), planner=identity_plan)
 
 

@@ -21,7 +21,7 @@ def every_option_set(tmp_path) -> mo.MountOptions:
     cfg = tmp_path / "params.yaml"
     cfg.write_text("model: {}\n")
     return mo.MountOptions(config=cfg, model="llama", trainer_index=1, lora="keep", views=("cs", "hf"),
-                           max_shard_size=123_000,
+                           max_shard_size=123_000, tf_max_shard_size=24_000, tf_shard_by=2,
                            hf_format="bin", overlay=(tmp_path,),
                            zip_crc="zero", cache_size=64 << 20, allow_partial=True, allow_external=(tmp_path,),
                            data_iter_dir=tmp_path, shuffle_seed=7, single=True, added_tensors="omit",

@@ -31,6 +31,8 @@ VIEW_CONFORMANCE = {
     "cs": ("test_view_cs", "test_current_release_roundtrips_exactly"),
     "torch": ("test_view_torch", "test_pt_equals_ref"),
     "tensors": ("test_view_conformance", "test_npy_files_equal_cstorch_load"),
+    "tf": ("test_tf_view", "test_tf_files_hold_the_source_tensors"),
+    "h5": ("test_tf_source", "test_the_h5_file_is_what_tensorflow_to_h5_writes"),
 }
 
 

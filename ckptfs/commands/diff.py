@@ -74,8 +74,10 @@ def resolve_argument(text: str) -> Path:
     from ..source import resolve_checkpoint
     from ..source.rundir import RunScanner
 
+    from ckptfs.source.tf_locate import is_tf_source
+
     path = Path(text)
-    if path.is_dir() or (path.exists() and path.name != "latest"):
+    if is_tf_source(path) or path.is_dir() or (path.exists() and path.name != "latest"):
         return resolve_checkpoint(path)
     run = path.parent
     if not run.is_dir():

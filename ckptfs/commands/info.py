@@ -65,6 +65,11 @@ class Summary:
     family: FamilyInfo
     warnings: list = field(default_factory=list)
     notes: list = field(default_factory=list)  # where things came from (a params file fetched from a bucket)
+    format_name: str | None = None  # a TensorFlow kind's format (it has no Cerebras format version)
+
+
+#: the family line of a checkpoint of TensorFlow variables
+TF_FAMILY = "TensorFlow variable names: no model family mapping applies"
 
 
 def detect(ckpt: Checkpoint) -> FamilyInfo:
@@ -88,6 +93,9 @@ def detect(ckpt: Checkpoint) -> FamilyInfo:
 
 def summarize(ckpt: Checkpoint, family: FamilyInfo | None = None) -> Summary:
     from ..source.catalog import Container, OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
+
+    if family is None and getattr(ckpt, "is_tf", False):
+        family = FamilyInfo(None, None, TF_FAMILY)
 
     by_dtype: dict = {}
     seen: set = set()
@@ -120,7 +128,8 @@ def summarize(ckpt: Checkpoint, family: FamilyInfo | None = None) -> Summary:
         by_dtype=dict(sorted(by_dtype.items(), key=lambda kv: -kv[1].bytes)), values=values, opaque=opaque,
         unreadable=unreadable, aliases=len(ckpt.links), top_level_keys=top, root_kind=kind,
         family=family or detect(ckpt),
-        warnings=list(ckpt.warnings), notes=list(getattr(ckpt, "notes", None) or []))
+        warnings=list(ckpt.warnings), notes=list(getattr(ckpt, "notes", None) or []),
+        format_name=getattr(ckpt, "format_name", None))
 
 
 def family_line(f: FamilyInfo) -> str:
@@ -132,12 +141,19 @@ def family_line(f: FamilyInfo) -> str:
 
 
 def format_text(s: Summary) -> str:
-    lines = [f"checkpoint: {s.path}",
-             f"format: {s.format_version:g} (written by release {s.release or 'unknown'})",
-             "complete: " + ("yes (__SUCCESS__ set)" if s.success else "no (partial save; opened with --allow-partial)"),
-             f"family: {family_line(s.family)}",
-             f"top-level keys ({s.root_kind}): " + (", ".join(str(k) for k in s.top_level_keys) or "(none)"),
-             f"tensors: {s.tensors} ({human_size(s.total_bytes, binary=True)}, {s.total_bytes} bytes)"]
+    lines = [f"checkpoint: {s.path}"]
+    if s.format_name:  # a TensorFlow kind: no format version, no __SUCCESS__ marker
+        lines.append(f"format: {s.format_name}")
+    else:
+        lines += [f"format: {s.format_version:g} (written by release {s.release or 'unknown'})",
+                  "complete: " + ("yes (__SUCCESS__ set)" if s.success else
+                                  "no (partial save; opened with --allow-partial)")]
+    lines.append(f"family: {family_line(s.family)}")
+    if s.format_name:  # a flat state: one key per variable (``ckptfs ls`` lists them)
+        lines.append(f"variables: {len(s.top_level_keys)} (a flat state keyed by TensorFlow variable names)")
+    else:
+        lines.append(f"top-level keys ({s.root_kind}): " + (", ".join(str(k) for k in s.top_level_keys) or "(none)"))
+    lines += [f"tensors: {s.tensors} ({human_size(s.total_bytes, binary=True)}, {s.total_bytes} bytes)"]
     w = max((len(k) for k in s.by_dtype), default=0)
     for name, t in s.by_dtype.items():
         lines.append(f"  {name:<{w}}  {t.tensors:>6} tensors  {t.bytes:>14} bytes")

@@ -43,8 +43,9 @@ def is_run_argument(path, single: bool = False) -> bool:
 
         return classify(path).kind == RUN
     from ..source.hf_layout import is_hf_folder
+    from ckptfs.source.tf_locate import is_tf_source
 
-    return Path(path).is_dir() and not is_hf_folder(path)
+    return Path(path).is_dir() and not is_hf_folder(path) and not is_tf_source(path)
 
 
 def is_hf_source(path) -> bool:

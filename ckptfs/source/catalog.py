@@ -16,6 +16,15 @@ from typing import Any, Union
 from ..virtual_tensor import VirtualTensor
 
 
+#: the kinds of checkpoint a catalog is read from (``Checkpoint.kind``): a Cerebras (PyTorch-era) checkpoint, a
+#: TensorFlow-era Cerebras H5 file (the appliance's H5Saver layout, ``tf_h5``), a TensorFlow saver checkpoint
+CEREBRAS, TF_H5, TF_SAVER = "cerebras", "tf-h5", "tf-saver"
+#: how README.txt and ``info`` name a kind whose files have no Cerebras format version
+KIND_FORMATS = {TF_H5: "TensorFlow-era Cerebras H5 (the appliance's H5Saver layout: quoted variable names at the "
+                       "root, no __spec__)",
+                TF_SAVER: "TensorFlow saver checkpoint (tensor bundle: .index and .data-* shards)"}
+
+
 @dataclass(eq=False, slots=True)
 class Leaf:
     key: str  # flattened key of its first occurrence
@@ -82,7 +91,20 @@ class Checkpoint:
     #: and when it was written; None for a local file, whose identity comes from the file system
     version: str | None = None
     mtime_ns: int | None = None
+    kind: str = CEREBRAS  # CEREBRAS, TF_H5 or TF_SAVER: a TF kind's state is flat, keyed by TF variable names
+    #: the source's own files, for a view that serves them as they are (a TF saver checkpoint's: ``tf_saver.TfFiles``)
+    source_files: Any = None
     _closers: list = field(default_factory=list, repr=False)
+
+    @property
+    def format_name(self) -> str | None:
+        """What the file's format is called when it has no Cerebras format version (a TF kind); else None."""
+        return KIND_FORMATS.get(self.kind)
+
+    @property
+    def is_tf(self) -> bool:
+        """A TensorFlow-era H5 file or a TF saver checkpoint: a flat state keyed by TF variable names."""
+        return self.kind in (TF_H5, TF_SAVER)
 
     def tensors(self) -> dict:
         """flat key -> TensorLeaf for every tensor key (aliases included, sharing the Leaf)."""

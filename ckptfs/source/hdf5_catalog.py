@@ -10,10 +10,11 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CheckpointError, SourceChangedError
-from .catalog import Checkpoint, Container, ValueLeaf
+from .catalog import CEREBRAS, TF_H5, Checkpoint, Container, ValueLeaf
 from .h5store import ExternalFiles, H5Store, one_line, read_large_attr, release_hdf5_free_lists
 from .reader_legacy import LegacyReader
 from .reader_v05 import V05Reader
+from ckptfs.source.tf_h5 import is_tf_h5, read_tf_h5
 
 #: release assumed for a legacy format version without ``__cstorch_version__`` (cstorch 2.10's own map)
 VERSION_RELEASES = {0.1: "1.7", 0.2: "1.8", 0.3: "1.9", 0.4: "2.0"}
@@ -66,13 +67,18 @@ def _success_flag(f, path) -> bool:
     return bool(flag.item())
 
 
-def _check_cerebras(f, path: Path) -> None:
+def _check_cerebras(f, path: Path) -> str:
+    """The kind of Cerebras checkpoint ``f`` is (``catalog.CEREBRAS``, or ``catalog.TF_H5`` for a TensorFlow-era H5
+    file: ``tf_h5.is_tf_h5``); ``CheckpointError`` when it is neither."""
     attrs = f.attrs
     if "__spec__" in attrs:
-        return
+        return CEREBRAS
     if "ckpt_info" in attrs:
         raise CheckpointError(path, "is a Cerebras ckpt_info index file, not a checkpoint")
-    raise CheckpointError(path, "HDF5 file without a Cerebras __spec__ attribute: not a Cerebras checkpoint")
+    if is_tf_h5(f):
+        return TF_H5
+    raise CheckpointError(path, "HDF5 file without a Cerebras __spec__ attribute, nor a TensorFlow-era H5 file "
+                                "(root datasets with an __H5_TYPE__ attribute): not a Cerebras checkpoint")
 
 
 def _partial_problem(path: Path) -> str:
@@ -86,21 +92,25 @@ def read_hdf5_catalog(file_path, f, store: H5Store, externals: ExternalFiles, *,
     """The catalog of the open HDF5 checkpoint ``f`` (whatever storage it is read from: ``store`` serves its
     tensors, ``externals`` the files it refers to); both are closed with the checkpoint, or here on failure."""
     try:
-        _check_cerebras(f, file_path)
-        version = _format_version(f, file_path)
-        spec = _attr_str(read_large_attr(f, "__spec__")) or ""  # read once, handed to the reader
-        if version >= 0.5:
-            if not spec.lstrip().startswith("["):
-                raise CheckpointError(file_path, f"format {version} file whose __spec__ is not JSON")
-            success = _success_flag(f, file_path)
-            if not success and not allow_partial:
-                raise CheckpointError(file_path, _partial_problem(file_path))
-            result = V05Reader(f, store, externals, file_path, partial=not success).read(spec)
+        kind = _check_cerebras(f, file_path)
+        if kind == TF_H5:  # a flat state of TF variables: no format version, no writing release
+            version, success, release = 0.0, True, None
+            result = read_tf_h5(file_path, f, store, externals)
         else:
-            success = True
-            result = LegacyReader(f, store, externals, file_path, version).read(spec)
-        release = (_attr_str(f.attrs.get("__cstorch_version__")) or metadata_release(result.root)
-                   or VERSION_RELEASES.get(round(version, 1)))
+            version = _format_version(f, file_path)
+            spec = _attr_str(read_large_attr(f, "__spec__")) or ""  # read once, handed to the reader
+            if version >= 0.5:
+                if not spec.lstrip().startswith("["):
+                    raise CheckpointError(file_path, f"format {version} file whose __spec__ is not JSON")
+                success = _success_flag(f, file_path)
+                if not success and not allow_partial:
+                    raise CheckpointError(file_path, _partial_problem(file_path))
+                result = V05Reader(f, store, externals, file_path, partial=not success).read(spec)
+            else:
+                success = True
+                result = LegacyReader(f, store, externals, file_path, version).read(spec)
+            release = (_attr_str(f.attrs.get("__cstorch_version__")) or metadata_release(result.root)
+                       or VERSION_RELEASES.get(round(version, 1)))
         store.verify("catalog")  # the metadata just read belongs to one version of the file
         store.reopen()  # serve from a fresh handle: the catalog's left HDF5 holding memory for every dataset
         externals.release()
@@ -118,6 +128,6 @@ def read_hdf5_catalog(file_path, f, store: H5Store, externals: ExternalFiles, *,
         store.close()
         raise CheckpointError(file_path, f"cannot read the checkpoint's metadata: {one_line(e)}") from None
     ckpt = Checkpoint(path=file_path, format_version=version, release=release, success=success, root=result.root,
-                      leaves=result.leaves, links=result.links, warnings=result.warnings)
+                      leaves=result.leaves, links=result.links, warnings=result.warnings, kind=kind)
     ckpt._closers.extend([externals.close, store.close])
     return ckpt

@@ -20,6 +20,7 @@ from .confine import Confinement
 from .h5store import ExternalFiles, H5Store, identity_of_open, open_h5
 from .hdf5_catalog import read_hdf5_catalog
 from .resolve import resolve_checkpoint
+from ckptfs.source.tf_locate import is_index_file as is_tf_index
 
 def open_checkpoint(path, *, allow_partial: bool = False, allow_external=()) -> Checkpoint:
     """Open a Cerebras checkpoint (a file, or a model_dir meaning its latest checkpoint).
@@ -32,6 +33,10 @@ def open_checkpoint(path, *, allow_partial: bool = False, allow_external=()) -> 
 
         return open_s3_checkpoint(path, allow_partial=allow_partial)
     file_path = resolve_checkpoint(path, allow_external)
+    if is_tf_index(file_path):  # a TensorFlow saver checkpoint (its .index file): read without TensorFlow
+        from ckptfs.source.tf_saver import open_tf_saver
+
+        return open_tf_saver(file_path)
     indexed = _open_indexed(file_path, allow_external)
     if indexed is not None:
         return indexed

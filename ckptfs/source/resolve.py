@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 from .confine import Confinement
+from ckptfs.source.tf_locate import is_tf_source, resolve_tf_index
 
 #: a ``latest`` pointer file is at most this long (it holds one name)
 MAX_POINTER_BYTES = 4096
@@ -145,8 +146,11 @@ def find_checkpoints(d: Path, allow_external=(), outside: list | None = None) ->
 
 
 def resolve_checkpoint(path, allow_external=()) -> Path:
-    """The checkpoint file ``path`` designates; CheckpointError if there is none."""
+    """The checkpoint file ``path`` designates; CheckpointError if there is none. A TensorFlow saver checkpoint (a
+    folder with a ``checkpoint`` file, a prefix, an ``.index`` file: ``tf_locate``) designates its ``.index`` file."""
     p = Path(path)
+    if is_tf_source(p):
+        return resolve_tf_index(p)
     if p.is_dir():
         target = _latest_pointer(p, allow_external)
         if target is not None:

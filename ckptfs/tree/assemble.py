@@ -24,7 +24,7 @@ from ..storage.locate import locate
 from ..storage.s3url import S3Location, is_s3_url
 from ..units import human_size
 from ..views.base import README_NAME, BytesFile, ViewContext, ViewResult
-from ..views.registry import folder_of, names, view
+from ..views.registry import default_names, folder_of, names, view, views_for
 from .base import split_path
 from .memory import tree_cache
 from .virtual import VirtualTree
@@ -44,6 +44,7 @@ class SourceInfo:
     success: bool | None = None
     warnings: list = field(default_factory=list)
     resolved_from: Path | None = None  # the model_dir the checkpoint was resolved from (its latest checkpoint)
+    format_name: str | None = None  # a format without a Cerebras format version (a TensorFlow kind's)
 
 
 @dataclass
@@ -133,7 +134,9 @@ def readme_text(info: SourceInfo, outcomes: list) -> str:
     """The root README.txt: what was mounted, which views are present, why any is missing, and all notes."""
     lines = ["ckptfs: a read-only view of a Cerebras checkpoint; every file is generated on read.", ""]
     lines.append(f"checkpoint:     {info.path}")
-    if info.format_version is not None:
+    if info.format_name:
+        lines.append(f"format:         {info.format_name}")
+    elif info.format_version is not None:
         lines.append(f"format version: {info.format_version}")
     if info.release:
         lines.append(f"release:        {info.release}")
@@ -201,6 +204,7 @@ def open_source(ckpt_path, options: MountOptions):
     checkpoint, options)``. For a checkpoint in S3 without ``--config``, the options name the params file found
     beside it in the bucket, fetched into the cache folder (``source.s3params``)."""
     from ..source import open_checkpoint, resolve_checkpoint  # h5py: not imported before a tree is built
+    from ckptfs.source.tf_locate import is_tf_source
 
     path = locate(ckpt_path, s3_settings(options))
     if isinstance(path, S3Location):
@@ -208,7 +212,7 @@ def open_source(ckpt_path, options: MountOptions):
         if options.config is None:
             options = _with_s3_params(ckpt, options)
         return ckpt.path, ckpt, options
-    if not path.exists():
+    if not path.exists() and not is_tf_source(path):  # a TF checkpoint's prefix names no file
         raise CheckpointError(path, "no such file or directory")
     path = Path(resolve_checkpoint(path, options.allow_external))
     return path, open_checkpoint(path, allow_partial=options.allow_partial,
@@ -307,16 +311,22 @@ def build_tree(ckpt_path, options: MountOptions | None = None, *, cache: BlockCa
         identity = content_identity(path, options, ckpt.version)
         ctx = ViewContext(checkpoint=ckpt, ckpt_path=path, stem=path.stem, options=options,
                           crc_store=CrcStore(), identity=identity, cache=cache, fork_builds=fork_builds)
+        # the views this kind of checkpoint gets (a TensorFlow one: no hf view, the h5 view…), those it cannot have
+        # missing with the reason
+        explicit = set(options.views) != set(default_names())  # --views given
+        chosen = views_for(getattr(ckpt, "kind", "cerebras"), options.views if explicit else names(), explicit)
+        wanted = [n for n, why in chosen if why is None]
         # a view that forks a build (cs) goes first, so that the build overlaps the others'; outcomes keep their order
-        first = [n for n in options.views if fork_builds and n in FORKING_VIEWS]
-        built = {n: _run_view(n, ctx) for n in first + [n for n in options.views if n not in first]}
-        outcomes = [built[n] for n in options.views]
+        first = [n for n in wanted if fork_builds and n in FORKING_VIEWS]
+        built = {n: _run_view(n, ctx) for n in first + [n for n in wanted if n not in first]}
+        built.update({n: ViewOutcome(n, missing=why) for n, why in chosen if why is not None})
+        outcomes = [built[n] for n, _ in chosen]
         given = ckpt_path if is_s3_url(ckpt_path) else Path(ckpt_path).absolute()
         resolved_from = given if str(given).rstrip("/") != str(path) and (is_s3_url(given) or given.is_dir()) else None
         info = SourceInfo(path, getattr(ckpt, "format_version", None), getattr(ckpt, "release", None),
                           getattr(ckpt, "success", None),
                           [str(w) for w in [*getattr(ckpt, "notes", ()), *(getattr(ckpt, "warnings", None) or [])]],
-                          resolved_from)
+                          resolved_from, getattr(ckpt, "format_name", None))
         closers = [ckpt.close] if callable(getattr(ckpt, "close", None)) else []
         mtime_ns = ckpt.mtime_ns  # a checkpoint in S3: its objects' time; a local file: its stat below
     if mtime_ns is None and not is_s3_url(path):

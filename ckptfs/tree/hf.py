@@ -30,7 +30,7 @@ from .virtual import VirtualTree
 log = logging.getLogger("ckptfs.tree.hf")
 
 #: the views an HF source serves
-HF_SOURCE_VIEWS = ("cs", "tensors")
+HF_SOURCE_VIEWS = ("cs", "tensors", "tf")
 
 
 def readme_text(hc: HFCheckpoint, files: dict, missing: list, notes: list) -> str:
@@ -56,6 +56,8 @@ def readme_text(hc: HFCheckpoint, files: dict, missing: list, notes: list) -> st
                      f"--model {plan.model_name}")
     if any(p.startswith("tensors/") for p in files):
         lines.append(f"tensors/:    every tensor of {MDL_NAME} as .npy, by its key (dots become folders)")
+    if any(p.startswith("tf/") for p in files):
+        lines.append(f"tf/:         every tensor of {MDL_NAME} in a TensorFlow saver checkpoint, by its key")
     for why in missing:
         lines.append(f"missing:     {why}")
     if getattr(plan, "added", None):
@@ -75,7 +77,7 @@ def build_hf_tree(path, options: MountOptions | None = None, *, cache: BlockCach
     views = [v for v in options.views if v in HF_SOURCE_VIEWS]
     if not views:
         raise UsageError(path, f"--views {','.join(options.views)}: a Hugging Face model serves "
-                               f"{' and '.join(HF_SOURCE_VIEWS)}")
+                               f"{', '.join(HF_SOURCE_VIEWS[:-1])} and {HF_SOURCE_VIEWS[-1]}")
     cache = cache if cache is not None else tree_cache(options.cache_size, path)
     hc = open_hf_checkpoint(path, options, planner)
     files: dict = {}
@@ -100,5 +102,16 @@ def build_hf_tree(path, options: MountOptions | None = None, *, cache: BlockCach
         if r.missing:
             missing.append(f"tensors/: {r.missing}")
         dirs.append("tensors")
+    if "tf" in views:
+        from ..views import tf as tf_view
+
+        ctx = ViewContext(checkpoint=hc.checkpoint, ckpt_path=hc.model.path, stem=Path(MDL_NAME).stem,
+                          options=options, cache=cache)
+        r = tf_view.build(ctx)
+        files.update({f"tf/{name}": vf for name, vf in r.files.items()})
+        notes += r.notes
+        if r.missing:
+            missing.append(f"tf/: {r.missing}")
+        dirs.append("tf")
     files[README_NAME] = BytesFile(readme_text(hc, files, missing, notes))
     return VirtualTree(files, dirs=dirs, mtime_ns=hc.model.mtime_ns, closers=[hc.close], cache=cache)

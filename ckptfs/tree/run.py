@@ -475,8 +475,9 @@ def is_run(path, options: MountOptions | None = None) -> bool:
 
         return classify(locate(path, s3_settings(options or MountOptions()))).kind == RUN
     from ..source.hf_layout import is_hf_folder
+    from ckptfs.source.tf_locate import is_tf_source
 
-    return Path(path).is_dir() and not is_hf_folder(path)
+    return Path(path).is_dir() and not is_hf_folder(path) and not is_tf_source(path)
 
 
 def check_run(model_dir, options: MountOptions | None = None) -> None:

@@ -2,7 +2,8 @@
 with ``np.load(path, mmap_mode="r")``.
 
 Path rules: the flattened key's dots become directories (``model.lm_head.weight`` →
-``tensors/model/lm_head/weight.npy``). Each component is escaped on its own: ``%`` is written ``%25``, ``/``
+``tensors/model/lm_head/weight.npy``); in a TensorFlow checkpoint's flat state the variable name's slashes do
+(``bert/encoder/layer_0/output/dense/kernel`` → ``tensors/bert/encoder/layer_0/output/dense/kernel.npy``). Each component is escaped on its own: ``%`` is written ``%25``, ``/``
 ``%2F``, NUL ``%00`` (and a lone surrogate its UTF-8 bytes), a component ``.`` or ``..`` is written ``%2E`` /
 ``%2E%2E`` and an empty one (``a..b``) a lone ``%``, so that every component is a valid file name. A component
 longer than 255 bytes (the limit ``statfs`` announces) keeps its first bytes and ends in ``~`` plus 12 hex digits
@@ -69,9 +70,9 @@ def shorten(name: str, original: str, room: int = NAME_MAX) -> str:
     return "".join(out) + tag
 
 
-def key_to_parts(key: str, suffix: str = "") -> list[str]:
-    """The path components of ``key`` (the last one sized to leave room for ``suffix``)."""
-    raw = key.split(".")
+def key_to_parts(key: str, suffix: str = "", sep: str = ".") -> list[str]:
+    """The path components of ``key`` split at ``sep`` (the last one sized to leave room for ``suffix``)."""
+    raw = key.split(sep)
     parts = [shorten(escape_component(p), p) for p in raw[:-1]]
     parts.append(shorten(escape_component(raw[-1]), raw[-1], NAME_MAX - _nbytes(suffix) - 1))  # 1: the "@" rule
     return parts
@@ -86,13 +87,14 @@ def _with_counter(path: str, suffix: str, n: int) -> str:
     return (head + "/" if head else "") + last + tag
 
 
-def plan_paths(keys: list) -> tuple[dict, list]:
-    """``{key: path under tensors/}`` for ``[(key, suffix)]`` in the checkpoint's order, and README notes for every
-    key not served at its plain path. Pure: the same keys always give the same paths."""
+def plan_paths(keys: list, sep: str = ".") -> tuple[dict, list]:
+    """``{key: path under tensors/}`` for ``[(key, suffix)]`` in the checkpoint's order (the key's ``sep`` becoming
+    folders), and README notes for every key not served at its plain path. Pure: the same keys always give the same
+    paths."""
     planned = []
     dirs: set = set()
     for key, suffix in keys:
-        parts = key_to_parts(key, suffix)
+        parts = key_to_parts(key, suffix, sep)
         planned.append((key, suffix, parts))
         for i in range(1, len(parts)):
             dirs.add("/".join(parts[:i]))
@@ -115,14 +117,15 @@ def plan_paths(keys: list) -> tuple[dict, list]:
         paths[key] = path
         if why:
             notes.append(f"tensors: key {key!r} {why}; served as {path}")
-        elif base != key.replace(".", "/"):
+        elif base != key.replace(sep, "/"):
             notes.append(f"tensors: key {key!r} is served as {path} (escaped)")
     return paths, notes
 
 
 def build(ctx) -> ViewResult:
     leaves = ctx.checkpoint.tensors()
-    paths, notes = plan_paths([(key, npy_suffix(leaf.tensor.dtype)) for key, leaf in leaves.items()])
+    sep = "/" if getattr(ctx.checkpoint, "is_tf", False) else "."  # TF variable names: their scopes become folders
+    paths, notes = plan_paths([(key, npy_suffix(leaf.tensor.dtype)) for key, leaf in leaves.items()], sep)
     files = {"tensors/" + paths[key]: NpyLayout(leaf.tensor, name=key, cache=ctx.cache)
              for key, leaf in leaves.items()}
     if not files:

@@ -4,7 +4,7 @@ fixtures for every record. This module imports nothing of the views themselves: 
 without importing what building a view needs.
 
 Adding a view: write ``ckptfs/views/<name>.py`` with ``build(ctx: ViewContext) -> ViewResult`` (files relative to
-its folder), add its ``View`` to ``VIEWS`` below, and add its check to tests/test_view_conformance.py.
+its folder), add its ``View`` to ``VIEWS`` below (``default=False``: only when ``--views`` names it), and add its check to tests/test_view_conformance.py.
 """
 from __future__ import annotations
 
@@ -23,6 +23,16 @@ class View:
     folder: str
     build: Callable
     about: str = ""
+    #: the kinds of checkpoint (``source.catalog.Checkpoint.kind``) it is built for when ``--views`` is not given;
+    #: another kind gets it only when ``--views`` names it
+    kinds: tuple = ("cerebras",)
+    #: ``((kind, why), …)``: kinds it cannot be built for, and the one line README.txt says about it
+    not_for: tuple = ()
+
+    @property
+    def default(self) -> bool:
+        """Generated for a Cerebras checkpoint when ``--views`` is not given."""
+        return "cerebras" in self.kinds
 
 
 def _builder(module: str) -> Callable:
@@ -37,11 +47,22 @@ def _builder(module: str) -> Callable:
     return build
 
 
+#: the checkpoint kinds (``source.catalog``) of TensorFlow variables: a TensorFlow-era H5 file, a TF saver checkpoint
+TF_KINDS = ("tf-h5", "tf-saver")
+_NO_HF = ("not applicable: TensorFlow variable names (bert/encoder/…) follow no Model Zoo naming, so no Hugging Face "
+          "mapping reads them")
+
 VIEWS: tuple = (
-    View("hf", "", _builder("hf"), "Hugging Face model directory (config.json, safetensors and .bin weights)"),
+    View("hf", "", _builder("hf"), "Hugging Face model directory (config.json, safetensors and .bin weights)",
+         not_for=tuple((k, _NO_HF) for k in TF_KINDS)),
     View("cs", "cs/", _builder("cs"), "the checkpoint upgraded to Cerebras 2.10 (.mdl and params .yaml)"),
     View("torch", "torch/", _builder("torch"), "the whole state as torch.save files"),
-    View("tensors", "tensors/", _builder("npy_tree"), "every source tensor as a .npy file"),
+    View("tensors", "tensors/", _builder("npy_tree"), "every source tensor as a .npy file",
+         kinds=("cerebras", *TF_KINDS)),
+    View("tf", "tf/", _builder("tf"), "every tensor in a TensorFlow saver checkpoint (.index, .data, checkpoint)",
+         kinds=TF_KINDS),
+    View("h5", "h5/", _builder("h5saver"), "a TensorFlow checkpoint as the Cerebras H5 file tensorflow-to-h5 writes "
+                                         "(the appliance's H5Saver layout)", kinds=("tf-saver",)),
 )
 
 
@@ -50,12 +71,37 @@ def names() -> tuple:
     return tuple(v.name for v in VIEWS)
 
 
+def default_names() -> tuple:
+    """The views generated for a Cerebras checkpoint when ``--views`` is not given, in mount order (a TensorFlow
+    one gets those built for its kind: ``views_for``)."""
+    return tuple(v.name for v in VIEWS if v.default)
+
+
 def view(name: str) -> View:
     """The registered view called ``name`` (``KeyError`` if none is)."""
     for v in VIEWS:
         if v.name == name:
             return v
     raise KeyError(name)
+
+
+def views_for(kind: str, requested: tuple, explicit: bool) -> list:
+    """``[(view name, why it is missing or None)]`` of the views a checkpoint of ``kind`` gets from the requested
+    ones (``--views``): a view that cannot serve the kind is missing with its reason; one not built for the kind by
+    default is left out unless ``explicit`` (``--views`` was given)."""
+    out = []
+    for name in requested:
+        try:
+            v = view(name)
+        except KeyError:
+            out.append((name, None))  # the builder's runner says it is unknown
+            continue
+        why = dict(v.not_for).get(kind)
+        if why is not None:
+            out.append((name, why))
+        elif explicit or kind in v.kinds:
+            out.append((name, None))
+    return out
 
 
 def folder_of(name: str) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import shutil
 import subprocess
@@ -38,14 +39,15 @@ class Ctx:
     env: dict = field(default_factory=lambda: dict(os.environ))
     peaks: list = field(default_factory=list)  # [{"label", "peak_rss"}] of every server, filled on unmount
 
-    def mount(self, ck, label: str, *, zip_crc: str = "exact", cache_dir: Path | None = None) -> Mount:
-        """A new (not yet started) mount of checkpoint ``ck`` on a fresh mount point."""
+    def mount(self, ck, label: str, *, zip_crc: str = "exact", cache_dir: Path | None = None,
+              extra: tuple = ()) -> Mount:
+        """A new (not yet started) mount of checkpoint ``ck`` on a fresh mount point (``extra``: more flags)."""
         n = next(_ids)
         if cache_dir is None:
             cache_dir = self.workdir / "ckptfs-cache" / f"{n:03d}"
         return Mount(ck.path, self.workdir / "mnt" / f"{n:03d}", config=ck.params, zip_crc=zip_crc,
                      cache_size=self.cache_size, max_shard_size=self.max_shard_size, cache_dir=cache_dir,
-                     label=f"{ck.name}:{label}", env=self.env, on_stop=self._record)
+                     label=f"{ck.name}:{label}", env=self.env, on_stop=self._record, extra=extra)
 
     def _record(self, m: Mount) -> None:
         self.peaks.append({"label": m.label, "pid": m.pid, "peak_rss": m.peak_rss})
@@ -613,3 +615,38 @@ def end_to_end(ctx: Ctx, ck: Ckpt, layout: dict) -> dict:
     out = {k: _summary(v) for k, v in runs.items()}
     out["ratio"] = round(out["mount"]["median_s"] / out["eager"]["median_s"], 3)
     return out
+
+
+def tf_cp(ctx: Ctx, ck: Ckpt) -> dict:
+    """``cp -r MNT/tf`` out of a fresh mount with ``--views tf`` (cold CRC store: the first read of the index reads
+    every tensor once for its CRC) into a local folder, beside real TensorFlow writing the same variables from
+    memory (probe ``tf_save``: the tensors read into memory, a TF1 ``Saver`` saving them, as ``h5-to-tensorflow``
+    does): wall times, MB/s, both peak RSS, and whether the two wrote the same bytes."""
+    out, theirs = ctx.workdir / "tf-cp", ctx.workdir / "tf-save"
+    runs, peaks = [], []
+    for _ in range(ctx.repeat):
+        shutil.rmtree(out, ignore_errors=True)
+        m = ctx.mount(ck, "cp-tf", extra=("--views", "tf"))
+        with m:
+            drop_caches()
+            runs.append(sysutil.timed(["cp", "-r", m.mountpoint / "tf", out])[0])
+        peaks.append(m.peak_rss)
+    nbytes = sum(p.stat().st_size for p in out.iterdir())
+    prefix = next(p.name for p in out.iterdir() if p.name.endswith(".index"))[:-len(".index")]
+    tf_runs, tf_peaks, info = [], [], {}
+    for _ in range(ctx.repeat):
+        shutil.rmtree(theirs, ignore_errors=True)
+        theirs.mkdir(parents=True)
+        drop_caches()
+        wall, peak = sysutil.timed_peak([sys.executable, str(Path(__file__).with_name("probes.py")), "tf_save",
+                                         ck.path, theirs, prefix], env=ctx.env)
+        info = json.loads((theirs / "probe.json").read_text())
+        tf_runs.append(wall)
+        tf_peaks.append(peak)
+    same = all(same_bytes(out / p.name, p) for p in theirs.iterdir() if p.name.startswith(prefix + "."))
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(theirs, ignore_errors=True)
+    return {"mount": _summary(runs, nbytes, peak_rss=peaks),
+            "tensorflow": _summary(tf_runs, nbytes, peak_rss=tf_peaks, save_s=round(info.get("save_s", 0), 3),
+                                   includes_startup=True),
+            "same_bytes": same}

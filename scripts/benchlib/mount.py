@@ -47,7 +47,7 @@ class Mount:
     ``stop()`` reads the server's peak RSS, unmounts and waits for the server to exit."""
 
     def __init__(self, ckpt, mountpoint, *, config=None, zip_crc="exact", cache_size="256MiB",
-                 max_shard_size=None, cache_dir=None, label="", env=None, on_stop=None):
+                 max_shard_size=None, cache_dir=None, label="", env=None, on_stop=None, extra=()):
         self.ckpt = ckpt if str(ckpt).startswith("s3://") else Path(ckpt)  # a local file or an s3:// URL
         self.mountpoint = Path(mountpoint)
         self.config, self.zip_crc, self.cache_size = config, zip_crc, cache_size
@@ -56,6 +56,7 @@ class Mount:
         if cache_dir is not None:
             self.env["CKPTFS_CACHE_DIR"] = str(cache_dir)
         self.on_stop = on_stop
+        self.extra = tuple(extra)  # further flags of the mount command (``--views tf``)
         self.pid: int | None = None
         self.stdout = ""
         self.peak_rss: int | None = None
@@ -66,7 +67,7 @@ class Mount:
             a += ["--config", self.config]
         if self.max_shard_size:
             a += ["--max-shard-size", self.max_shard_size]
-        return ckptfs_argv(*a)
+        return ckptfs_argv(*a, *self.extra)
 
     def start(self) -> float:
         self.mountpoint.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ work itself:
 * ``torchload FILE``: ``torch.load(FILE, mmap=True, weights_only=True)`` (the first-open latency);
 * ``mount_breakdown CKPT PARAMS``: import time of the ckptfs mount modules and one ``build_tree``;
 * ``peek SAFETENSORS…`` / ``whole SAFETENSORS…``: 4 KiB from the start of every tensor, or every tensor whole;
+* ``tf_save CKPT OUT [PREFIX]``: TensorFlow writing the checkpoint's tensors from memory with a TF1 Saver;
 * ``datacheck CKPT SAFETENSORS…``: HF tensors that are plain copies (embeddings, lm_head, a down_proj, the final
   norm) hold exactly the CS datasets' bytes.
 """
@@ -178,7 +179,39 @@ def whole(*paths: str) -> dict:
     return {"seconds": secs, "tensors": len(ranges), "bytes": got}
 
 
-PROBES = {"peek": peek, "whole": whole, "mount_breakdown": mount_breakdown, "raw": raw, "from_pretrained": from_pretrained, "first_touch": first_touch, "torchload": torchload, "datacheck": datacheck}
+def tf_save(ckpt: str, out: str, prefix: str = "model.ckpt") -> dict:
+    """Real TensorFlow writing a checkpoint's tensors as ``h5-to-tensorflow`` does: every tensor read into memory,
+    a ``tf.Variable`` each, a TF1 ``Saver`` saving them to ``OUT/PREFIX``; also written to ``OUT/probe.json``."""
+    import os
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import tensorflow as tf
+
+    from ckptfs.layouts.tfsaver import tf_dtype
+    from ckptfs.source import open_checkpoint
+
+    t0 = time.perf_counter()
+    src = open_checkpoint(ckpt)
+    arrays = {k: (leaf.tensor.dtype.name, leaf.tensor.read_all()) for k, leaf in src.tensors().items()
+              if tf_dtype(leaf.tensor) is not None}
+    src.close()
+    t1 = time.perf_counter()
+    variables = {}
+    for k, (dtype, a) in arrays.items():
+        value = tf.constant(a)
+        variables[k] = tf.Variable(tf.bitcast(value, tf.bfloat16) if dtype == "bfloat16" else value)
+    saver = tf.compat.v1.train.Saver(var_list=variables)
+    t2 = time.perf_counter()
+    saver.save(None, os.path.join(out, prefix), write_meta_graph=False)
+    t3 = time.perf_counter()
+    result = {"seconds": t3 - t0, "read_s": t1 - t0, "variables_s": t2 - t1, "save_s": t3 - t2,
+              "bytes": sum(a.nbytes for _, a in arrays.values()), "variables": len(arrays)}
+    with open(os.path.join(out, "probe.json"), "w") as f:
+        json.dump(result, f)
+    return result
+
+
+PROBES = {"tf_save": tf_save, "peek": peek, "whole": whole, "mount_breakdown": mount_breakdown, "raw": raw, "from_pretrained": from_pretrained, "first_touch": first_touch, "torchload": torchload, "datacheck": datacheck}
 
 if __name__ == "__main__":
     print(json.dumps(PROBES[sys.argv[1]](*sys.argv[2:])))

@@ -116,6 +116,13 @@ def target_lines(results: dict, errors: dict, dtypes: list, cache_bytes: int) ->
                                                         "(cold read + write + fsync, nothing decoded)"
                                                         + (f"; export {exp['mb_s'] / c['mb_s']:.2f}x of it" if exp
                                                            else ""), "", "INFO")))
+        name = f"{d}: cp -r MNT/tf vs TensorFlow saving from memory"
+        if r.get("tf_cp") is not None or f"{d}.tf_cp" in errors:  # (newer runs)
+            lines.append(_measured(name, errors, [f"{d}.tf_cp"], r.get("tf_cp"), lambda t: Line(
+                name, f"{t['mount']['mb_s']:.0f} vs {t['tensorflow']['mb_s']:.0f} MB/s (TF: startup, reading, "
+                      f"{t['tensorflow']['save_s']:.1f} s saving); peak RSS "
+                      f"server {max(t['mount']['peak_rss']) / 1e6:.0f} MB vs TF {max(t['tensorflow']['peak_rss']) / 1e6:.0f}"
+                      f" MB; {'same' if t['same_bytes'] else 'DIFFERENT'} bytes", "", "INFO")))
         name = f"{d}: from_pretrained mount / local"
         lines.append(_measured(name, errors, [f"{d}.from_pretrained", f"{d}.layout"], r.get("from_pretrained"),
                                lambda fp: Line(name, f"{fp['ratio']:.2f}x ({fp['mount']['median_s']:.2f} vs "
