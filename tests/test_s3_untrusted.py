@@ -217,3 +217,43 @@ def test_a_whole_object_is_never_read_without_a_bound(s3, monkeypatch):
             monkeypatch.setenv(k, v)
     with pytest.raises(ValueError, match="only with a bound"):
         client.get(BUCKET, "s3_llama/checkpoint_100.mdl/__METADATA__")
+
+
+def _superblock_eof(eof: int) -> bytes:
+    """The llama fixture's ``.mdl`` with its (version 0) superblock's end-of-file address set to ``eof``."""
+    from conftest import FIXTURES
+
+    data = bytearray((FIXTURES / "llama" / "cs" / "checkpoint.mdl").read_bytes())
+    assert data[8] == 0  # superblock version 0: the end-of-file address is at byte 40
+    data[40:48] = struct.pack("<Q", eof)
+    return bytes(data)
+
+
+def test_mdl_object_whose_superblock_claims_2_to_the_60_bytes_is_one_line(s3, env, tmp_path):
+    import subprocess
+
+    body = _superblock_eof(1 << 60)
+    s3.client().put_object(Bucket=BUCKET, Key="odd/checkpoint_1.mdl", Body=body)
+    local = tmp_path / "checkpoint_1.mdl"
+    local.write_bytes(body)
+    for where, kind in ((f"s3://{BUCKET}/odd/checkpoint_1.mdl", "object"), (str(local), "file")):
+        r = subprocess.run([sys.executable, "-m", "ckptfs", "info", where], env=env, capture_output=True, text=True,
+                           timeout=120)
+        _one_line(r, f"{where}: truncated or damaged HDF5 {kind}", f"holds {len(body)} bytes",
+                  f"ends at {1 << 60}", "copy the whole checkpoint again")
+        assert "eof =" not in r.stderr and "sblock" not in r.stderr and "Unable to" not in r.stderr, r.stderr
+    # in a run, the same object is listed as not served, with the same reason
+    r = subprocess.run([sys.executable, "-m", "ckptfs", "info", f"s3://{BUCKET}/odd/"], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert "truncated or damaged HDF5 file" in r.stdout and "stored_eof" not in r.stdout, r.stdout + r.stderr
+
+
+def test_hdf5_messages_become_what_was_found_and_what_works():
+    from ckptfs.source.h5errors import open_problem
+
+    assert open_problem(OSError("Unable to synchronously open file (bad superblock version number)"), "object") == (
+        "damaged HDF5 object (HDF5: bad superblock version number); copy the whole checkpoint again from where it "
+        "was saved (or save it again)")
+    assert "not an HDF5 file" in open_problem("Unable to open file (file signature not found)")
+    odd = open_problem("Unable to open file (something new)")
+    assert odd.startswith("cannot be opened as an HDF5 file (HDF5: something new)") and "\n" not in odd

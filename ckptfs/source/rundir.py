@@ -39,6 +39,7 @@ from ..errors import CheckpointError
 from ..storage.base import Folder
 from ..storage.locate import folder_of
 from ..storage.s3url import is_s3_url
+from .h5errors import open_problem
 from .h5store import one_line
 from .resolve import CHECKPOINT_FILE, checkpoint_name
 
@@ -115,7 +116,7 @@ def probe(path) -> tuple:
     try:
         f = h5py.File(path, "r", locking=False)
     except (OSError, ValueError) as e:
-        return False, f"cannot be opened as an HDF5 file ({one_line(e)})"
+        return False, open_problem(e, "file")
     try:
         attrs = f.attrs
         if "__spec__" not in attrs:
