@@ -257,3 +257,62 @@ def test_hdf5_messages_become_what_was_found_and_what_works():
     assert "not an HDF5 file" in open_problem("Unable to open file (file signature not found)")
     odd = open_problem("Unable to open file (something new)")
     assert odd.startswith("cannot be opened as an HDF5 file (HDF5: something new)") and "\n" not in odd
+
+
+PASSWORD = "Hunter2-secret-PASSWORD-never-shown"
+
+
+def _no_secret_in_server(pid: int, mnt, log_path) -> None:
+    from pathlib import Path
+
+    for what in ("cmdline", "environ"):
+        raw = Path(f"/proc/{pid}/{what}").read_bytes()
+        assert PASSWORD.encode() not in raw and b"user:" not in raw, (what, raw[:400])
+    assert "mount" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    assert PASSWORD not in Path(log_path).read_text(errors="replace")
+    assert PASSWORD not in (mnt / "README.txt").read_text()
+
+
+@pytest.mark.needs_fuse
+def test_endpoint_password_is_not_on_the_forked_servers_command_line(s3, env, tmp_path):
+    """``--endpoint-url http://user:PASSWORD@host``: the background server (a fork of ``ckptfs mount``) shows
+    neither in /proc/PID/cmdline nor in its environment, log or README.txt."""
+    import re
+    import subprocess
+
+    url = s3.url.replace("http://", f"http://user:{PASSWORD}@")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    e = {k: v for k, v in env.items() if k != "AWS_ENDPOINT_URL"}
+    r = subprocess.run([sys.executable, "-m", "ckptfs", "mount", f"s3://{BUCKET}/s3_llama/checkpoint_100.mdl",
+                        str(mnt), "--endpoint-url", url, "--views", "tensors"], env=e, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    m = re.search(r"server pid (\d+); log: (.*?);", r.stdout)
+    try:
+        assert (mnt / "tensors" / "model" / "ln_f" / "weight.npy").read_bytes()  # it reads through that endpoint
+        _no_secret_in_server(int(m.group(1)), mnt, m.group(2))
+    finally:
+        subprocess.run([sys.executable, "-m", "ckptfs", "umount", str(mnt)], env=e, capture_output=True, timeout=60)
+
+
+@pytest.mark.needs_fuse
+def test_endpoint_password_is_not_on_the_spawned_servers_command_line(s3, env, tmp_path, monkeypatch):
+    """The same for a server started as a new process (the Python API from a program with threads): its options
+    come through a pipe, not its command line."""
+    from ckptfs.mountproc import start_background, unmount
+    from ckptfs.options import MountOptions
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    url = s3.url.replace("http://", f"http://user:{PASSWORD}@")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    started = start_background(f"s3://{BUCKET}/s3_llama/checkpoint_100.mdl", mnt,
+                               MountOptions(endpoint_url=url, views=("tensors",)), fork=False)
+    try:
+        assert (mnt / "tensors" / "model" / "ln_f" / "weight.npy").read_bytes()
+        _no_secret_in_server(started.pid, mnt, started.log_path)
+    finally:
+        unmount(mnt)
