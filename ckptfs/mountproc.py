@@ -557,9 +557,11 @@ def _mount(ckpt, mountpoint, options: MountOptions, *, foreground: bool, allow_o
     from .tree.run import RUN_CACHE_TIMEOUT, check_run, is_run, open_run
 
     run = is_run(ckpt, options)  # a model_dir: the whole training run, live (tree/run.py), unless --single
+    scanner = None
     if run and background_server:
-        check_run(ckpt, options)  # a directory that cannot be followed as a run fails the background start
-    tree = open_run(ckpt, options, build_tree=build) if run else build(ckpt, options, fork_builds=True)
+        scanner = check_run(ckpt, options)  # a directory that cannot be followed as a run fails the background start
+    tree = open_run(ckpt, options, build_tree=build, scanner=scanner) if run else build(ckpt, options,
+                                                                                       fork_builds=True)
     trim_memory()  # what building the tree used and freed (the catalog's HDF5 handle, temporaries) goes back
     tree.warm()  # expensive layouts (the cs view's HDF5 skeleton) build while the mount already answers
     setup_logging(debug)

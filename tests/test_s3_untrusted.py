@@ -316,3 +316,46 @@ def test_endpoint_password_is_not_on_the_spawned_servers_command_line(s3, env, t
         _no_secret_in_server(started.pid, mnt, started.log_path)
     finally:
         unmount(mnt)
+
+
+@pytest.mark.needs_fuse
+def test_a_1000_checkpoint_bucket_run_mounts_fast_and_ls_costs_a_listing(s3, env, tmp_path):
+    """A run of 1,000 checkpoints in Cerebras' S3 layout: mounting costs the listings and one HEAD per checkpoint
+    (concurrent), an ``ls -l`` of the mount a listing or two (no request per checkpoint), and a checkpoint's
+    ``__METADATA__`` is fetched only when its folder is entered."""
+    import os
+    import subprocess
+    import time
+
+    n = 1000
+    s3.put_many(BUCKET, [(f"big/checkpoint_{i}.mdl/__METADATA__", b"never read", {}) for i in range(1, n)])
+    upload_case(s3, "s3_llama", rename=("s3_llama/checkpoint_100.mdl/", f"big/checkpoint_{n}.mdl/"))
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    s3.reset()
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "ckptfs", "mount", f"s3://{BUCKET}/big/", str(mnt)], env=env,
+                       capture_output=True, text=True, timeout=300)
+    took = time.monotonic() - start
+    try:
+        assert r.returncode == 0, r.stderr
+        mounting = s3.counts()
+        assert took < 10, (took, mounting)
+        assert mounting["LIST"] <= 6 and mounting["GET"] == 0 and mounting["HEAD"] <= n + 2, mounting
+
+        s3.reset()
+        names = os.listdir(mnt)
+        assert len([x for x in names if x.startswith("checkpoint_")]) == n
+        for x in names:
+            os.lstat(mnt / x)
+        assert os.readlink(mnt / "latest") == f"checkpoint_{n}"
+        listing = s3.counts()
+        assert listing["HEAD"] == 0 and listing["GET"] == 0 and listing["LIST"] <= 4, listing
+
+        s3.reset()
+        assert "tensors" in os.listdir(mnt / f"checkpoint_{n}")
+        gets = [q.path for q in s3.requests() if q.kind == "GET"]
+        assert f"/{BUCKET}/big/checkpoint_{n}.mdl/__METADATA__" in gets
+        assert not [g for g in gets if g.endswith("__METADATA__") and f"checkpoint_{n}.mdl" not in g], gets
+    finally:
+        subprocess.run([sys.executable, "-m", "ckptfs", "umount", str(mnt)], env=env, capture_output=True, timeout=60)
