@@ -33,7 +33,7 @@ from pathlib import Path
 
 from .errors import CkptfsError
 from .options import MountOptions, check_options, to_argv
-from .proctitle import interpreter_prefix, show_only
+from ckptfs.proctitle import interpreter_prefix, show_only
 from .statedirs import CACHE_DIR_ENV, cache_dir
 from .statefiles import StateDir
 from .tree.assemble import TreeBuilder, build_tree

@@ -13,11 +13,12 @@ import json
 import pickle
 import struct
 import sys
+from pathlib import Path
 
 import pytest
 
 from s3fault import FaultProxy, peak_rss
-from s3help import BUCKET, LocalS3, case_objects, upload_case
+from s3help import BUCKET, LocalS3, upload_case
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -122,9 +123,9 @@ def test_zstd_frame_declaring_2_to_the_40_is_one_line_not_memory_error(s3, env, 
 
 
 def test_decompress_bounded_caps_what_a_frame_makes():
-    from ckptfs.source.zstdbound import ZstdRefused, decompress_bounded
-
     import zstandard
+
+    from ckptfs.source.zstdbound import ZstdRefused, decompress_bounded
 
     assert decompress_bounded(zstandard.ZstdCompressor().compress(b"abc" * 100), 300) == b"abc" * 100
     with pytest.raises(ZstdRefused, match="declares 301"):
@@ -264,8 +265,6 @@ PASSWORD = "Hunter2-secret-PASSWORD-never-shown"
 
 
 def _no_secret_in_server(pid: int, mnt, log_path) -> None:
-    from pathlib import Path
-
     for what in ("cmdline", "environ"):
         raw = Path(f"/proc/{pid}/{what}").read_bytes()
         assert PASSWORD.encode() not in raw and b"user:" not in raw, (what, raw[:400])
@@ -369,6 +368,6 @@ def test_a_1000_checkpoint_bucket_run_mounts_fast_and_ls_costs_a_listing(s3, env
             os.listdir(mnt / "checkpoint_500")
         assert e.value.errno == errno.EIO
         log = re.search(r"log: (.*?);", r.stdout).group(1)
-        assert "checkpoint_500.mdl: no __METADATA__ object" in open(log).read()
+        assert "checkpoint_500.mdl: no __METADATA__ object" in Path(log).read_text()
     finally:
         subprocess.run([sys.executable, "-m", "ckptfs", "umount", str(mnt)], env=env, capture_output=True, timeout=60)

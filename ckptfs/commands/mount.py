@@ -50,8 +50,8 @@ def run(args) -> int:
 def _with_private_options(args):
     """``args`` with the options read from the options pipe (``--options-fd``) parsed as if given on the command
     line."""
-    from ..cli import build_parser
-    from ..mountproc import receive_options
+    from ckptfs.cli import build_parser
+    from ckptfs.mountproc import receive_options
 
     extra = receive_options(args.options_fd)
     argv = ["mount", args.ckpt, args.mountpoint, "--foreground", *extra]

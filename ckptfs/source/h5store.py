@@ -19,7 +19,7 @@ from h5py import h5a, h5t
 from ..errors import CheckpointError, TensorReadError
 from ..storage.local import FileIdentity
 from .confine import Confinement, RefusedReference, non_regular_kind
-from .h5errors import open_problem
+from ckptfs.source.h5errors import open_problem
 from .lz4filter import register_lz4
 from .watch import check_unchanged
 

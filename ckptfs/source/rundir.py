@@ -44,7 +44,7 @@ from ..errors import CheckpointError
 from ..storage.base import Folder
 from ..storage.locate import folder_of
 from ..storage.s3url import is_s3_url
-from .h5errors import open_problem
+from ckptfs.source.h5errors import open_problem
 from .h5store import one_line
 from .resolve import CHECKPOINT_FILE, checkpoint_name
 

@@ -32,7 +32,7 @@ from .s3tensor import S3ObjectTensor, metadata_fingerprint, object_problem
 from .safepickle import Limits, PickleRefused, loads_plain
 from .serializers import LeafFactory, tensor_dtype, tensor_shape
 from .validate import shape_problem
-from .zstdbound import ZstdRefused, decompress_bounded
+from ckptfs.source.zstdbound import ZstdRefused, decompress_bounded
 
 METADATA = "__METADATA__"
 #: largest ``__METADATA__`` read (a 100,000-key checkpoint's is tens of MB)
