@@ -202,7 +202,10 @@ class CkptfsOperations:
         if not e.is_dir:
             raise _oserror(errno.ENOTDIR)
         out = [(1, ".", self._stat(e)), (2, "..", None)][start:]
-        children = e.children
+        try:
+            children = e.children  # a folder built on demand (a run's checkpoint) may fail: its errno, not EINVAL
+        except VirtualPathError as err:
+            raise _oserror(err.errno) from None
         for pos in range(max(start, 2) + 1, len(children) + 3):
             name = children[pos - 3]
             try:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from .errors import CkptfsError
 from .options import MountOptions, check_options, to_argv
+from ckptfs.proctitle import interpreter_prefix, show_only
 from .statedirs import CACHE_DIR_ENV, cache_dir
 from .statefiles import StateDir
 from .tree.assemble import TreeBuilder, build_tree
@@ -200,6 +201,44 @@ def server_argv(ckpt, mountpoint, options: MountOptions, *, allow_other: bool = 
     if debug:
         argv.append("--debug")
     return argv
+
+
+def public_argv(ckpt, mountpoint) -> list:
+    """What the background server's command line shows (``/proc/PID/cmdline``, readable by every user): the
+    checkpoint and the mount point; never an option (an ``--endpoint-url`` may carry a password)."""
+    return ["mount", _argument(ckpt), os.path.abspath(str(mountpoint)), "--foreground"]
+
+
+def private_options(argv: list) -> list:
+    """The part of ``server_argv`` that is not on the server's command line (``public_argv``): sent through a pipe
+    of its own (``--options-fd``)."""
+    return argv[4:]
+
+
+def send_options(fd: int, options: list) -> None:
+    """Write the server's options to the pipe ``fd`` (JSON) and close it."""
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(json.dumps(options).encode())
+    except BrokenPipeError:  # the server died before reading them: its status says why
+        pass
+
+
+#: largest option list a server reads from its options pipe
+MAX_OPTIONS_BYTES = 1 << 20
+
+
+def receive_options(fd: int) -> list:
+    """The options ``send_options`` wrote to ``fd`` (read to its end, at most ``MAX_OPTIONS_BYTES``)."""
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(MAX_OPTIONS_BYTES + 1)
+    try:
+        options = json.loads(data) if len(data) <= MAX_OPTIONS_BYTES else None
+    except ValueError:
+        options = None
+    if not isinstance(options, list) or not all(isinstance(a, str) for a in options):
+        raise MountError("--options-fd", "the options pipe did not hold a list of arguments")
+    return options
 
 
 def _last_line(path: Path) -> str:
@@ -373,21 +412,26 @@ class ForkedServer:
                 pass
 
 
-def _fork_server(argv: list, log_fd: int, status_w: int, build: TreeBuilder) -> ForkedServer:
+def _fork_server(argv: list, log_fd: int, status_w: int, build: TreeBuilder, shown: list) -> ForkedServer:
     """Run ``ckptfs <argv>`` (the foreground mount) in a forked child set up as ``Popen`` sets up the spawned server
     (a new session, cwd /, stdin from /dev/null, stdout and stderr to the log, no descriptor but the status pipe's),
     minus the new interpreter and the imports this process already made. The child never returns here: it exits
-    with the command's exit code once the mount ends (its trees built by ``build``, as in this process)."""
+    with the command's exit code once the mount ends (its trees built by ``build``, as in this process). Its command
+    line, the caller's until then (options and all), is rewritten to show only ``shown``."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()  # nothing buffered here is written twice
         except (OSError, ValueError, AttributeError):
             pass
+    prefix = interpreter_prefix()
     pid = os.fork()
     if pid:
         return ForkedServer(pid)
     code = 1
     try:
+        if not show_only([*prefix, *shown]):
+            print("ckptfs: the server's command line could not be rewritten: it shows the mount command's",
+                  file=sys.stderr)
         os.setsid()
         os.chdir("/")
         null = os.open(os.devnull, os.O_RDONLY)
@@ -426,6 +470,7 @@ def start_background(ckpt, mountpoint, options: MountOptions, *, allow_other: bo
     that stops it before serving is raised here as the server printed it; on any failure (or Ctrl-C) nothing is left
     running or mounted."""
     args = server_argv(ckpt, mountpoint, options, allow_other=allow_other, debug=debug)
+    shown = public_argv(ckpt, mountpoint)
     if fork is None:
         fork = hasattr(os, "fork") and single_threaded()
     log_path, logf = open_log(f"mount-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
@@ -433,14 +478,22 @@ def start_background(ckpt, mountpoint, options: MountOptions, *, allow_other: bo
     try:
         with logf:
             if fork:
-                proc = _fork_server([*args, "--status-fd", str(status_w)], logf.fileno(), status_w, build)
+                proc = _fork_server([*args, "--status-fd", str(status_w)], logf.fileno(), status_w, build, shown)
             else:
+                # the options go through a pipe of their own, not the command line (``public_argv``)
+                options_r, options_w = os.pipe()
                 env = dict(os.environ)
                 pkg_parent = str(Path(__file__).resolve().parent.parent)
                 env["PYTHONPATH"] = os.pathsep.join(x for x in (pkg_parent, env.get("PYTHONPATH")) if x)
-                proc = subprocess.Popen([sys.executable, "-m", "ckptfs", *args, "--status-fd", str(status_w)],
-                                        stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, cwd="/",
-                                        env=env, start_new_session=True, close_fds=True, pass_fds=(status_w,))
+                try:
+                    proc = subprocess.Popen([sys.executable, "-m", "ckptfs", *shown, "--status-fd", str(status_w),
+                                             "--options-fd", str(options_r)],
+                                            stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, cwd="/",
+                                            env=env, start_new_session=True, close_fds=True,
+                                            pass_fds=(status_w, options_r))
+                finally:
+                    os.close(options_r)
+                send_options(options_w, private_options(args))
     except BaseException:
         os.close(status_r)
         raise
@@ -504,9 +557,11 @@ def _mount(ckpt, mountpoint, options: MountOptions, *, foreground: bool, allow_o
     from .tree.run import RUN_CACHE_TIMEOUT, check_run, is_run, open_run
 
     run = is_run(ckpt, options)  # a model_dir: the whole training run, live (tree/run.py), unless --single
+    scanner = None
     if run and background_server:
-        check_run(ckpt, options)  # a directory that cannot be followed as a run fails the background start
-    tree = open_run(ckpt, options, build_tree=build) if run else build(ckpt, options, fork_builds=True)
+        scanner = check_run(ckpt, options)  # a directory that cannot be followed as a run fails the background start
+    tree = open_run(ckpt, options, build_tree=build, scanner=scanner) if run else build(ckpt, options,
+                                                                                       fork_builds=True)
     trim_memory()  # what building the tree used and freed (the catalog's HDF5 handle, temporaries) goes back
     tree.warm()  # expensive layouts (the cs view's HDF5 skeleton) build while the mount already answers
     setup_logging(debug)

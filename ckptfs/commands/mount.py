@@ -26,12 +26,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="let other users read the mount (needs user_allow_other in /etc/fuse.conf)")
     # internal: the write end of the status pipe of a background start (ckptfs.mountproc.start_background)
     p.add_argument("--status-fd", type=int, default=None, help=argparse.SUPPRESS)
+    # internal: the read end of the pipe a background start sends the options through (not on the command line,
+    # which every user can read: ckptfs.mountproc.public_argv)
+    p.add_argument("--options-fd", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
 
 def run(args) -> int:
     from ..mountproc import build_tree, mount
 
+    if args.options_fd is not None:
+        args = _with_private_options(args)
     options = mount_options.from_args(args)
     started = mount(args.ckpt, args.mountpoint, options, foreground=args.foreground,
                     allow_other=args.allow_other, debug=getattr(args, "debug", False),
@@ -41,3 +46,19 @@ def run(args) -> int:
         print(f"ckptfs: mounted {args.ckpt} at {started.mountpoint} (server pid {started.pid}; "
               f"log: {started.log_path}; stop with `ckptfs umount {started.mountpoint}`)")
     return 0
+
+
+def _with_private_options(args):
+    """``args`` with the options read from the options pipe (``--options-fd``) parsed as if given on the command
+    line."""
+    from ckptfs.cli import build_parser
+    from ckptfs.mountproc import receive_options
+
+    extra = receive_options(args.options_fd)
+    argv = ["mount", args.ckpt, args.mountpoint, "--foreground", *extra]
+    if args.status_fd is not None:
+        argv += ["--status-fd", str(args.status_fd)]
+    full = build_parser("mount").parse_args(argv)
+    full.build_tree = getattr(args, "build_tree", None)
+    full.debug = getattr(full, "debug", False) or getattr(args, "debug", False)
+    return full

@@ -18,7 +18,7 @@ class RunRow:
     folder: str | None  # its folder in a run mount (complete checkpoints only)
     step: int | None
     timestamp: str | None  # the file name's timestamp suffix
-    size: int
+    size: int | None
     modified: str
     complete: bool
     status: str
@@ -70,7 +70,8 @@ def rows(listing: RunListing) -> list:
     for c in listing.checkpoints:
         out.append(RunRow(
             file=c.path.name, folder=c.name if c.complete else None, step=c.step,
-            timestamp=None if c.stamp == datetime.min else c.stamp.isoformat(sep=" "), size=c.size,
+            timestamp=None if c.stamp == datetime.min else c.stamp.isoformat(sep=" "),
+            size=c.size if c.sized else None,  # None: a checkpoint prefix in a bucket (its objects are not listed)
             modified=datetime.fromtimestamp(c.mtime_ns / 1e9).strftime("%Y-%m-%d %H:%M:%S"), complete=c.complete,
             status=c.status, latest=listing.latest is not None and c.path == listing.latest.path))
     return out
@@ -98,7 +99,8 @@ def format_run(listing: RunListing) -> str:
         for r in table:
             step = "?" if r.step is None else str(r.step)
             status = r.status + ("  <- latest" if r.latest else "")
-            lines.append(f"{step:>10}  {human_size(r.size, binary=True):>10}  {r.modified:<19}  {r.file:<{wf}}  {status}")
+            size = "-" if r.size is None else human_size(r.size, binary=True)  # a prefix's objects are not listed
+            lines.append(f"{step:>10}  {size:>10}  {r.modified:<19}  {r.file:<{wf}}  {status}")
     lines.append(f"{len(listing.complete)} complete checkpoint(s), {len(listing.incomplete)} not complete "
                  f"(a run mount shows only complete ones)")
     return "\n".join(lines)

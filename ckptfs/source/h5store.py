@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import re
 import struct
 import threading
 from collections import OrderedDict
@@ -20,6 +19,7 @@ from h5py import h5a, h5t
 from ..errors import CheckpointError, TensorReadError
 from ..storage.local import FileIdentity
 from .confine import Confinement, RefusedReference, non_regular_kind
+from ckptfs.source.h5errors import open_problem
 from .lz4filter import register_lz4
 from .watch import check_unchanged
 
@@ -109,7 +109,6 @@ _VLEN_STR_MEMORY = h5t.py_create(_VLEN_STR)  # its HDF5 memory type, made once
 #: the cache only serves the plain h5py reads of other datasets
 CHUNK_CACHE_SLOTS = 521
 CHUNK_CACHE_BYTES = 1 << 20
-_TRUNC = re.compile(r"truncated file: eof = (\d+).*stored_eof = (\d+)")
 
 
 def open_h5(path, *, error=CheckpointError) -> h5py.File:
@@ -144,12 +143,7 @@ def open_h5(path, *, error=CheckpointError) -> h5py.File:
             if "lock" in str(e).lower():
                 continue
             break
-    msg = one_line(last)
-    m = _TRUNC.search(msg)
-    if m:
-        raise error(p, f"truncated HDF5 file: only {m.group(1)} of {m.group(2)} bytes present")
-    msg = re.sub(r"^Unable to (synchronously )?open file \((.*)\)$", r"\2", msg)
-    raise error(p, f"cannot open HDF5 file: {msg}")
+    raise error(p, open_problem(last, "file"))
 
 
 def release_hdf5_free_lists() -> bool:

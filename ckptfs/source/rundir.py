@@ -19,15 +19,20 @@ mtime, ctime or inode; an object's ETag), so that scanning a run of hundreds of 
 ``stat`` per file — in a bucket, the listing alone.
 
 In a bucket a checkpoint may also be a prefix in Cerebras' S3 layout (``checkpoint_<step>.mdl/``, ``cstorch.save``
-to ``s3://``): it is complete once its ``__METADATA__`` object exists (written last). Its prefix is listed when it
-first appears (and while it is incomplete) for that object and the checkpoint's size; a complete one is remembered
-until its prefix leaves the listing (``KeepNCheckpoints`` deletes its objects).
+to ``s3://``): it is complete once its ``__METADATA__`` object exists (written last). A scan costs the listing of the
+model_dir (one request per 1,000 entries, with a delimiter: never the checkpoints' own objects) and a HEAD of
+``<prefix>/__METADATA__`` for the new prefixes from the newest down to the first complete one (one, usually: the
+older prefixes are saves finished before it, listed without a request). A complete one is remembered until its prefix
+leaves the listing (``KeepNCheckpoints`` deletes its objects); an incomplete one is asked again at most every
+``RECHECK_SECONDS``. Nothing else of a checkpoint is read until its folder is entered; its size is unknown until then
+(``RunCheckpoint.size`` 0, ``sized`` False).
 """
 from __future__ import annotations
 
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -39,6 +44,7 @@ from ..errors import CheckpointError
 from ..storage.base import Folder
 from ..storage.locate import folder_of
 from ..storage.s3url import is_s3_url
+from ckptfs.source.h5errors import open_problem
 from .h5store import one_line
 from .resolve import CHECKPOINT_FILE, checkpoint_name
 
@@ -50,6 +56,10 @@ IN_PROGRESS = "temporary file of a save in progress (or of a failed save)"
 LAYOUT_IN_PROGRESS = "no __METADATA__ yet: a save in progress to S3 (or a failed one)"
 #: the object a checkpoint in Cerebras' S3 layout writes last
 LAYOUT_METADATA = "__METADATA__"
+#: the status of a checkpoint prefix older than a complete one, not asked about (``RunScanner._layouts_now``)
+PRESUMED = "complete (older than a complete checkpoint; its __METADATA__ is read when its folder is entered)"
+#: seconds before a prefix without ``__METADATA__`` (a save in progress, or a failed one) is asked about again
+RECHECK_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -64,6 +74,7 @@ class RunCheckpoint:
     complete: bool
     status: str  # COMPLETE, IN_PROGRESS, or why the file is not a usable checkpoint
     identity: Hashable = None  # the storage's version of the file (``FolderEntry.version``): changes with the file
+    sized: bool = True  # False: a checkpoint prefix in a bucket, whose objects are not listed (``size`` is 0)
 
     @property
     def name(self) -> str:
@@ -115,7 +126,7 @@ def probe(path) -> tuple:
     try:
         f = h5py.File(path, "r", locking=False)
     except (OSError, ValueError) as e:
-        return False, f"cannot be opened as an HDF5 file ({one_line(e)})"
+        return False, open_problem(e, "file")
     try:
         attrs = f.attrs
         if "__spec__" not in attrs:
@@ -140,7 +151,8 @@ class RunScanner:
         self.folder = folder if folder is not None else folder_of(self.model_dir, self.allow_external)
         self.in_bucket = is_s3_url(self.model_dir)  # a checkpoint may then be a prefix (Cerebras' S3 layout)
         self._probes: dict = {}  # identity -> (complete, status)
-        self._layouts: dict = {}  # prefix name -> (identity, size, mtime_ns) of a complete S3-layout checkpoint
+        self._layouts: dict = {}  # prefix name -> RunCheckpoint of a complete S3-layout checkpoint
+        self._pending: dict = {}  # prefix name -> (monotonic time of its last probe, RunCheckpoint): no __METADATA__
         self._lock = threading.Lock()
 
     def scan(self) -> RunListing:
@@ -150,6 +162,7 @@ class RunScanner:
             entries = self.folder.entries(match=lambda name: parse_name(name) is not None or name == "latest")
         except OSError as e:
             raise CheckpointError(self.model_dir, f"cannot list the model_dir ({e.strerror or e})") from None
+        prefixes = []
         for e in entries:
             parsed = parse_name(e.name)
             if parsed is None:
@@ -160,13 +173,15 @@ class RunScanner:
             elif e.is_file:  # links followed: a checkpoint may be a link to the file
                 found.append(self._checkpoint(e, parsed))
             elif self.in_bucket and not e.name.endswith(".tmp"):
-                found.append(self._layout(e, parsed))
+                prefixes.append((e.name, parsed))
+        found += self._layouts_now(prefixes)
         found.sort(key=RunCheckpoint.sort_key)
         with self._lock:
             keep = {c.identity for c in found}
             self._probes = {k: v for k, v in self._probes.items() if k in keep}
             names = {c.path.name for c in found}
             self._layouts = {k: v for k, v in self._layouts.items() if k in names}
+            self._pending = {k: v for k, v in self._pending.items() if k in names}
         pointer = any(e.name == "latest" and e.is_file for e in entries)
         latest, reason, problem = choose_latest(self.model_dir, found, self.folder if pointer else None,
                                                 self.allow_external)
@@ -198,29 +213,59 @@ class RunScanner:
             return False, f"cannot be opened ({e})"
         return probe(RangedFile(blob))
 
-    def _layout(self, e, parsed: tuple) -> RunCheckpoint:
-        """A prefix of the bucket holding a checkpoint in Cerebras' S3 layout (complete once ``__METADATA__`` is)."""
+    def _layouts_now(self, prefixes: list) -> list:
+        """The checkpoints of the prefixes ``[(name, (step, stamp))]`` listed now. From the newest down (autoload
+        order), each prefix not known yet is asked about (``_layout``: one HEAD; an incomplete one again once
+        ``RECHECK_SECONDS`` passed) until one is complete: the prefixes older than that one are saves that Cerebras
+        finished before starting it, listed as complete without a request (a failed one among them fails when its
+        folder is entered, with the reason)."""
+        now = time.monotonic()
+        order = sorted(prefixes, key=lambda p: (p[1][0] if p[1][0] is not None else -1, p[1][1], p[0]), reverse=True)
+        out = []
+        settled = False  # a complete checkpoint newer than the prefixes still to place was found
+        for name, parsed in order:
+            with self._lock:
+                known = self._layouts.get(name)
+                pending = self._pending.get(name)
+            if known is not None:
+                out.append(known)
+                settled = True
+            elif settled:
+                c = RunCheckpoint(self.model_dir / name, *parsed, 0, 0, True, PRESUMED, ("layout", name), sized=False)
+                with self._lock:
+                    self._layouts[name] = c
+                out.append(c)
+            elif pending is not None and now - pending[0] < RECHECK_SECONDS:
+                out.append(pending[1])
+            else:
+                c = self._layout(name, parsed)
+                out.append(c)
+                settled = c.complete
+        return out
+
+    def _layout(self, name: str, parsed: tuple) -> RunCheckpoint:
+        """A prefix of the bucket holding a checkpoint in Cerebras' S3 layout, complete once ``__METADATA__`` is:
+        one HEAD of that object (none of the checkpoint's other objects is listed or read)."""
         step, stamp = parsed
-        path = self.model_dir / e.name
-        with self._lock:
-            known = self._layouts.get(e.name)
-        if known is not None:
-            identity, size, mtime = known
-            return RunCheckpoint(path, step, stamp, size, mtime, True, COMPLETE, identity)
+        path = self.model_dir / name
         try:
-            objects = self.folder.folder(e.name).all_entries()
+            meta = self.folder.folder(name).stat(LAYOUT_METADATA)
         except OSError as err:
-            return RunCheckpoint(path, step, stamp, 0, 0, False, f"cannot be listed ({err})", ("layout", e.name))
-        size = sum(o.size for o in objects)
-        meta = next((o for o in objects if o.name == LAYOUT_METADATA), None)
+            c = RunCheckpoint(path, step, stamp, 0, 0, False, f"cannot be read ({err})", ("layout", name), sized=False)
+            with self._lock:
+                self._pending[name] = (time.monotonic(), c)
+            return c
         if meta is None:
-            mtime = max((o.mtime_ns for o in objects), default=0)
-            return RunCheckpoint(path, step, stamp, size, mtime, False, f"{LAYOUT_IN_PROGRESS} ({len(objects)} "
-                                 "objects so far)", ("layout", e.name, len(objects)))
-        identity = ("layout", e.name, meta.version)
+            c = RunCheckpoint(path, step, stamp, 0, 0, False, LAYOUT_IN_PROGRESS, ("layout", name), sized=False)
+            with self._lock:
+                self._pending[name] = (time.monotonic(), c)
+            return c
+        c = RunCheckpoint(path, step, stamp, 0, meta.mtime_ns, True, COMPLETE, ("layout", name, meta.version),
+                          sized=False)
         with self._lock:
-            self._layouts[e.name] = (identity, size, meta.mtime_ns)
-        return RunCheckpoint(path, step, stamp, size, meta.mtime_ns, True, COMPLETE, identity)
+            self._layouts[name] = c
+            self._pending.pop(name, None)
+        return c
 
 
 def choose_latest(model_dir, checkpoints: list, folder=None, allow_external=()) -> tuple:

@@ -29,15 +29,22 @@ from ..storage.s3url import S3Location
 from .catalog import Checkpoint, OpaqueLeaf, TensorLeaf, UnreadableLeaf
 from .reader_v05 import V05Reader
 from .s3tensor import S3ObjectTensor, metadata_fingerprint, object_problem
-from .safepickle import PickleRefused, loads_plain
+from .safepickle import Limits, PickleRefused, loads_plain
 from .serializers import LeafFactory, tensor_dtype, tensor_shape
 from .validate import shape_problem
+from ckptfs.source.zstdbound import ZstdRefused, decompress_bounded
 
 METADATA = "__METADATA__"
 #: largest ``__METADATA__`` read (a 100,000-key checkpoint's is tens of MB)
 MAX_METADATA_BYTES = 256 << 20
-#: largest pickled object (kept opaque) read at catalog time
+#: largest pickled object (kept opaque) read at catalog time, stored or decompressed
 MAX_OPAQUE_BYTES = 64 << 20
+#: pickled objects' bytes one checkpoint's catalog holds in all (optimizer scalars, scheduler states: kilobytes)
+MAX_OPAQUE_TOTAL = 256 << 20
+#: what ``__METADATA__``'s pickle may make the decoder build: a plain dict of one JSON text per key (a 100,000-key
+#: checkpoint's: 200,000 strings and a 20 MB ``__spec__``), nothing deeper or larger
+METADATA_LIMITS = Limits(max_bytes=MAX_METADATA_BYTES, max_items=1_000_000, max_container=500_000,
+                         max_memo=1_000_000, max_depth=32, max_expanded=1_000_000, max_str_bytes=64 << 20)
 _REFERENCES = ("DeferredSafeTensor", "DeferredNumpyArray", "DeferredObject")
 _VALUES = ("LinkedObject", "ScalarSerializer", "StringSerializer", "NoneSerializer", "DeferredFullTensor",
            "FullTensor")
@@ -60,6 +67,7 @@ class S3LeafFactory(LeafFactory):
         self.client = client
         self.location = location
         self.objects = objects
+        self.opaque_bytes = 0  # pickled objects' bytes held so far (``MAX_OPAQUE_TOTAL``)
 
     @property
     def checkpoint_path(self):
@@ -125,12 +133,14 @@ class S3LeafFactory(LeafFactory):
         except StorageError as e:
             return UnreadableLeaf(key, f"pickled object cannot be read ({e.problem})")
         if md.get("compressed"):
-            import zstandard
-
             try:
-                data = zstandard.ZstdDecompressor().decompress(data, max_output_size=MAX_OPAQUE_BYTES)
-            except zstandard.ZstdError as e:
-                return UnreadableLeaf(key, f"pickled object does not decompress ({e})")
+                data = decompress_bounded(data, MAX_OPAQUE_BYTES)
+            except ZstdRefused as e:
+                return UnreadableLeaf(key, f"pickled object not read: {e}")
+        if self.opaque_bytes + len(data) > MAX_OPAQUE_TOTAL:
+            return UnreadableLeaf(key, f"pickled object not read: the checkpoint's pickled objects pass "
+                                       f"{MAX_OPAQUE_TOTAL} bytes in all")
+        self.opaque_bytes += len(data)
         return OpaqueLeaf(key, data)
 
 
@@ -155,7 +165,7 @@ def decode_metadata(location: S3Location, data: bytes) -> dict:
     """``__METADATA__`` as a dict of plain values; ``CheckpointError`` naming the object for anything else."""
     where = location / METADATA
     try:
-        meta = loads_plain(data)
+        meta = loads_plain(data, limits=METADATA_LIMITS)
     except PickleRefused as e:
         raise CheckpointError(where, f"refused: {e}") from None
     if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):

@@ -28,11 +28,13 @@ from ..storage.s3object import S3Object
 from ..storage.s3url import S3Location, parse_s3_url
 from .catalog import Checkpoint
 from .confine import RefusedReference
-from .h5store import CHUNK_CACHE_BYTES, CHUNK_CACHE_SLOTS, HDF5_SIGNATURE, H5Store, one_line, what_bytes_are
+from .h5store import CHUNK_CACHE_BYTES, CHUNK_CACHE_SLOTS, HDF5_SIGNATURE, H5Store, what_bytes_are
 from .hdf5_catalog import read_hdf5_catalog
 from .resolve import checkpoint_name
 from .rundir import RunScanner, parse_name
 from .s3layout import METADATA, open_layout
+
+from ckptfs.source.h5errors import open_problem
 
 OBJECT, LAYOUT, RUN = "object", "layout", "run"
 
@@ -166,7 +168,7 @@ class BlobH5Store(H5Store):
         try:
             return h5py.File(self.ranged, "r", rdcc_nslots=CHUNK_CACHE_SLOTS, rdcc_nbytes=CHUNK_CACHE_BYTES)
         except (OSError, ValueError) as e:
-            raise TensorReadError(self.checkpoint_path, f"{what}: cannot open HDF5 object: {one_line(e)}") from None
+            raise TensorReadError(self.checkpoint_path, f"{what}: {open_problem(e, 'object')}") from None
 
     def verify(self, what: str) -> None:
         """Nothing to do: every ranged read of the object names its ETag (``If-Match``)."""

@@ -19,7 +19,7 @@ Two modes:
 
 Every resource the stream can claim is bounded (``Limits``): input size, stack and memo entries, items created,
 container sizes, nesting depth, the expanded size of the result (a DAG of shared tuples cannot stand for 2^60
-values), the size of integers and of dict keys. The result is checked acyclic. Pure: no I/O.
+values), the size of integers, of strings and of dict keys. The result is checked acyclic. Pure: no I/O.
 """
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ class Limits:
     max_expanded: int = 16_000_000  # nodes of the result counted as a tree (shared objects counted each time)
     max_int_bytes: int = 1024  # bytes of one integer (LONG4, text INT/LONG)
     max_key_nodes: int = 1000  # nodes of one dict key (a tuple of tuples…)
+    max_str_bytes: int = 256 << 20  # bytes of one str or bytes value (its encoded length in the stream)
 
 
 DEFAULT_LIMITS = Limits()
@@ -326,6 +327,19 @@ class _Machine:
         self.pos = p + n
         return self.data[p:p + n]
 
+    def take_str(self, n: int) -> bytes:
+        """The ``n`` encoded bytes of a str or bytes value (refused over ``max_str_bytes`` before they are copied)."""
+        if n > self.limits.max_str_bytes:
+            self.refuse(f"a string of {n} bytes, more than the {self.limits.max_str_bytes} accepted")
+        return self.take(n)
+
+    def str_line(self) -> bytes:
+        """A text-mode string argument's line (refused over ``max_str_bytes``)."""
+        raw = self.line()
+        if len(raw) > self.limits.max_str_bytes:
+            self.refuse(f"a string of {len(raw)} bytes, more than the {self.limits.max_str_bytes} accepted")
+        return raw
+
     def line(self) -> bytes:
         p = self.pos
         q = self.data.find(b"\n", p)
@@ -557,7 +571,7 @@ def _op_long(m):
 
 
 def _op_string(m):
-    raw = m.line().rstrip()
+    raw = m.str_line().rstrip()
     if len(raw) < 2 or raw[0] != raw[-1] or raw[:1] not in (b"'", b'"'):
         m.refuse("STRING argument is not quoted")
     try:
@@ -571,7 +585,7 @@ def _py2_str(raw: bytes) -> str:
 
 
 def _op_binstring(m, n):
-    raw = m.take(n)
+    raw = m.take_str(n)
     try:
         _push_new(m, _py2_str(raw))
     except UnicodeDecodeError:
@@ -580,7 +594,7 @@ def _op_binstring(m, n):
 
 def _op_unicode(m):
     try:
-        _push_new(m, str(m.line(), "raw-unicode-escape"))
+        _push_new(m, str(m.str_line(), "raw-unicode-escape"))
     except UnicodeDecodeError:
         m.refuse("UNICODE argument has a bad escape")
 
@@ -714,12 +728,12 @@ _HANDLERS: dict[str, Callable] = {
     "BINSTRING": lambda m: _op_binstring(m, struct.unpack("<i", m.take(4))[0]),
     "SHORT_BINSTRING": lambda m: _op_binstring(m, m.u8()),
     "UNICODE": _op_unicode,
-    "BINUNICODE": lambda m: _utf8(m, m.take(m.u32())),
+    "BINUNICODE": lambda m: _utf8(m, m.take_str(m.u32())),
     "SHORT_BINUNICODE": lambda m: _utf8(m, m.take(m.u8())),
-    "BINUNICODE8": lambda m: _utf8(m, m.take(m.u64())),
-    "BINBYTES": lambda m: _push_new(m, m.take(m.u32())),
+    "BINUNICODE8": lambda m: _utf8(m, m.take_str(m.u64())),
+    "BINBYTES": lambda m: _push_new(m, m.take_str(m.u32())),
     "SHORT_BINBYTES": lambda m: _push_new(m, m.take(m.u8())),
-    "BINBYTES8": lambda m: _push_new(m, m.take(m.u64())),
+    "BINBYTES8": lambda m: _push_new(m, m.take_str(m.u64())),
     "PERSID": lambda m: _op_persid(m, m.line().decode("ascii", "replace")),
     "BINPERSID": lambda m: _op_persid(m, m.pop()),
     "REDUCE": _op_reduce, "BUILD": _op_build, "GLOBAL": _op_global, "STACK_GLOBAL": _op_stack_global,

@@ -203,14 +203,20 @@ class S3Client:
             etag: str | None = None, into: memoryview | list | None = None, max_bytes: int | None = None) -> GetResult:
         """Bytes ``[start, end)`` of an object (all of it without a range), only if its ETag is still ``etag``
         (``SourceChangedError`` otherwise): into ``into`` when given (a buffer, or a list of buffers filled end to end;
-        the count is returned), else as bytes. A whole
-        object larger than ``max_bytes`` is refused before its body is read."""
+        the count is returned), else as bytes.
+
+        Every body is read with a bound known before reading it: a range's length, or ``max_bytes`` for a whole object
+        (required: a whole object is never read without one). An answer whose ``Content-Length`` is over the bound is
+        refused before its body is read; one without ``Content-Length`` (chunked) is read ``BODY_STEP`` bytes at a
+        time and refused as soon as it passes the bound."""
         where = f"s3://{bucket}/{key}"
         kw = {"Bucket": bucket, "Key": key}
         if start is not None:
             if end is None or end <= start:
                 raise ValueError(f"empty range [{start}, {end})")
             kw["Range"] = f"bytes={start}-{end - 1}"
+        elif max_bytes is None:
+            raise ValueError(f"{where}: a whole object is read only with a bound (max_bytes)")
         if etag:
             etag = normal_etag(etag)
             kw["IfMatch"] = if_match(etag)
@@ -220,7 +226,7 @@ class S3Client:
                 r = self.client.get_object(**kw)
             except Exception as e:  # noqa: BLE001
                 raise self._failed(self._translate(e, where, bucket, etag, key=key)) from None
-            length = int(r.get("ContentLength", 0))
+            length = int(r["ContentLength"]) if r.get("ContentLength") is not None else -1  # -1: chunked
             want = None if start is None else end - start
             if want is not None and length != want:
                 r["Body"].close()
@@ -229,17 +235,28 @@ class S3Client:
                 r["Body"].close()
                 raise StorageError(where, f"object of {length} bytes, more than the {max_bytes} read whole",
                                    "refused")
-            info = ObjectInfo(key, _total_size(r, length), _etag(r.get("ETag")), _mtime_ns(r.get("LastModified")))
+            info = ObjectInfo(key, _total_size(r, max(length, 0)), _etag(r.get("ETag")), _mtime_ns(r.get("LastModified")))
             if etag and info.etag and not same_etag(info.etag, etag):  # an endpoint that ignores If-Match
                 r["Body"].close()
                 raise SourceChangedError(where, f"the object changed since it was opened (ETag {etag} is now "
                                                 f"{info.etag}); remount to serve the new version")
             try:
                 if into is None:
-                    data = r["Body"].read()
-                    got = len(data)
+                    bound = want if want is not None else max_bytes
+                    held = _read_bounded(r["Body"], bound)  # joined only once known to be within the bound
+                    got = sum(map(len, held))
+                    if got > bound:
+                        raise StorageError(where, f"the endpoint sent more than {bound} bytes (no Content-Length): "
+                                                  "refused, not read further", "refused")
+                    data = b"".join(held)
+                    del held
+                    if length < 0:
+                        length = got
                 else:
                     data, got = None, _read_into(r["Body"], into, length)
+            except StorageError:
+                r["Body"].close()
+                raise
             except Exception as e:  # noqa: BLE001 - a body cut short: ask again (bounded)
                 if attempt < BODY_RETRIES:
                     time.sleep(min(2.0, 0.1 * 2 ** attempt) * random.random())
@@ -366,6 +383,20 @@ def _read_into(body, into, length: int) -> int:
             pos += n
         got += pos
     return got
+
+
+def _read_bounded(body, bound: int) -> list:
+    """At most ``bound + 1`` bytes of an answer's body, as the pieces read (``BODY_STEP`` bytes at a time; a growing
+    buffer would be copied as it grows): one byte more than ``bound`` tells the caller that the body is over it,
+    without reading (or holding) the rest."""
+    pieces, got = [], 0
+    while got <= bound:
+        piece = body.read(min(BODY_STEP, bound + 1 - got))
+        if not piece:
+            break
+        pieces.append(piece)
+        got += len(piece)
+    return pieces
 
 
 def _total_size(r: dict, length: int) -> int:

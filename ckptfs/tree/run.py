@@ -133,7 +133,8 @@ class RunTree(Tree):
     """The live tree of a model_dir (see the module docstring). Thread-safe."""
 
     def __init__(self, model_dir, options: MountOptions | None = None, *, keep: int = KEEP_TREES,
-                 poll: float = POLL_SECONDS, build: Callable | None = None, build_tree: TreeBuilder = build_tree):
+                 poll: float = POLL_SECONDS, build: Callable | None = None, build_tree: TreeBuilder = build_tree,
+                 scanner: RunScanner | None = None):
         self.model_dir = model_dir if is_s3_url(model_dir) else Path(model_dir).absolute()
         self.options = options or MountOptions()
         self.keep = max(1, int(keep))
@@ -141,7 +142,7 @@ class RunTree(Tree):
         self.cache = tree_cache(self.options.cache_size, model_dir)  # shared by the run's trees: bounds the run
         self._build_tree = build_tree  # a checkpoint's tree, built with this run's cache (``_build_checkpoint``)
         self._build = build or self._build_checkpoint
-        self._scanner = RunScanner(self.model_dir, allow_external=self.options.allow_external)
+        self._scanner = scanner or RunScanner(self.model_dir, allow_external=self.options.allow_external)
         self._lock = threading.RLock()
         self._scan_lock = threading.Lock()  # one scan at a time, applied in the order taken
         self._numbers = itertools.count(1)
@@ -444,8 +445,9 @@ def run_readme(listing: RunListing, poll: float = POLL_SECONDS, held: list = ())
     lines += ["", f"checkpoints ({len(complete)} complete):"]
     width = max((len(c.name) for c in complete), default=0) + 1
     for c in complete:
-        when = datetime.fromtimestamp(c.mtime_ns / 1e9).strftime("%Y-%m-%d %H:%M:%S")
-        lines.append(f"  {c.name + '/':<{width}}  step {c.step:<10}  {c.size:>16,} bytes  {when}")
+        when = datetime.fromtimestamp(c.mtime_ns / 1e9).strftime("%Y-%m-%d %H:%M:%S") if c.mtime_ns else "-"
+        size = f"{c.size:>16,} bytes" if c.sized else f"{'(objects not listed)':>22}"
+        lines.append(f"  {c.name + '/':<{width}}  step {c.step:<10}  {size}  {when}")
     if listing.incomplete or held:
         lines += ["", "not shown:"]
         lines += [f"  {c.path.name}: {c.status}" for c in listing.incomplete]
@@ -480,14 +482,18 @@ def is_run(path, options: MountOptions | None = None) -> bool:
     return Path(path).is_dir() and not is_hf_folder(path) and not is_tf_source(path)
 
 
-def check_run(model_dir, options: MountOptions | None = None) -> None:
-    """A ``CheckpointError`` if ``model_dir`` cannot be followed as a run (it may hold no checkpoint yet)."""
-    RunScanner(locate(model_dir, s3_settings(options or MountOptions()))).scan()
+def check_run(model_dir, options: MountOptions | None = None) -> RunScanner:
+    """A ``CheckpointError`` if ``model_dir`` cannot be followed as a run (it may hold no checkpoint yet); else the
+    scanner that found so (``open_run(..., scanner=…)`` then scans again without probing anything twice)."""
+    options = options or MountOptions()
+    scanner = RunScanner(locate(model_dir, s3_settings(options)), allow_external=options.allow_external)
+    scanner.scan()
+    return scanner
 
 
 def open_run(model_dir, options: MountOptions | None = None, **kw) -> RunTree:
     """The run tree of ``model_dir``, a local directory or an S3 prefix (``kw``: ``keep``, ``poll``, ``build``,
-    ``build_tree`` of ``RunTree``)."""
+    ``build_tree``, ``scanner`` of ``RunTree``)."""
     where = locate(model_dir, s3_settings(options or MountOptions()))
     if not is_s3_url(where) and not where.is_dir():
         raise CheckpointError(where, "not a directory (a run is a model_dir)")
