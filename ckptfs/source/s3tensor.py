@@ -2,8 +2,10 @@
 metadata says so.
 
 ``object_problem`` checks, when the catalog is built, what ``__METADATA__`` says about the object against the object
-the listing shows (shape × element size = the data size, the stored size = the object's size, one part), so that a
-crafted entry makes that tensor unreadable with a reason. The first answer of the endpoint for the object also
+the listing shows (shape × element size = the data size, the stored size = the object's size, one part, and a
+compressed object's data at most ``MAX_EXPANSION`` times its size: the work a read may cause is bounded by the bytes
+the object holds, not by what the metadata declares), so that a crafted entry makes that tensor unreadable with a
+reason. The first answer of the endpoint for the object also
 carries the object's own user metadata, which must agree (``S3ObjectTensor`` checks it once).
 
 Reads: an uncompressed object is read by the byte ranges under the box (``S3Object.read_spans``). A compressed one
@@ -35,6 +37,13 @@ MAX_WINDOW = 128 << 20
 KEEP_STREAMS = 4
 #: decompressed bytes skipped at a time when a read starts inside the object
 _SKIP = 1 << 20
+#: a compressed object may decompress to at most this many times its own size (or ``EXPANSION_FLOOR``, if more):
+#: zstd's format lets 4 bytes stand for 128 KiB (32,768×), so a 32 MiB object can declare 1 TiB of zeros, and a read
+#: at its end decodes all of it (59 s of CPU for 4 KiB). Real weights and optimizer state compress 1–2×.
+MAX_EXPANSION = 1024
+#: data size a compressed object may always have, whatever its ratio (a constant tensor of up to 1 GiB: a read inside
+#: it decodes at most that, a few tenths of a second)
+EXPANSION_FLOOR = 1 << 30
 
 
 def object_problem(md: dict, shape: tuple, dtype: DType, size: int) -> str | None:
@@ -56,6 +65,9 @@ def object_problem(md: dict, shape: tuple, dtype: DType, size: int) -> str | Non
         return f"compressed flag {compressed!r} is not a boolean"
     if not compressed and stored != data:
         return f"uncompressed, yet its stored size {stored} is not its data size {data}"
+    if compressed and data > max(EXPANSION_FLOOR, MAX_EXPANSION * stored):
+        return (f"compressed object of {stored} bytes declares {data} bytes of data (more than {MAX_EXPANSION}× its "
+                f"size and {EXPANSION_FLOOR >> 30} GiB): a read inside it would decode up to all of that")
     numpy_md = md.get("__NUMPY__")
     if isinstance(numpy_md, dict):
         try:
