@@ -211,3 +211,51 @@ def test_a_tensor_declared_1_tib_over_a_32_mib_object_fails_at_once(s3, tmp_path
         assert isinstance(leaf, UnreadableLeaf) and "more than 1024× its size" in leaf.reason, leaf
     finally:
         ck.close()
+
+
+def test_a_silent_object_leaves_request_threads_to_the_others(s3, tmp_path, monkeypatch):
+    """Many reads of one silent object at once (a loader's threads, the read-ahead) take at most
+    ``MAX_IN_FLIGHT_PER_OBJECT`` request threads: a read of another object is answered meanwhile."""
+    from ckptfs.storage import s3client, s3object
+    from ckptfs.storage.s3url import S3Settings
+
+    monkeypatch.setattr(s3client, "READ_TIMEOUT", 2.0)
+    monkeypatch.setattr(s3object, "PART_BYTES", 1 << 20)
+    for k, v in s3.env().items():
+        if k.startswith("AWS_"):
+            monkeypatch.setenv(k, v)
+    client = s3.client()
+    parts = 2 * s3object.MAX_IN_FLIGHT
+    client.put_object(Bucket=BUCKET, Key="slow/object", Body=bytes(parts << 20))
+    client.put_object(Bucket=BUCKET, Key="fast/object", Body=b"x" * (1 << 20))
+    proxy = StallProxy(s3.url, tmp_path)
+    try:
+        proxy.stall("slow/object")
+        c = s3client.S3Client(S3Settings(proxy.url))
+        slow, fast = (s3object.S3Object(c, BUCKET, k, i.size, i.etag)
+                      for k, i in ((k, c.head(BUCKET, k)) for k in ("slow/object", "fast/object")))
+        errors: list = []
+
+        def read_part(i):
+            try:
+                slow.read(i << 20, 1 << 20)
+            except Exception as e:  # noqa: BLE001 - expected: the object does not answer
+                errors.append(e)
+
+        readers = [threading.Thread(target=read_part, args=(i,), daemon=True) for i in range(parts)]
+        for th in readers:
+            th.start()
+        deadline = time.monotonic() + 20
+        while proxy.held() < s3object.MAX_IN_FLIGHT_PER_OBJECT:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert proxy.held() == s3object.MAX_IN_FLIGHT_PER_OBJECT  # the others wait without a thread
+        t = time.monotonic()
+        assert fast.read(0, 1 << 20) == b"x" * (1 << 20)
+        assert time.monotonic() - t < PROMPT
+        for th in readers:
+            th.join(120)
+        assert not any(th.is_alive() for th in readers) and len(errors) == parts
+    finally:
+        proxy.stop()
