@@ -313,7 +313,7 @@ SEQUENTIAL_CONTINUATION = 64 << 10
 #: start) continues it: libfuse's
 #: multi-threaded loop (a mount of a checkpoint in object storage, ``fusefs.loop_threads``) hands the kernel's
 #: read-ahead requests of one stream (1 MiB each, a few in flight) to several threads, which finish out of order
-STREAM_SLACK = 4 << 20
+STREAM_SLACK = 2 << 20
 
 #: how many files that plan themselves keep their plan (the most recently planned; older ones plan again if read)
 KEEP_OWN_PLANS = 256
