@@ -259,3 +259,41 @@ def test_a_silent_object_leaves_request_threads_to_the_others(s3, tmp_path, monk
         assert not any(th.is_alive() for th in readers) and len(errors) == parts
     finally:
         proxy.stop()
+
+
+def test_compressed_blocks_read_out_of_order_decode_the_frame_once(s3, monkeypatch):
+    """The multi-threaded loop's threads finish a stream's reads out of order: a compressed tensor serves a block
+    just behind its stream from the bytes it decoded last, instead of decoding the frame again from its front."""
+    import numpy as np
+    import zstandard
+
+    from ckptfs.dtypes import from_numpy
+    from ckptfs.source import s3tensor
+    from ckptfs.storage import s3object
+    from ckptfs.storage.s3client import S3Client
+    from ckptfs.storage.s3url import S3Settings
+
+    for k, v in s3.env().items():
+        if k.startswith("AWS_"):
+            monkeypatch.setenv(k, v)
+    data = np.random.default_rng(0).standard_normal((4096, 1024)).astype(np.float32)  # 16 MiB
+    body = zstandard.ZstdCompressor(level=1).compress(data.tobytes())
+    s3.client().put_object(Bucket=BUCKET, Key="zstd/object", Body=body)
+    c = S3Client(S3Settings(s3.url))
+    info = c.head(BUCKET, "zstd/object")
+    blob = s3object.S3Object(c, BUCKET, "zstd/object", info.size, info.etag)
+    starts = []
+
+    class Counted(s3tensor._Stream):
+        def __init__(self, *a):
+            starts.append(1)
+            super().__init__(*a)
+
+    monkeypatch.setattr(s3tensor, "_Stream", Counted)
+    t = s3tensor.S3ObjectTensor(blob, "k", "s3://ckpts/zstd", data.shape, from_numpy("float32"), compressed=True)
+    rows = list(range(0, 4096, 512))  # 2 MiB blocks, each pair read second one first
+    for k in range(0, len(rows), 2):
+        for r in (rows[k + 1], rows[k]):
+            assert np.array_equal(t.read(((r, r + 512), (0, 1024))), data[r:r + 512]), r
+    assert len(starts) == 1
+    assert np.array_equal(t.read(((0, 8), (0, 1024))), data[:8]) and len(starts) == 2  # far behind: from the front
