@@ -4,10 +4,10 @@ mode.
 All the logic (paths, sizes, inodes, bytes) lives in the tree; this module only translates FUSE calls and
 errors. Choices (docs/measurements.md, "FUSE server"): libfuse 3 loaded explicitly, no ``direct_io``
 (mmap must work), ``kernel_cache`` and long attr/entry timeouts (the tree is immutable), ``st_blksize`` 1 MiB,
-one loop thread for a local checkpoint and libfuse's multi-threaded loop for one in object storage (``loop_threads``:
-a read waiting for the endpoint must not hold up the other files), reads filled straight into libfuse's reply buffer (``ReadIntoFUSE``), glibc malloc thresholds pinned, a 2 MiB
-read-ahead when allowed. A failing read logs one line naming the file and the problem (once per file) and returns
-EIO; every write-ish operation returns EROFS.
+one loop thread for a local checkpoint and libfuse's multi-threaded loop for one in object storage (``loop_threads``: a
+read waiting for the endpoint must not hold up the other files), reads filled straight into libfuse's reply buffer
+(``ReadIntoFUSE``), glibc malloc thresholds pinned, a 2 MiB read-ahead when allowed. A failing read logs one line naming
+the file and the problem (once per file) and returns EIO; every write-ish operation returns EROFS.
 
 mfusepy is imported lazily (``load_mfusepy``) because it raises at import time when libfuse is missing.
 """
@@ -379,11 +379,11 @@ def serve(tree: Tree, mountpoint, *, fsname: str = "ckptfs", allow_other: bool =
     """Mount ``tree`` at ``mountpoint`` and serve until unmounted or signalled (SIGTERM/SIGINT/SIGHUP).
 
     ``cache_timeout``: how long the kernel may cache entries, attributes and failed lookups (short for a tree that
-    changes: a run, ``tree/run.py``). ``threads``: libfuse's multi-threaded loop (default: ``loop_threads``, on for
-    a tree in object storage, off for a local one unless ``$CKPTFS_FUSE_THREADS`` says otherwise). Returns normally on a clean unmount; raises
-    ``CkptfsError`` if the mount itself fails. A tree whose tensors are in object storage (``cache.remote``) has a
-    read running through a file announce the objects ahead (``SERVER_ANNOUNCE_AHEAD``; a local file's storage
-    announces its own next bytes, so local trees skip that work on every read).
+    changes: a run, ``tree/run.py``). ``threads``: libfuse's multi-threaded loop (default: ``loop_threads``, on for a
+    tree in object storage, off for a local one unless ``$CKPTFS_FUSE_THREADS`` says otherwise). Returns normally on a
+    clean unmount; raises ``CkptfsError`` if the mount itself fails. A tree whose tensors are in object storage
+    (``cache.remote``) has a read running through a file announce the objects ahead (``SERVER_ANNOUNCE_AHEAD``; a local
+    file's storage announces its own next bytes, so local trees skip that work on every read).
     """
     fuse = load_mfusepy()
     pin_malloc()

@@ -21,7 +21,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import needs_fuse
 from fusehelp import mounted_server
 from s3help import BUCKET, LocalS3, upload_case

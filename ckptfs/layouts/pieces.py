@@ -310,9 +310,9 @@ SEQUENTIAL_READ = 128 << 10
 #: queue megabytes of decoding for a reader that only peeks; a reader that goes on gets 32, 64, 128 KiB requests
 SEQUENTIAL_CONTINUATION = 64 << 10
 #: a read starting at most this far before or after the end of the stream of reads in order (and not before its
-#: start) continues it: libfuse's
-#: multi-threaded loop (a mount of a checkpoint in object storage, ``fusefs.loop_threads``) hands the kernel's
-#: read-ahead requests of one stream (1 MiB each, a few in flight) to several threads, which finish out of order
+#: start) continues it: libfuse's multi-threaded loop (a mount of a checkpoint in object storage,
+#: ``fusefs.loop_threads``) hands the kernel's read-ahead requests of one stream (1 MiB each, a few in flight) to
+#: several threads, which finish out of order
 STREAM_SLACK = 2 << 20
 
 #: how many files that plan themselves keep their plan (the most recently planned; older ones plan again if read)

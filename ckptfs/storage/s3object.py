@@ -9,11 +9,11 @@ fail with ``SourceChangedError`` instead of returning bytes of another version.
   a request costs a round trip, a few hundred KB more of an answer cost less.
 * **Large reads** (``PART_MIN`` bytes or more: a cache block's chunks, a tensor's data), and every read of an object
   smaller than ``PART_MIN`` (a norm's weights: fetched whole, once), go through *parts*, the
-  object cut at multiples of ``PART_BYTES``: the parts a read needs are fetched concurrently (at most
-  ``MAX_IN_FLIGHT`` requests at once for the whole process, ``MAX_IN_FLIGHT_PER_OBJECT`` of them for one object: an
-  object that does not answer leaves request threads to the others) and kept in a process-wide cache (least recently used
-  first out) whose budget is a share of ``--cache-size`` (``set_memory``; ``PART_CACHE_BYTES`` unless set). Once
-  reads have continued each other over a whole part (sequential access: ``cp``, a loader), each also queues the
+  object cut at multiples of ``PART_BYTES``: the parts a read needs are fetched concurrently (at most ``MAX_IN_FLIGHT``
+  requests at once for the whole process, ``MAX_IN_FLIGHT_PER_OBJECT`` of them for one object: an object that does not
+  answer leaves request threads to the others) and kept in a process-wide cache (least recently used first out) whose
+  budget is a share of ``--cache-size`` (``set_memory``; ``PART_CACHE_BYTES`` unless set). Once reads have continued
+  each other over a whole part (sequential access: ``cp``, a loader), each also queues the
   next ``READ_AHEAD_PARTS`` parts, so the endpoint is busy while the caller
   converts; a peek, whose few blocks the kernel's and ckptfs's own read-ahead ask for in order, stays within the
   parts it touches. ``will_need`` queues parts explicitly (a sequential read of a generated file announces the
