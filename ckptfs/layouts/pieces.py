@@ -309,10 +309,11 @@ SEQUENTIAL_READ = 128 << 10
 #: the kernel follows a 4 KiB peek with a 16 KiB read of the next bytes (its initial read-ahead), which must not
 #: queue megabytes of decoding for a reader that only peeks; a reader that goes on gets 32, 64, 128 KiB requests
 SEQUENTIAL_CONTINUATION = 64 << 10
-#: a read starting at most this far before or after the end of the stream of reads in order (and not before its
-#: start) continues it: libfuse's multi-threaded loop (a mount of a checkpoint in object storage,
-#: ``fusefs.loop_threads``) hands the kernel's read-ahead requests of one stream (1 MiB each, a few in flight) to
-#: several threads, which finish out of order
+#: a read within this distance of the stream of reads in order (inside it, or at most this far before its start or
+#: after its end) continues it, and widens it: libfuse's multi-threaded loop (a mount of a checkpoint in object
+#: storage, ``fusefs.loop_threads``) hands the kernel's read-ahead requests of one stream (1 MiB each, a few in
+#: flight) to several threads, which finish out of order, one late by more than its neighbours when the machine is
+#: busy
 STREAM_SLACK = 2 << 20
 
 #: how many files that plan themselves keep their plan (the most recently planned; older ones plan again if read)
@@ -458,9 +459,8 @@ class PiecedFile(VirtualFile):
             pos += k
             i += 1
         last = self._last_end
-        continues = last >= 0 and max(self._stream_from, last - STREAM_SLACK) <= offset <= last + STREAM_SLACK
-        if not continues:
-            self._stream_from = offset
+        continues = last >= 0 and end >= self._stream_from - STREAM_SLACK and offset <= last + STREAM_SLACK
+        self._stream_from = min(self._stream_from, offset) if continues else offset
         cache = self.cache
         if cache is not None and cache.read_ahead and (len(out) >= SEQUENTIAL_READ or (
                 offset == self._last_end and len(out) >= SEQUENTIAL_CONTINUATION)):
