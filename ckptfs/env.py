@@ -16,7 +16,8 @@ DIRECT_IO = "CKPTFS_DIRECT_IO"
 DECODE_THREADS = "CKPTFS_DECODE_THREADS"
 #: background threads computing the blocks after a sequential read (``ckptfs.readahead``)
 READ_AHEAD_THREADS = "CKPTFS_READ_AHEAD_THREADS"
-#: ``1``: libfuse's multi-threaded loop (``ckptfs.fusefs.serve``)
+#: ``1``: libfuse's multi-threaded loop for every mount; ``0``: one loop thread for every mount (default: the
+#: multi-threaded loop for a checkpoint in object storage only: ``ckptfs.fusefs.serve``)
 FUSE_THREADS = "CKPTFS_FUSE_THREADS"
 #: mfusepy's own: the libfuse to load, by path or by name (``ckptfs.fusefs`` sets the path to libfuse 3 otherwise)
 FUSE_LIBRARY_PATH = "FUSE_LIBRARY_PATH"
@@ -64,8 +65,9 @@ def read_ahead_threads() -> int:
     return _count(READ_AHEAD_THREADS, 2)
 
 
-def fuse_threads() -> bool:
-    return _text(FUSE_THREADS) == "1"
+def fuse_threads() -> bool | None:
+    """True (``1``), False (``0``) or None (unset or anything else: ``ckptfs.fusefs.serve`` decides)."""
+    return {"1": True, "0": False}.get(_text(FUSE_THREADS))
 
 
 def fuse_library_chosen() -> bool:

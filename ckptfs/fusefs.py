@@ -4,10 +4,10 @@ mode.
 All the logic (paths, sizes, inodes, bytes) lives in the tree; this module only translates FUSE calls and
 errors. Choices (docs/measurements.md, "FUSE server"): libfuse 3 loaded explicitly, no ``direct_io``
 (mmap must work), ``kernel_cache`` and long attr/entry timeouts (the tree is immutable), ``st_blksize`` 1 MiB,
-one loop thread (libfuse's multi-threaded loop is an option: the tree, its cache and the sources are thread-safe),
-reads filled straight into libfuse's reply buffer (``ReadIntoFUSE``), glibc malloc thresholds pinned, a 2 MiB
-read-ahead when allowed. A failing read logs one line naming the file and the problem (once per file) and returns
-EIO; every write-ish operation returns EROFS.
+one loop thread for a local checkpoint and libfuse's multi-threaded loop for one in object storage (``loop_threads``: a
+read waiting for the endpoint must not hold up the other files), reads filled straight into libfuse's reply buffer
+(``ReadIntoFUSE``), glibc malloc thresholds pinned, a 2 MiB read-ahead when allowed. A failing read logs one line naming
+the file and the problem (once per file) and returns EIO; every write-ish operation returns EROFS.
 
 mfusepy is imported lazily (``load_mfusepy``) because it raises at import time when libfuse is missing.
 """
@@ -361,22 +361,37 @@ def fuse_class(fuse):
     return ReadIntoFUSE
 
 
+def loop_threads(tree: Tree, chosen: bool | None = None) -> bool:
+    """Whether the server runs libfuse's multi-threaded loop for ``tree``: ``chosen`` when the user chose
+    (``$CKPTFS_FUSE_THREADS``), else when the tree's tensors are in object storage (``cache.remote``).
+
+    With one loop thread every request waits for the one before it: a read waiting for a silent endpoint (up to the
+    client's timeouts) held up ``README.txt``, ``stat``, ``ls`` and every other file of the mount. In the
+    multi-threaded loop a read that waits holds one worker thread and libfuse starts another for the next request
+    (up to its ``max_threads``, 10), so the requests that need no remote bytes answer at once (docs/read-path.md,
+    "Slow reads do not stall the mount"). A local checkpoint keeps one loop thread: its reads wait for the disk only,
+    and on 2 cores the multi-threaded loop serves them 20–30% slower (docs/measurements.md, "FUSE server")."""
+    if chosen is not None:
+        return chosen
+    cache = tree.cache
+    return bool(cache is not None and cache.remote)
+
+
 def serve(tree: Tree, mountpoint, *, fsname: str = "ckptfs", allow_other: bool = False,
           cache_timeout: float = CACHE_TIMEOUT, threads: bool | None = None) -> None:
     """Mount ``tree`` at ``mountpoint`` and serve until unmounted or signalled (SIGTERM/SIGINT/SIGHUP).
 
     ``cache_timeout``: how long the kernel may cache entries, attributes and failed lookups (short for a tree that
-    changes: a run, ``tree/run.py``). ``threads``: libfuse's multi-threaded loop (default: on when
-    ``$CKPTFS_FUSE_THREADS`` is 1; off otherwise: on 2 cores one loop thread with the read-ahead threads of
-    ``ckptfs.readahead`` is faster, docs/measurements.md, "FUSE server"). Returns normally on a clean unmount; raises
-    ``CkptfsError`` if the mount itself fails. A tree whose tensors are in object storage (``cache.remote``) has a
-    read running through a file announce the objects ahead (``SERVER_ANNOUNCE_AHEAD``; a local file's storage
-    announces its own next bytes, so local trees skip that work on every read).
+    changes: a run, ``tree/run.py``). ``threads``: libfuse's multi-threaded loop (default: ``loop_threads``, on for a
+    tree in object storage, off for a local one unless ``$CKPTFS_FUSE_THREADS`` says otherwise). Returns normally on a
+    clean unmount; raises ``CkptfsError`` if the mount itself fails. A tree whose tensors are in object storage
+    (``cache.remote``) has a read running through a file announce the objects ahead (``SERVER_ANNOUNCE_AHEAD``; a local
+    file's storage announces its own next bytes, so local trees skip that work on every read).
     """
     fuse = load_mfusepy()
     pin_malloc()
     if threads is None:
-        threads = env.fuse_threads()
+        threads = loop_threads(tree, env.fuse_threads())
     cache = tree.cache
     if cache is not None:  # the kernel's page cache keeps what was read: blocks read whole are not kept twice
         cache.streaming = True

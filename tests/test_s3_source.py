@@ -58,7 +58,8 @@ def test_plain_object_names_are_read():
 
 def test_a_silent_endpoint_fails_within_the_bound_then_at_once(monkeypatch):
     """An endpoint that accepts connections and never answers: a request fails within ``worst_case_seconds()``
-    (timeouts, bounded retries), and for ``DOWN_SECONDS`` afterwards requests fail at once."""
+    (timeouts, bounded retries); for ``DOWN_SECONDS`` afterwards that object's requests fail at once, and once a
+    second object got no answer either, every request does."""
     import socket
     import threading
     import time
@@ -98,7 +99,16 @@ def test_a_silent_endpoint_fails_within_the_bound_then_at_once(monkeypatch):
         assert "silent-secret" not in str(e.value)
         start = time.monotonic()
         with pytest.raises(StorageError, match="not asked again"):
+            client.get("ckpts", "run/checkpoint_1.mdl", start=4096, end=8192, etag='"x"')
+        assert time.monotonic() - start < 0.5
+        # one silent object is not a silent endpoint: another object is still asked for (and gets no answer)
+        start = time.monotonic()
+        with pytest.raises(StorageError) as e:
             client.head("ckpts", "run/checkpoint_2.mdl")
+        assert e.value.kind == "timeout" and 0.5 <= time.monotonic() - start <= s3client.worst_case_seconds()
+        start = time.monotonic()
+        with pytest.raises(StorageError, match="not asked again"):  # two silent objects: the endpoint is down
+            client.head("ckpts", "run/checkpoint_3.mdl")
         assert time.monotonic() - start < 0.5
     finally:
         stop.set()

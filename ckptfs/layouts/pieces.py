@@ -309,6 +309,12 @@ SEQUENTIAL_READ = 128 << 10
 #: the kernel follows a 4 KiB peek with a 16 KiB read of the next bytes (its initial read-ahead), which must not
 #: queue megabytes of decoding for a reader that only peeks; a reader that goes on gets 32, 64, 128 KiB requests
 SEQUENTIAL_CONTINUATION = 64 << 10
+#: a read within this distance of the stream of reads in order (inside it, or at most this far before its start or
+#: after its end) continues it, and widens it: libfuse's multi-threaded loop (a mount of a checkpoint in object
+#: storage, ``fusefs.loop_threads``) hands the kernel's read-ahead requests of one stream (1 MiB each, a few in
+#: flight) to several threads, which finish out of order, one late by more than its neighbours when the machine is
+#: busy
+STREAM_SLACK = 2 << 20
 
 #: how many files that plan themselves keep their plan (the most recently planned; older ones plan again if read)
 KEEP_OWN_PLANS = 256
@@ -452,8 +458,9 @@ class PiecedFile(VirtualFile):
                 raise TensorReadError(self.name, f"{piece.what} produced {got} bytes for its bytes [{a}, {a + k})")
             pos += k
             i += 1
-        if offset != self._last_end:
-            self._stream_from = offset
+        last = self._last_end
+        continues = last >= 0 and end >= self._stream_from - STREAM_SLACK and offset <= last + STREAM_SLACK
+        self._stream_from = min(self._stream_from, offset) if continues else offset
         cache = self.cache
         if cache is not None and cache.read_ahead and (len(out) >= SEQUENTIAL_READ or (
                 offset == self._last_end and len(out) >= SEQUENTIAL_CONTINUATION)):
@@ -463,7 +470,7 @@ class PiecedFile(VirtualFile):
                 self._read_ahead(plan, i - 1, end, end + cache.read_ahead, cache)
             if cache.announce_ahead > cache.read_ahead and self._in_file_order(plan, end, cache.read_ahead):
                 self._announce(plan, i - 1, end + cache.read_ahead, end + cache.announce_ahead)
-        self._last_end = end
+        self._last_end = max(last, end) if continues else end
         return end - offset
 
     def _read_ahead(self, plan: Plan, i: int, a: int, b: int, cache) -> None:

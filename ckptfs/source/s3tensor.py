@@ -2,14 +2,17 @@
 metadata says so.
 
 ``object_problem`` checks, when the catalog is built, what ``__METADATA__`` says about the object against the object
-the listing shows (shape × element size = the data size, the stored size = the object's size, one part), so that a
-crafted entry makes that tensor unreadable with a reason. The first answer of the endpoint for the object also
+the listing shows (shape × element size = the data size, the stored size = the object's size, one part, and a
+compressed object's data at most ``MAX_EXPANSION`` times its size: the work a read may cause is bounded by the bytes
+the object holds, not by what the metadata declares), so that a crafted entry makes that tensor unreadable with a
+reason. The first answer of the endpoint for the object also
 carries the object's own user metadata, which must agree (``S3ObjectTensor`` checks it once).
 
 Reads: an uncompressed object is read by the byte ranges under the box (``S3Object.read_spans``). A compressed one
 is one zstd frame, decoded as a stream (``zstandard``) with its window bounded (``MAX_WINDOW``) and never past the
 data size: a read continues from where the last one of that tensor stopped (sequential blocks decode the frame
-once), or starts again from the front. The last few such streams are kept (``KEEP_STREAMS``). A compressed tensor
+once), or starts again from the front; a read of the last ``TAIL`` bytes it decoded (reads finishing out of order)
+is served from them. The last few such streams are kept (``KEEP_STREAMS``). A compressed tensor
 is one chunk (``chunk_shape``): a tensor of up to ``MAX_BLOCK_BYTES`` is one cache block, decoded once.
 """
 from __future__ import annotations
@@ -35,6 +38,17 @@ MAX_WINDOW = 128 << 20
 KEEP_STREAMS = 4
 #: decompressed bytes skipped at a time when a read starts inside the object
 _SKIP = 1 << 20
+#: decoded bytes a stream keeps behind its position: reads that arrive out of order (the multi-threaded FUSE loop's
+#: threads, the read-ahead's) within this distance are served from them instead of decoding the frame again from
+#: its front
+TAIL = 8 << 20
+#: a compressed object may decompress to at most this many times its own size (or ``EXPANSION_FLOOR``, if more):
+#: zstd's format lets 4 bytes stand for 128 KiB (32,768×), so a 32 MiB object can declare 1 TiB of zeros, and a read
+#: at its end decodes all of it (59 s of CPU for 4 KiB). Real weights and optimizer state compress 1–2×.
+MAX_EXPANSION = 1024
+#: data size a compressed object may always have, whatever its ratio (a constant tensor of up to 1 GiB: a read inside
+#: it decodes at most that, a few tenths of a second)
+EXPANSION_FLOOR = 1 << 30
 
 
 def object_problem(md: dict, shape: tuple, dtype: DType, size: int) -> str | None:
@@ -56,6 +70,9 @@ def object_problem(md: dict, shape: tuple, dtype: DType, size: int) -> str | Non
         return f"compressed flag {compressed!r} is not a boolean"
     if not compressed and stored != data:
         return f"uncompressed, yet its stored size {stored} is not its data size {data}"
+    if compressed and data > max(EXPANSION_FLOOR, MAX_EXPANSION * stored):
+        return (f"compressed object of {stored} bytes declares {data} bytes of data (more than {MAX_EXPANSION}× its "
+                f"size and {EXPANSION_FLOOR >> 30} GiB): a read inside it would decode up to all of that")
     numpy_md = md.get("__NUMPY__")
     if isinstance(numpy_md, dict):
         try:
@@ -100,7 +117,8 @@ _streams = _Streams()
 
 
 class _Stream:
-    """A zstd decompression stream over one object, at decompressed position ``pos``."""
+    """A zstd decompression stream over one object, at decompressed position ``pos``, keeping the last ``TAIL``
+    bytes it decoded (``tail``, ending at ``pos``): a read of those is served again without starting over."""
 
     def __init__(self, blob: S3Object, limit: int):
         import zstandard
@@ -109,11 +127,21 @@ class _Stream:
             RangedFile(blob), read_size=max(PART_MIN, 1 << 20), read_across_frames=False)
         self.pos = 0
         self.limit = limit
+        self.tail = bytearray()
 
-    def read(self, n: int) -> bytes:
+    @property
+    def kept_from(self) -> int:
+        """Where the bytes ``tail`` holds begin."""
+        return self.pos - len(self.tail)
+
+    def read(self, n: int, keep: int = TAIL) -> int:
+        """Decode up to ``n`` more bytes into ``tail`` (then trimmed to its last ``keep`` bytes): how many came."""
         out = self.reader.read(n)
         self.pos += len(out)
-        return out
+        self.tail += out
+        if len(self.tail) > keep:
+            del self.tail[:len(self.tail) - keep]
+        return len(out)
 
 
 class S3ObjectTensor(VirtualTensor):
@@ -202,23 +230,31 @@ class S3ObjectTensor(VirtualTensor):
         lo, hi = spans[0][0], spans[-1][1]
         with self._lock:
             stream = _streams.take(self)
-            if stream is None or stream.pos > lo:
+            if stream is None or stream.kept_from > lo:
                 stream = _Stream(self.blob, self.nbytes)
             while stream.pos < lo:  # skip to the read
                 if not stream.read(min(_SKIP, lo - stream.pos)):
                     raise self._fail(f"the zstd frame ends at {stream.pos} bytes, before the {self.nbytes} of its "
                                      "data size")
-            data = bytearray()
-            while len(data) < hi - lo:
-                piece = stream.read(hi - lo - len(data))
-                if not piece:
+            keep = max(TAIL, hi - stream.kept_from)
+            while stream.pos < hi:
+                if not stream.read(hi - stream.pos, keep):
                     raise self._fail(f"the zstd frame ends at {stream.pos} bytes, before the {self.nbytes} of its "
                                      "data size")
-                data += piece
-            if stream.pos == self.nbytes and stream.read(1):
+            if stream.pos == self.nbytes and self._more(stream):
                 raise self._fail(f"the zstd frame decodes to more than its data size of {self.nbytes} bytes")
+            with memoryview(stream.tail) as kept:
+                data = kept[lo - stream.kept_from:hi - stream.kept_from]
+                pos = 0
+                for a, b in spans:
+                    out[pos:pos + b - a] = data[a - lo:b - lo]
+                    pos += b - a
+                data.release()
+            if len(stream.tail) > TAIL:
+                del stream.tail[:len(stream.tail) - TAIL]
             _streams.give(self, stream)
-        pos = 0
-        for a, b in spans:
-            out[pos:pos + b - a] = data[a - lo:b - lo]
-            pos += b - a
+
+    @staticmethod
+    def _more(stream: _Stream) -> bool:
+        """Whether the frame holds a byte past the data size (read without moving the stream's kept bytes)."""
+        return bool(stream.reader.read(1))

@@ -7,7 +7,9 @@ profiles, ``AWS_ENDPOINT_URL``…); ``S3Settings`` can name a profile and an end
 own, since the parent's pooled connections cannot be shared). Every request has a connect and a read timeout and
 is retried with exponential backoff and jitter (botocore's "standard" mode) a bounded number of times, so a
 vanished or stalled endpoint makes a request fail within ``worst_case_seconds()``, never hang; for ``DOWN_SECONDS``
-after that, requests fail at once (a read that needs many objects fails within one request's bound).
+after that, requests fail at once (a read that needs many objects fails within one request's bound). An endpoint
+that answers the others but not one object (a stalled or hostile key) is not taken for down: only that object's
+requests fail at once for a while, until a second object is silent too (``_failed``).
 
 Failures become ``StorageError(location, one line, kind)``: the bucket or key that is missing, access denied (naming
 the IAM permission the refused call needed and what for: ``s3problems``), credentials refused, expired or absent,
@@ -114,6 +116,7 @@ class S3Client:
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self._down: tuple | None = None  # (monotonic time until which requests fail at once, the failure)
+        self._silent: dict = {}  # location -> (monotonic time until which its requests fail at once, the failure)
 
     # -- the boto3 client --------------------------------------------------------------------------------------
     @property
@@ -159,18 +162,37 @@ class S3Client:
 
     # -- requests ------------------------------------------------------------------------------------------------
     def _check_up(self, where: str) -> None:
-        """Fail at once while the endpoint is known to be down (``DOWN_SECONDS`` after it last was)."""
-        down = self._down
-        if down is not None:
-            until, why = down
-            if time.monotonic() < until:
-                raise StorageError(where, f"{why}; not asked again for {until - time.monotonic():.0f} s", "unreachable")
+        """Fail at once while the endpoint is known to be down, or the object ``where`` silent (``DOWN_SECONDS``
+        after it last was)."""
+        for got in (self._down, self._silent.get(where)):
+            if got is not None:
+                until, why = got
+                if time.monotonic() < until:
+                    raise StorageError(where, f"{why}; not asked again for {until - time.monotonic():.0f} s",
+                                       "unreachable")
+        if self._down is not None and time.monotonic() >= self._down[0]:
             self._down = None
 
-    def _failed(self, err: Exception) -> Exception:
-        """Remember an unreachable or silent endpoint (``_check_up``); returns ``err``."""
-        if isinstance(err, StorageError) and err.kind in ("unreachable", "timeout"):
-            self._down = (time.monotonic() + DOWN_SECONDS, err.problem)
+    def _failed(self, err: Exception, cause: Exception | None = None) -> Exception:
+        """Remember an unreachable or silent endpoint (``_check_up``); returns ``err``.
+
+        The endpoint is down when it cannot be connected to (``cause`` a connection failure or a connect timeout),
+        or when a second object within ``DOWN_SECONDS`` got no answer. An answer that does not come for one object
+        (a read timeout) makes only that object's requests fail at once: a stalled or hostile key must not fail
+        the reads of every other file of a mount."""
+        if not isinstance(err, StorageError) or err.kind not in ("unreachable", "timeout"):
+            return err
+        now = time.monotonic()
+        until = now + DOWN_SECONDS
+        if err.kind == "unreachable" or type(cause).__name__ != "ReadTimeoutError":
+            self._down = (until, err.problem)
+            return err
+        with self._lock:
+            silent = {w: got for w, got in self._silent.items() if got[0] > now and w != err.path}
+            if silent:  # a second silent object: the endpoint itself does not answer
+                self._down = (until, err.problem)
+            silent[err.path] = (until, err.problem)
+            self._silent = silent
         return err
 
     def head(self, bucket: str, key: str) -> ObjectInfo | None:
@@ -180,7 +202,7 @@ class S3Client:
         try:
             r = self.client.head_object(Bucket=bucket, Key=key)
         except Exception as e:  # noqa: BLE001 - every botocore failure is translated
-            err = self._failed(self._translate(e, where, bucket, key=key))
+            err = self._failed(self._translate(e, where, bucket, key=key), e)
             if isinstance(err, StorageError) and err.kind == "missing" and "bucket" not in err.problem:
                 return None
             if _status(e) in (400, 403) and _code(e) in ("", "400", "403", "BadRequest", "Forbidden"):
@@ -225,7 +247,7 @@ class S3Client:
             try:
                 r = self.client.get_object(**kw)
             except Exception as e:  # noqa: BLE001
-                raise self._failed(self._translate(e, where, bucket, etag, key=key)) from None
+                raise self._failed(self._translate(e, where, bucket, etag, key=key), e) from None
             length = int(r["ContentLength"]) if r.get("ContentLength") is not None else -1  # -1: chunked
             want = None if start is None else end - start
             if want is not None and length != want:
@@ -261,7 +283,7 @@ class S3Client:
                 if attempt < BODY_RETRIES:
                     time.sleep(min(2.0, 0.1 * 2 ** attempt) * random.random())
                     continue
-                raise self._failed(self._translate(e, where, bucket, etag, key=key)) from None
+                raise self._failed(self._translate(e, where, bucket, etag, key=key), e) from None
             if got != length:
                 if attempt < BODY_RETRIES:
                     continue
@@ -284,7 +306,7 @@ class S3Client:
             try:
                 r = self.client.list_objects_v2(**kw)
             except Exception as e:  # noqa: BLE001
-                raise self._failed(self._translate(e, where, bucket)) from None
+                raise self._failed(self._translate(e, where, bucket), e) from None
             pages += 1
             for o in r.get("Contents") or ():
                 objects.append(ObjectInfo(o["Key"], int(o.get("Size", 0)), _etag(o.get("ETag")),
@@ -302,7 +324,7 @@ class S3Client:
         try:
             self.client.head_bucket(Bucket=bucket)
         except Exception as e:  # noqa: BLE001
-            raise self._failed(self._translate(e, f"s3://{bucket}", bucket)) from None
+            raise self._failed(self._translate(e, f"s3://{bucket}", bucket), e) from None
 
     # -- errors --------------------------------------------------------------------------------------------------
     def _translate(self, e: Exception, where: str, bucket: str, etag: str | None = None, *,

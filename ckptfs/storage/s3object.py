@@ -9,10 +9,11 @@ fail with ``SourceChangedError`` instead of returning bytes of another version.
   a request costs a round trip, a few hundred KB more of an answer cost less.
 * **Large reads** (``PART_MIN`` bytes or more: a cache block's chunks, a tensor's data), and every read of an object
   smaller than ``PART_MIN`` (a norm's weights: fetched whole, once), go through *parts*, the
-  object cut at multiples of ``PART_BYTES``: the parts a read needs are fetched concurrently (at most
-  ``MAX_IN_FLIGHT`` requests at once for the whole process) and kept in a process-wide cache (least recently used
-  first out) whose budget is a share of ``--cache-size`` (``set_memory``; ``PART_CACHE_BYTES`` unless set). Once
-  reads have continued each other over a whole part (sequential access: ``cp``, a loader), each also queues the
+  object cut at multiples of ``PART_BYTES``: the parts a read needs are fetched concurrently (at most ``MAX_IN_FLIGHT``
+  requests at once for the whole process, ``MAX_IN_FLIGHT_PER_OBJECT`` of them for one object: an object that does not
+  answer leaves request threads to the others) and kept in a process-wide cache (least recently used first out) whose
+  budget is a share of ``--cache-size`` (``set_memory``; ``PART_CACHE_BYTES`` unless set). Once reads have continued
+  each other over a whole part (sequential access: ``cp``, a loader), each also queues the
   next ``READ_AHEAD_PARTS`` parts, so the endpoint is busy while the caller
   converts; a peek, whose few blocks the kernel's and ckptfs's own read-ahead ask for in order, stays within the
   parts it touches. ``will_need`` queues parts explicitly (a sequential read of a generated file announces the
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .base import Blob, ShortRead, count_waited_read
@@ -48,6 +49,9 @@ PART_MIN = 512 << 10
 READ_AHEAD_PARTS = 2
 #: requests in flight at once, all objects together
 MAX_IN_FLIGHT = 8
+#: requests of one object in flight at once; its further requests wait without holding a request thread, so that an
+#: object whose endpoint does not answer (a stalled or hostile key) leaves threads for the other objects' reads
+MAX_IN_FLIGHT_PER_OBJECT = MAX_IN_FLIGHT // 2
 #: parts kept after a read used them (bytes), all objects together, unless ``set_memory`` says otherwise
 PART_CACHE_BYTES = 32 << 20
 #: parts asked for ahead (``will_need``) are fetched by aligned groups of this many parts, one request each
@@ -74,6 +78,8 @@ class _Pool:
         self.unread: set = set()  # parts fetched ahead that no read has used yet (trimmed last)
         self.paused = 0  # bytes of parts reads must fetch before anything is fetched ahead again (``PAUSE_AHEADS``)
         self.keep_bytes, self.ahead_limit = PART_CACHE_BYTES, AHEAD_BYTES
+        self.sent: dict = {}  # object id -> its requests given to the request threads and not finished
+        self.waiting: dict = {}  # object id -> deque of its requests waiting for one of those to finish
 
     def submit(self, fn, *args) -> Future:
         with self.lock:
@@ -145,6 +151,8 @@ class _Pool:
                 raise OSError(f"{got} bytes for the {total} asked for")
             return parts
 
+        obj = keys[0][:-1]  # (bucket, key, etag) of a part key
+
         def done(f: Future) -> None:
             if ahead:
                 with self.lock:
@@ -159,14 +167,40 @@ class _Pool:
             if err is None:  # parts in flight could not be trimmed when asked for: the budget holds once they are here
                 with self.lock:
                     self._trim()
+            self._finished(obj)
 
-        try:
-            inner = self.submit(run)
-        except RuntimeError as e:  # the interpreter is shutting down
-            inner = Future()
-            inner.set_exception(e)
-        inner.add_done_callback(done)
+        def send() -> None:
+            try:
+                inner = self.submit(run)
+            except RuntimeError as e:  # the interpreter is shutting down
+                inner = Future()
+                inner.set_exception(e)
+            inner.add_done_callback(done)
+
+        with self.lock:
+            if self.sent.get(obj, 0) >= MAX_IN_FLIGHT_PER_OBJECT:  # sent when one of the object's requests ends
+                self.waiting.setdefault(obj, deque()).append(send)
+                return futures
+            self.sent[obj] = self.sent.get(obj, 0) + 1
+        send()
         return futures
+
+    def _finished(self, obj) -> None:
+        """One request of object ``obj`` ended: send its next waiting request, if any."""
+        with self.lock:
+            queue = self.waiting.get(obj)
+            if queue:
+                send = queue.popleft()
+                if not queue:
+                    del self.waiting[obj]
+            else:
+                send = None
+                if self.sent.get(obj, 0) <= 1:
+                    self.sent.pop(obj, None)
+                else:
+                    self.sent[obj] -= 1
+        if send is not None:
+            send()
 
     def cached(self, key) -> bytearray | None:
         """Part ``key``'s bytes if fetched already or in flight (no request of its own; a request thread does not wait
@@ -407,9 +441,11 @@ class S3Object(Blob):
         asked, here = [], []
         for g in groups:
             (here if self._through_parts(g[1] - g[0]) or self._held(g[0], g[1]) else asked).append(g)
-        futures = [_pool.submit(self._place, mv, *g, spans, starts) for g in asked[1:]]
+        # (at most MAX_IN_FLIGHT_PER_OBJECT at once, this thread's included: the rest are read here, in turn)
+        sent = asked[1:MAX_IN_FLIGHT_PER_OBJECT]
+        futures = [_pool.submit(self._place, mv, *g, spans, starts) for g in sent]
         try:
-            for g in asked[:1] + here:
+            for g in asked[:1] + asked[1 + len(sent):] + here:
                 self._place(mv, *g, spans, starts)
         finally:
             for f in futures:
