@@ -50,7 +50,7 @@ class FamilyInfo:
 @dataclass
 class Summary:
     path: str
-    format_version: float
+    format_version: float | None
     release: str | None
     success: bool
     tensors: int
@@ -64,6 +64,7 @@ class Summary:
     root_kind: str
     family: FamilyInfo
     warnings: list = field(default_factory=list)
+    format_name: str | None = None  # not an HDF5 checkpoint: what its format is (a legacy-mode torch.save zip)
 
 
 def detect(ckpt: Checkpoint) -> FamilyInfo:
@@ -119,7 +120,7 @@ def summarize(ckpt: Checkpoint, family: FamilyInfo | None = None) -> Summary:
         by_dtype=dict(sorted(by_dtype.items(), key=lambda kv: -kv[1].bytes)), values=values, opaque=opaque,
         unreadable=unreadable, aliases=len(ckpt.links), top_level_keys=top, root_kind=kind,
         family=family or detect(ckpt),
-        warnings=list(ckpt.warnings))
+        warnings=list(ckpt.warnings), format_name=getattr(ckpt, "format_name", None))
 
 
 def family_line(f: FamilyInfo) -> str:
@@ -130,10 +131,15 @@ def family_line(f: FamilyInfo) -> str:
     return f"{f.family}{name}{why}"
 
 
+def _format(s: Summary) -> str:
+    return s.format_name if s.format_version is None and s.format_name else f"{s.format_version:g}"
+
+
 def format_text(s: Summary) -> str:
     lines = [f"checkpoint: {s.path}",
-             f"format: {s.format_version:g} (written by release {s.release or 'unknown'})",
-             "complete: " + ("yes (__SUCCESS__ set)" if s.success else "no (partial save; opened with --allow-partial)"),
+             f"format: {_format(s)} (written by release {s.release or 'unknown'})",
+             "complete: " + (("yes (__SUCCESS__ set)" if s.format_name is None else "yes") if s.success
+                             else "no (partial save; opened with --allow-partial)"),
              f"family: {family_line(s.family)}",
              f"top-level keys ({s.root_kind}): " + (", ".join(str(k) for k in s.top_level_keys) or "(none)"),
              f"tensors: {s.tensors} ({human_size(s.total_bytes, binary=True)}, {s.total_bytes} bytes)"]

@@ -65,7 +65,7 @@ Node = Union[Container, Leaf]
 @dataclass(eq=False)
 class Checkpoint:
     path: Path
-    format_version: float
+    format_version: float | None  # None: not an HDF5 checkpoint (``format_name`` says what it is)
     release: str | None  # release that wrote it ("2.10.0"), from __cstorch_version__ / metadata / version map
     success: bool  # __SUCCESS__ present and true (legacy: True)
     root: Node
@@ -76,6 +76,8 @@ class Checkpoint:
     #: and when it was written; None for a local file, whose identity comes from the file system
     version: str | None = None
     mtime_ns: int | None = None
+    #: a checkpoint that is not a Cerebras HDF5 file (a legacy-mode ``torch.save`` zip): what its format is called
+    format_name: str | None = None
     _closers: list = field(default_factory=list, repr=False)
 
     def tensors(self) -> dict:

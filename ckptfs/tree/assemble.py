@@ -44,6 +44,7 @@ class SourceInfo:
     success: bool | None = None
     warnings: list = field(default_factory=list)
     resolved_from: Path | None = None  # the model_dir the checkpoint was resolved from (its latest checkpoint)
+    format_name: str | None = None  # not an HDF5 checkpoint: what its format is (``Checkpoint.format_name``)
 
 
 @dataclass
@@ -135,6 +136,8 @@ def readme_text(info: SourceInfo, outcomes: list) -> str:
     lines.append(f"checkpoint:     {info.path}")
     if info.format_version is not None:
         lines.append(f"format version: {info.format_version}")
+    elif info.format_name:
+        lines.append(f"format:         {info.format_name}")
     if info.release:
         lines.append(f"release:        {info.release}")
     fam = family_of(outcomes)
@@ -315,7 +318,7 @@ def build_tree(ckpt_path, options: MountOptions | None = None, *, cache: BlockCa
         resolved_from = given if str(given).rstrip("/") != str(path) and (is_s3_url(given) or given.is_dir()) else None
         info = SourceInfo(path, getattr(ckpt, "format_version", None), getattr(ckpt, "release", None),
                           getattr(ckpt, "success", None), [str(w) for w in getattr(ckpt, "warnings", []) or []],
-                          resolved_from)
+                          resolved_from, getattr(ckpt, "format_name", None))
         closers = [ckpt.close] if callable(getattr(ckpt, "close", None)) else []
         mtime_ns = ckpt.mtime_ns  # a checkpoint in S3: its objects' time; a local file: its stat below
     if mtime_ns is None and not is_s3_url(path):
