@@ -109,6 +109,21 @@ def test_diff_between_the_legacy_file_and_the_mdl_shows_them_equal():
     assert r.returncode == 0, r.stderr
 
 
+def test_a_background_mount_given_a_relative_path_serves_it(tmp_path):
+    from fusehelp import force_unmount
+
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    try:
+        r = run_ckptfs("mount", LEGACY.name, mnt, "--views", "hf", cwd=LEGACY.parent, env=real_env(), timeout=300)
+        assert r.returncode == 0, r.stderr
+        served = load_file(str(mnt / "model.safetensors"))
+        assert "model.embed_tokens.weight" in served
+        assert run_ckptfs("umount", mnt, env=real_env(), timeout=120).returncode == 0
+    finally:
+        force_unmount(mnt)
+
+
 def test_export_of_a_legacy_file_writes_the_hf_files(tmp_path):
     r = run_ckptfs("export", LEGACY, "config.json", tmp_path / "config.json", text=True, timeout=300)
     assert r.returncode == 0, r.stderr

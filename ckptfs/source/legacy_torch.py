@@ -66,8 +66,8 @@ def open_legacy_torch(path) -> Checkpoint:
     kind = non_regular_kind(st)
     if kind is not None:  # refused before any open: opening a FIFO would block
         raise CheckpointError(path, f"is {kind}, not a regular file")
-    try:
-        blob = LocalFile(os.fspath(path))
+    try:  # its real path: what every read checks the file against (a relative path would not survive a chdir)
+        blob = LocalFile(os.path.realpath(path))
     except OSError as e:
         raise CheckpointError(path, f"cannot open the checkpoint ({e.strerror or e})") from None
     try:
