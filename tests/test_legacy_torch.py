@@ -124,6 +124,23 @@ def test_a_background_mount_given_a_relative_path_serves_it(tmp_path):
         force_unmount(mnt)
 
 
+def test_a_run_of_legacy_mode_checkpoints_mounts_each_and_tells_a_partial_one(tmp_path):
+    """Legacy mode names its files checkpoint_<step>.mdl too: a run of them mounts like a run of HDF5 ones."""
+    run = tmp_path / "model_dir"
+    run.mkdir()
+    shutil.copyfile(FIXTURES / "legacy_torch" / "llama" / "params.yaml", run / "params.yaml")
+    shutil.copyfile(LEGACY, run / "checkpoint_10.mdl")
+    raw = LEGACY.read_bytes()
+    (run / "checkpoint_20.mdl").write_bytes(raw[: len(raw) // 2])  # a save still being written
+    with mounted(run, env=real_env(), timeout=300) as mnt:
+        assert os.readlink(mnt / "latest") == "checkpoint_10"
+        readme = (mnt / "README.txt").read_text()
+        assert "checkpoint_20.mdl: partial torch.save zip" in readme, readme
+        served = (mnt / "checkpoint_10" / "model.safetensors").read_bytes()
+    with mounted(LEGACY, "--views", "hf", env=real_env(), timeout=300) as mnt:
+        assert (mnt / "model.safetensors").read_bytes() == served
+
+
 def test_export_of_a_legacy_file_writes_the_hf_files(tmp_path):
     r = run_ckptfs("export", LEGACY, "config.json", tmp_path / "config.json", text=True, timeout=300)
     assert r.returncode == 0, r.stderr
