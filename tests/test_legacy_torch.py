@@ -141,6 +141,28 @@ def test_a_run_of_legacy_mode_checkpoints_mounts_each_and_tells_a_partial_one(tm
         assert (mnt / "model.safetensors").read_bytes() == served
 
 
+def test_a_legacy_mode_checkpoint_in_s3_mounts_as_the_local_file_does(tmp_path):
+    from s3help import BUCKET, LocalS3
+
+    srv = LocalS3(tmp_path / "s3")
+    try:
+        client = srv.client()
+        client.create_bucket(Bucket=BUCKET)
+        client.put_object(Bucket=BUCKET, Key="legacy/checkpoint_0.pt", Body=LEGACY.read_bytes())
+        client.put_object(Bucket=BUCKET, Key="legacy/params.yaml", Body=(LEGACY.parent / "params.yaml").read_bytes())
+        env = srv.env(CKPTFS_CACHE_DIR=str(tmp_path / "cache"))
+        with mounted(f"s3://{BUCKET}/legacy/checkpoint_0.pt", "--views", "hf,tensors", env=env, timeout=300) as mnt:
+            served = (mnt / "model.safetensors").read_bytes()
+            readme = (mnt / "README.txt").read_text()
+            npy = np.load(mnt / "tensors" / "model" / "embedding_layer" / "word_embeddings" / "weight.npy")
+    finally:
+        srv.stop()
+    assert "torch.save zip (legacy mode)" in readme and f"s3://{BUCKET}/legacy/params.yaml" in readme
+    assert np.array_equal(npy, torch.load(LEGACY, weights_only=True)["model"]["embedding_layer.word_embeddings.weight"])
+    with mounted(LEGACY, "--views", "hf", env=real_env(), timeout=300) as mnt:
+        assert (mnt / "model.safetensors").read_bytes() == served
+
+
 def test_export_of_a_legacy_file_writes_the_hf_files(tmp_path):
     r = run_ckptfs("export", LEGACY, "config.json", tmp_path / "config.json", text=True, timeout=300)
     assert r.returncode == 0, r.stderr

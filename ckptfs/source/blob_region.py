@@ -4,7 +4,8 @@ member of a ``torch.save`` zip read through the storage layer.
 ``BlobRegionTensor`` reads a box as the byte ranges under it: the C-order runs of a contiguous view in one
 ``read_spans``, a strided view (``stride`` in elements) through ``torch_bin.fill_strided``. After every read the
 blob must still be the version it was opened as (``Blob.current_version``): bytes never mix two versions of a file
-rewritten in place.
+rewritten in place (a blob whose every read names its version, an object in S3, needs no such check:
+``verify=False``).
 """
 from __future__ import annotations
 
@@ -22,10 +23,10 @@ from .torch_bin import fill_strided
 class BlobRegionTensor(VirtualTensor):
     """Elements of ``dtype`` at byte ``offset`` of ``blob``; ``stride`` None for a C-contiguous view."""
 
-    __slots__ = ("blob", "offset", "stride", "key", "checkpoint_path", "what")
+    __slots__ = ("blob", "offset", "stride", "key", "checkpoint_path", "what", "verify")
 
     def __init__(self, blob: Blob, offset: int, shape, dtype: DType, key: str, checkpoint_path, *,
-                 stride: tuple | None = None, what: str = "storage"):
+                 stride: tuple | None = None, what: str = "storage", verify: bool = True):
         super().__init__(shape, dtype)
         self.blob = blob
         self.offset = int(offset)
@@ -33,6 +34,7 @@ class BlobRegionTensor(VirtualTensor):
         self.key = key
         self.checkpoint_path = checkpoint_path
         self.what = what
+        self.verify = verify  # False: every read of the blob names its version itself (an S3 object's ETag)
 
     def describe(self) -> str:
         where = f"{self.what} @{self.offset}" + ("" if self.stride is None else f" stride {list(self.stride)}")
@@ -52,7 +54,8 @@ class BlobRegionTensor(VirtualTensor):
                 self._read_runs(box, out)
             else:
                 fill_strided(self._read_exact, self.offset, self.stride, st, box, out)
-            self._check_version()
+            if self.verify:
+                self._check_version()
         except (SourceChangedError, TensorReadError):
             raise
         except ShortRead:

@@ -5,8 +5,8 @@ that state gives, so that every view, ``info``, ``diff`` and ``export`` serve it
 Nothing is unpickled: ``torch_bin.read_archive`` decodes the zip's directory (``zipdir``) and its ``data.pkl``
 (``safepickle.loads_torch``: dicts, OrderedDicts, lists, tuples, scalars and tensors; any other global is refused
 in one line naming it), every storage a stored (uncompressed) member holding exactly its bytes. Each tensor is a
-``BlobRegionTensor``: byte ranges of its member, read through the storage layer (``storage.local.LocalFile``) when
-a view needs them. Leaves are named as cstorch names them (``model.<name>``, ``optimizer.state.0.exp_avg``); a
+``BlobRegionTensor``: byte ranges of its member, read through the storage layer when a view needs them (a local
+file: ``storage.local.LocalFile``, ``open_legacy_torch``; an object in S3: ``S3Object``, ``open_legacy_torch_blob``). Leaves are named as cstorch names them (``model.<name>``, ``optimizer.state.0.exp_avg``); a
 tensor the pickle names twice (the same object, e.g. tied weights) is one leaf under both keys, as HDF5 links are.
 
 The format before torch 1.6 (a bare pickle stream, or a tar archive) is refused in one line saying what would
@@ -20,8 +20,8 @@ from collections import OrderedDict
 from pathlib import Path
 
 from ..dtypes import DType
-from ..errors import CheckpointError
-from ..storage.base import ShortRead
+from ..errors import CheckpointError, StorageError
+from ..storage.base import Blob, ShortRead
 from ..storage.local import LocalFile
 from .catalog import Checkpoint, Container, TensorLeaf, UnreadableLeaf, ValueLeaf
 from .blob_region import BlobRegionTensor
@@ -79,7 +79,15 @@ def open_legacy_torch(path) -> Checkpoint:
     return ckpt
 
 
-def _read(blob: LocalFile):
+def open_legacy_torch_blob(location, blob: Blob) -> Checkpoint:
+    """The catalog of a ``torch.save`` checkpoint stored as one object (``blob``, an ``S3Object`` at ``location``),
+    read by ranges; every read names the object's ETag, so a replaced object fails the reads that need it."""
+    ckpt = _catalog(location, blob, verify=False)
+    ckpt.version, ckpt.mtime_ns = f"{blob.size}:{blob.version}", getattr(blob, "mtime_ns", None)
+    return ckpt
+
+
+def _read(blob: Blob):
     """``read(offset, n) -> bytes`` of the blob (fewer bytes only at its end), through page-aligned buffers as the
     storage layer's direct reads need."""
     def read(offset: int, n: int) -> bytes:
@@ -92,7 +100,7 @@ def _read(blob: LocalFile):
     return read
 
 
-def _catalog(path: Path, blob: LocalFile) -> Checkpoint:
+def _catalog(path, blob: Blob, *, verify: bool = True) -> Checkpoint:
     read = _read(blob)
     head = read(0, HEAD_BYTES)
     if head.startswith(LEGACY_PICKLE_MAGIC):
@@ -107,9 +115,11 @@ def _catalog(path: Path, blob: LocalFile) -> Checkpoint:
         raise CheckpointError(path, f"torch.save zip refused: {e}") from None
     except ShortRead:
         raise CheckpointError(path, "the file ended while it was read (truncated meanwhile?)") from None
+    except StorageError as e:
+        raise CheckpointError(e.path, e.problem) from None
     except OSError as e:
         raise CheckpointError(path, f"cannot read the checkpoint ({e.strerror or e})") from None
-    builder = _Builder(path, blob, storages)
+    builder = _Builder(path, blob, storages, verify)
     root = builder.node(state, "", ())
     check_collisions(path, builder.keys)
     return Checkpoint(path=path, format_version=None, release=metadata_release(root), success=True, root=root,
@@ -119,8 +129,8 @@ def _catalog(path: Path, blob: LocalFile) -> Checkpoint:
 class _Builder:
     """The decoded state as ``Container`` nodes and leaves named as cstorch names them."""
 
-    def __init__(self, path: Path, blob: LocalFile, storages: dict):
-        self.path, self.blob, self.storages = path, blob, storages
+    def __init__(self, path, blob: Blob, storages: dict, verify: bool):
+        self.path, self.blob, self.storages, self.verify = path, blob, storages, verify
         self.leaves: dict = {}
         self.links: dict = {}
         self.keys: list = []  # (flat key, path of real keys), for the collision check
@@ -162,7 +172,8 @@ class _Builder:
             raise CheckpointError(self.path, f"torch.save zip refused: {e}") from None
         stride = None if contiguous(d.shape, d.stride) else d.stride
         tensor = BlobRegionTensor(self.blob, member.offset + d.offset * d.dtype.itemsize, d.shape, d.dtype, key,
-                                  self.path, stride=stride, what=f"storage data/{d.storage.key}")
+                                  self.path, stride=stride, what=f"torch.save member data/{d.storage.key}",
+                                  verify=self.verify)
         return TensorLeaf(key, tensor)
 
 
