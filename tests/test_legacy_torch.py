@@ -340,3 +340,9 @@ def test_a_view_reaching_past_its_storage_is_refused(tmp_path):
     assert edited != pkl
     p = _write_zip(tmp_path / "past.pt", [(n, edited if n.endswith("/data.pkl") else d) for n, d in members])
     _refused(p, tmp_path, "reaches", "16-byte storage")
+
+
+def test_a_single_tensor_is_not_a_state(tmp_path):
+    p = tmp_path / "tensor.pt"
+    torch.save(torch.ones(3), p)
+    _refused(p, tmp_path, "single tensor, not a state")

@@ -110,7 +110,7 @@ def _catalog(path, blob: Blob, *, verify: bool = True) -> Checkpoint:
     try:
         state, storages = read_archive(read, blob.size)
     except PickleRefused as e:
-        raise CheckpointError(path, f"torch.save zip refused: its data.pkl {e}") from None
+        raise CheckpointError(path, f"torch.save zip refused: data.pkl: {e}") from None
     except (TorchZipError, ZipFormatError) as e:
         raise CheckpointError(path, f"torch.save zip refused: {e}") from None
     except ShortRead:
@@ -119,6 +119,8 @@ def _catalog(path, blob: Blob, *, verify: bool = True) -> Checkpoint:
         raise CheckpointError(e.path, e.problem) from None
     except OSError as e:
         raise CheckpointError(path, f"cannot read the checkpoint ({e.strerror or e})") from None
+    if not isinstance(state, (dict, list, tuple)):
+        raise CheckpointError(path, f"torch.save zip of a single {_what(state)}, not a state (a dict of its parts)")
     builder = _Builder(path, blob, storages, verify)
     root = builder.node(state, "", ())
     check_collisions(path, builder.keys)
@@ -182,6 +184,8 @@ def _child(prefix: str, name: str) -> str:
 
 
 def _what(value) -> str:
+    if isinstance(value, TorchTensor):
+        return "tensor"
     if isinstance(value, DType):
         return f"torch dtype ({value.name})"
     if isinstance(value, (StorageType, TorchStorage)):
