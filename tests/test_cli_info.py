@@ -78,8 +78,8 @@ def _bad_inputs(tmp_path: Path) -> list[Path]:
     from safetensors.numpy import save_file
 
     save_file({"w": np.ones(2, np.float32)}, str(st))
-    pt = tmp_path / "model.pt"
-    torch.save({"w": torch.ones(2)}, pt)
+    pt = tmp_path / "model.pt"  # torch's format before 1.6 (a zip is a legacy-mode checkpoint: served)
+    torch.save({"w": torch.ones(2)}, pt, _use_new_zipfile_serialization=False)
     tmps = []
     for p in sorted(EDGE.glob("*.mdl.*.tmp")):
         shutil.copy(p, tmp_path / p.name)

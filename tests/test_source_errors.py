@@ -57,11 +57,12 @@ def test_safetensors_file_is_named(tmp_path):
     assert "safetensors" in _problem(p)
 
 
-def test_torch_zip_is_named(tmp_path):
+def test_zip_that_is_not_a_torch_save_is_named(tmp_path):
+    """A torch.save zip is a legacy-mode checkpoint (tests/test_legacy_torch.py); any other zip is named as such."""
     p = tmp_path / "model.mdl"
-    torch.save({"w": torch.zeros(2)}, p)
-    assert zipfile.is_zipfile(p)
-    assert "torch zip" in _problem(p)
+    with zipfile.ZipFile(p, "w") as z:
+        z.writestr("notes.txt", "hello")
+    assert "not a torch.save archive" in _problem(p)
 
 
 def test_truncated_hdf5(tmp_path):

@@ -50,7 +50,7 @@ class FamilyInfo:
 @dataclass
 class Summary:
     path: str
-    format_version: float
+    format_version: float | None
     release: str | None
     success: bool
     tensors: int
@@ -65,7 +65,8 @@ class Summary:
     family: FamilyInfo
     warnings: list = field(default_factory=list)
     notes: list = field(default_factory=list)  # where things came from (a params file fetched from a bucket)
-    format_name: str | None = None  # a TensorFlow kind's format (it has no Cerebras format version)
+    format_name: str | None = None  # a format without a Cerebras format version (a TF kind, a legacy torch.save zip)
+    flat: bool = False  # a flat state keyed by TensorFlow variable names (a TF kind)
 
 
 #: the family line of a checkpoint of TensorFlow variables
@@ -129,7 +130,7 @@ def summarize(ckpt: Checkpoint, family: FamilyInfo | None = None) -> Summary:
         unreadable=unreadable, aliases=len(ckpt.links), top_level_keys=top, root_kind=kind,
         family=family or detect(ckpt),
         warnings=list(ckpt.warnings), notes=list(getattr(ckpt, "notes", None) or []),
-        format_name=getattr(ckpt, "format_name", None))
+        format_name=getattr(ckpt, "format_name", None), flat=bool(getattr(ckpt, "is_tf", False)))
 
 
 def family_line(f: FamilyInfo) -> str:
@@ -140,16 +141,20 @@ def family_line(f: FamilyInfo) -> str:
     return f"{f.family}{name}{why}"
 
 
+def _format(s: Summary) -> str:
+    return s.format_name if s.format_version is None and s.format_name else f"{s.format_version:g}"
+
+
 def format_text(s: Summary) -> str:
     lines = [f"checkpoint: {s.path}"]
-    if s.format_name:  # a TensorFlow kind: no format version, no __SUCCESS__ marker
+    if s.flat:  # a TensorFlow kind: no format version, no __SUCCESS__ marker
         lines.append(f"format: {s.format_name}")
     else:
-        lines += [f"format: {s.format_version:g} (written by release {s.release or 'unknown'})",
-                  "complete: " + ("yes (__SUCCESS__ set)" if s.success else
+        lines += [f"format: {_format(s)} (written by release {s.release or 'unknown'})",
+                  "complete: " + (("yes (__SUCCESS__ set)" if s.format_name is None else "yes") if s.success else
                                   "no (partial save; opened with --allow-partial)")]
     lines.append(f"family: {family_line(s.family)}")
-    if s.format_name:  # a flat state: one key per variable (``ckptfs ls`` lists them)
+    if s.flat:  # a flat state: one key per variable (``ckptfs ls`` lists them)
         lines.append(f"variables: {len(s.top_level_keys)} (a flat state keyed by TensorFlow variable names)")
     else:
         lines.append(f"top-level keys ({s.root_kind}): " + (", ".join(str(k) for k in s.top_level_keys) or "(none)"))

@@ -74,7 +74,7 @@ Node = Union[Container, Leaf]
 @dataclass(eq=False)
 class Checkpoint:
     path: Path
-    format_version: float
+    format_version: float | None  # None: not an HDF5 checkpoint (``format_name`` says what it is)
     release: str | None  # release that wrote it ("2.10.0"), from __cstorch_version__ / metadata / version map
     success: bool  # __SUCCESS__ present and true (legacy: True)
     root: Node
@@ -94,12 +94,14 @@ class Checkpoint:
     kind: str = CEREBRAS  # CEREBRAS, TF_H5 or TF_SAVER: a TF kind's state is flat, keyed by TF variable names
     #: the source's own files, for a view that serves them as they are (a TF saver checkpoint's: ``tf_saver.TfFiles``)
     source_files: Any = None
+    #: what the format is called when it has no Cerebras format version (a legacy-mode ``torch.save`` zip; a TF kind's
+    #: from ``kind`` when not given)
+    format_name: str | None = None
     _closers: list = field(default_factory=list, repr=False)
 
-    @property
-    def format_name(self) -> str | None:
-        """What the file's format is called when it has no Cerebras format version (a TF kind); else None."""
-        return KIND_FORMATS.get(self.kind)
+    def __post_init__(self):
+        if self.format_name is None:
+            self.format_name = KIND_FORMATS.get(self.kind)
 
     @property
     def is_tf(self) -> bool:

@@ -8,6 +8,7 @@ catalog from the index that open wrote (``catalog_index``), and the HDF5 file op
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from ..errors import CheckpointError
@@ -19,6 +20,7 @@ from .catalog import Checkpoint
 from .confine import Confinement
 from .h5store import ExternalFiles, H5Store, identity_of_open, open_h5
 from .hdf5_catalog import read_hdf5_catalog
+from .legacy_torch import HEAD_BYTES, is_legacy_torch, open_legacy_torch
 from .resolve import resolve_checkpoint
 from ckptfs.source.tf_locate import is_index_file as is_tf_index
 
@@ -37,6 +39,9 @@ def open_checkpoint(path, *, allow_partial: bool = False, allow_external=()) -> 
         from ckptfs.source.tf_saver import open_tf_saver
 
         return open_tf_saver(file_path)
+    legacy = _open_legacy_torch(file_path)
+    if legacy is not None:
+        return legacy
     indexed = _open_indexed(file_path, allow_external)
     if indexed is not None:
         return indexed
@@ -53,6 +58,23 @@ def open_checkpoint(path, *, allow_partial: bool = False, allow_external=()) -> 
     if folder is not None:
         catalog_index.save(folder, os.path.realpath(file_path), identity, ckpt, store)
     return ckpt
+
+
+def _open_legacy_torch(file_path: Path) -> Checkpoint | None:
+    """The catalog of a legacy-mode checkpoint (a ``torch.save`` file, ``legacy_torch``), or None for any other
+    file (an HDF5 checkpoint; opening it says what anything else is)."""
+    try:
+        fd = os.open(file_path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not block the open
+    except OSError:
+        return None  # opening it as HDF5 says why
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or not is_legacy_torch(os.pread(fd, HEAD_BYTES, 0)):
+            return None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return open_legacy_torch(file_path)
 
 
 def _index_folder(allow_external) -> Path | None:

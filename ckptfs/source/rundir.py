@@ -30,6 +30,7 @@ leaves the listing (``KeepNCheckpoints`` deletes its objects); an incomplete one
 from __future__ import annotations
 
 import os
+import stat as stat_mod
 import re
 import threading
 import time
@@ -45,7 +46,9 @@ from ..storage.base import Folder
 from ..storage.locate import folder_of
 from ..storage.s3url import is_s3_url
 from ckptfs.source.h5errors import open_problem
+from . import zipdir
 from .h5store import one_line
+from .legacy_torch import HEAD_BYTES, ZIP_MAGIC, is_legacy_torch
 from .resolve import CHECKPOINT_FILE, checkpoint_name
 
 #: the temporary file of a save in progress (or of a failed one): ``<checkpoint name>.<8 hex>.tmp``
@@ -120,9 +123,12 @@ def parse_name(name: str):
 
 def probe(path) -> tuple:
     """``(complete, status)`` of one checkpoint file (a path, or a file object over a blob), from its root attributes
-    only (HDF5 opened without locking)."""
+    only (HDF5 opened without locking); a legacy-mode checkpoint (a ``torch.save`` zip) from its zip end record."""
     import h5py  # the LZ4 filter is registered: this module imports .h5store, which registers it on import
 
+    torch_zip = probe_torch_zip(path)
+    if torch_zip is not None:
+        return torch_zip
     try:
         f = h5py.File(path, "r", locking=False)
     except (OSError, ValueError) as e:
@@ -139,6 +145,37 @@ def probe(path) -> tuple:
         return False, f"unreadable root attributes ({one_line(e)})"
     finally:
         f.close()
+
+
+def probe_torch_zip(path) -> tuple | None:
+    """``(complete, status)`` of a legacy-mode checkpoint file (``legacy_torch.is_legacy_torch``): complete once its
+    zip end record is there (torch.save writes it last); None for any other file. ``path``: a path, or a file
+    object over a blob."""
+    try:
+        if not isinstance(path, (str, os.PathLike)):
+            return _probe_torch(path, path.seek(0, os.SEEK_END))
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not block the open
+        with open(fd, "rb", buffering=0) as f:
+            st = os.fstat(fd)
+            return _probe_torch(f, st.st_size) if stat_mod.S_ISREG(st.st_mode) else None
+    except OSError as e:
+        return False, f"cannot be read ({one_line(e)})"
+
+
+def _probe_torch(f, size: int) -> tuple | None:
+    f.seek(0)
+    head = f.read(HEAD_BYTES)
+    if not is_legacy_torch(head):
+        return None
+    if not head.startswith(ZIP_MAGIC):
+        return False, "torch's format before torch 1.6: not read (re-save it with torch>=1.6)"
+    n = min(zipdir.TAIL_SIZE, size)
+    f.seek(size - n)
+    try:
+        zipdir.locate_directory(f.read(n), size)
+    except zipdir.ZipFormatError as e:
+        return False, f"partial torch.save zip ({e})"
+    return True, COMPLETE
 
 
 class RunScanner:

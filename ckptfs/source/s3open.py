@@ -30,6 +30,7 @@ from .catalog import Checkpoint
 from .confine import RefusedReference
 from .h5store import CHUNK_CACHE_BYTES, CHUNK_CACHE_SLOTS, HDF5_SIGNATURE, H5Store, what_bytes_are
 from .hdf5_catalog import read_hdf5_catalog
+from .legacy_torch import HEAD_BYTES, is_legacy_torch, open_legacy_torch_blob
 from .resolve import checkpoint_name
 from .rundir import RunScanner, parse_name
 from .s3layout import METADATA, open_layout
@@ -119,6 +120,12 @@ def open_s3_checkpoint(path, *, allow_partial: bool = False) -> Checkpoint:
         return open_layout(client, target.location, target.objects, allow_partial=allow_partial)
     blob = S3Object(client, target.location.bucket, target.location.key, target.info.size, target.info.etag,
                     target.info.mtime_ns)
+    try:
+        legacy = is_legacy_torch(blob.read(0, HEAD_BYTES))
+    except StorageError as e:
+        raise CheckpointError(e.path, e.problem) from None
+    if legacy:  # a legacy-mode checkpoint: a torch.save zip of the state
+        return open_legacy_torch_blob(target.location, blob)
     return open_hdf5_object(target.location, blob, allow_partial=allow_partial)
 
 

@@ -92,48 +92,60 @@ class StridedRegionTensor(FileRegionTensor):
         return out
 
     def _fill(self, fd: int, box: Box, out: np.ndarray) -> None:
-        item = self.dtype.itemsize
-        todo = [(box, out)]
-        while todo:
-            b, o = todo.pop()
-            first = sum(a * s for (a, _), s in zip(b, self.stride))
-            last = sum((e - 1) * s for (_, e), s in zip(b, self.stride))
-            span = (last - first + 1) * item
-            if span <= STRIDED_SPAN_BYTES or o.size == 1:
-                raw = _pread(fd, span, self.offset + first * item)
-                if len(raw) != span:
-                    raise self._fail(f"{self.what} {self.path.name} is truncated")
-                src = np.frombuffer(raw, dtype=self.dtype.storage)
-                o[...] = np.lib.stride_tricks.as_strided(src, shape=o.shape,
-                                                         strides=tuple(s * item for s in self.stride))
-                continue
-            # split the dimension that spreads the span most (among those longer than one)
-            d = max((i for i, (a, e) in enumerate(b) if e - a > 1), key=lambda i: self.stride[i] * (b[i][1] - b[i][0]))
-            a, e = b[d]
-            mid = (a + e) // 2
-            lo, hi = list(b), list(b)
-            lo[d], hi[d] = (a, mid), (mid, e)
-            sl = [slice(None)] * len(b)
-            sl_lo, sl_hi = list(sl), list(sl)
-            sl_lo[d], sl_hi[d] = slice(0, mid - a), slice(mid - a, e - a)
-            todo.append((tuple(lo), o[tuple(sl_lo)]))
-            todo.append((tuple(hi), o[tuple(sl_hi)]))
+        def read(offset: int, n: int) -> bytes:
+            raw = _pread(fd, n, offset)
+            if len(raw) != n:
+                raise self._fail(f"{self.what} {self.path.name} is truncated")
+            return raw
+
+        fill_strided(read, self.offset, self.stride, self.dtype.storage, box, out)
+
+
+def fill_strided(read, offset: int, stride: tuple, storage: np.dtype, box: Box, out: np.ndarray) -> None:
+    """Fill ``out`` with the elements under ``box`` of a view of ``stride`` (in elements of ``storage``) whose
+    first element is at byte ``offset``: each part is the span of bytes it reaches, ``read(offset, n)`` (exactly
+    ``n`` bytes or an exception), when that span is at most ``STRIDED_SPAN_BYTES``; otherwise the box is split along
+    its widest-strided dimension (a transposed matrix is read in column bands)."""
+    item = storage.itemsize
+    todo = [(box, out)]
+    while todo:
+        b, o = todo.pop()
+        first = sum(a * s for (a, _), s in zip(b, stride))
+        last = sum((e - 1) * s for (_, e), s in zip(b, stride))
+        span = (last - first + 1) * item
+        if span <= STRIDED_SPAN_BYTES or o.size == 1:
+            src = np.frombuffer(read(offset + first * item, span), dtype=storage)
+            o[...] = np.lib.stride_tricks.as_strided(src, shape=o.shape, strides=tuple(s * item for s in stride))
+            continue
+        # split the dimension that spreads the span most (among those longer than one)
+        d = max((i for i, (a, e) in enumerate(b) if e - a > 1), key=lambda i: stride[i] * (b[i][1] - b[i][0]))
+        a, e = b[d]
+        mid = (a + e) // 2
+        lo, hi = list(b), list(b)
+        lo[d], hi[d] = (a, mid), (mid, e)
+        sl_lo, sl_hi = [slice(None)] * len(b), [slice(None)] * len(b)
+        sl_lo[d], sl_hi[d] = slice(0, mid - a), slice(mid - a, e - a)
+        todo.append((tuple(lo), o[tuple(sl_lo)]))
+        todo.append((tuple(hi), o[tuple(sl_hi)]))
 
 
 @dataclass(frozen=True)
-class _Member:
-    offset: int  # of the data in the file
+class Member:
+    """A stored member of the archive: where its data starts in the file, and its size."""
+
+    offset: int
     size: int
 
 
 class _Archive:
-    """The directory and members of one opened torch zip."""
+    """The directory and members of one opened torch zip, read through ``read(offset, n) -> bytes`` (fewer bytes
+    only at the end of the file) from a file of ``size`` bytes."""
 
-    def __init__(self, fd: int, size: int, where: str):
-        self.fd, self.size, self.where = fd, size, where
-        tail = _pread(fd, min(zipdir.TAIL_SIZE, size), size - min(zipdir.TAIL_SIZE, size))
+    def __init__(self, read, size: int):
+        self.read, self.size = read, size
+        tail = read(size - min(zipdir.TAIL_SIZE, size), min(zipdir.TAIL_SIZE, size))
         loc = zipdir.locate_directory(tail, size)
-        self.entries = {e.name: e for e in zipdir.parse_directory(_pread(fd, loc.size, loc.offset), loc, size)}
+        self.entries = {e.name: e for e in zipdir.parse_directory(read(loc.offset, loc.size), loc, size)}
         self.directory_offset = loc.offset
         pkls = [n for n in self.entries if n.endswith("/data.pkl") and n.count("/") == 1]
         if len(pkls) != 1:
@@ -142,7 +154,7 @@ class _Archive:
         self.prefix = pkls[0][:-len("data.pkl")]
         self._members: dict = {}
 
-    def member(self, name: str) -> _Member | None:
+    def member(self, name: str) -> Member | None:
         m = self._members.get(name)
         if m is not None:
             return m
@@ -153,11 +165,11 @@ class _Archive:
             raise TorchZipError(f"member {name} is encrypted")
         if e.method != 0 or e.compressed_size != e.size:
             raise TorchZipError(f"member {name} is compressed (method {e.method}); torch stores members uncompressed")
-        head = _pread(self.fd, zipdir.LOCAL_SIZE + len(e.name.encode("utf-8")), e.header_offset)
+        head = self.read(e.header_offset, zipdir.LOCAL_SIZE + len(e.name.encode("utf-8")))
         start = zipdir.local_data_offset(head, e)
         if start + e.size > self.directory_offset:
             raise TorchZipError(f"member {name}: its {e.size} bytes at {start} run into the central directory")
-        m = self._members[name] = _Member(start, e.size)
+        m = self._members[name] = Member(start, e.size)
         return m
 
     def read_member(self, name: str, limit: int) -> bytes | None:
@@ -166,7 +178,7 @@ class _Archive:
             return None
         if m.size > limit:
             raise TorchZipError(f"member {name} of {m.size} bytes exceeds the {limit}-byte limit")
-        raw = _pread(self.fd, m.size, m.offset)
+        raw = self.read(m.offset, m.size)
         if len(raw) != m.size:
             raise TorchZipError(f"member {name} is truncated")
         return raw
@@ -174,6 +186,62 @@ class _Archive:
 
 def _storage_bytes(s: TorchStorage) -> int:
     return s.numel * (s.dtype.itemsize if s.dtype is not None else 1)
+
+
+def read_archive(read, size: int, *, max_pickle: int = MAX_PICKLE_BYTES) -> tuple:
+    """The decoded ``data.pkl`` of the ``torch.save`` zip of ``size`` bytes that ``read(offset, n)`` reads, and
+    ``{storage key: (TorchStorage, Member)}`` of every storage it names (each a stored member holding exactly the
+    storage's bytes). ``TorchZipError`` / ``PickleRefused`` with one line otherwise; nothing runs."""
+    head = read(0, 4)
+    if head[:1] == b"\x80":  # a bare pickle (protocol 2+): the magic number of the legacy format
+        raise TorchZipError("torch's legacy (before 1.6) serialization, which ckptfs does not read; "
+                            "use the model's safetensors files, or re-save it with a recent torch")
+    if head != b"PK\x03\x04":
+        raise TorchZipError("not a torch.save zip archive")
+    try:
+        arch = _Archive(read, size)
+        order = arch.read_member(arch.prefix + "byteorder", 64)
+        if order is not None and order != b"little":
+            raise TorchZipError(f"byte order {order[:16]!r}; only little-endian archives are read")
+        pkl = arch.read_member(arch.prefix + "data.pkl", max_pickle)
+        if pkl is None:
+            raise TorchZipError(f"member {arch.prefix}data.pkl is missing")
+        storages: dict = {}
+
+        def load_storage(pid):
+            s = torch_storage(pid)
+            if s.key in storages:
+                have = storages[s.key][0]
+                if (have.dtype, have.numel) != (s.dtype, s.numel):
+                    raise PickleRefused(f"storage {s.key} is described twice, differently")
+                return have
+            try:
+                member = arch.member(f"{arch.prefix}data/{s.key}")
+            except (TorchZipError, zipdir.ZipFormatError) as e:
+                raise PickleRefused(str(e)) from None
+            if member is None:
+                raise PickleRefused(f"storage {s.key} has no member data/{s.key}")
+            if member.size != _storage_bytes(s):
+                raise PickleRefused(f"storage {s.key}: member holds {member.size} bytes, the pickle says "
+                                    f"{_storage_bytes(s)}")
+            storages[s.key] = (s, member)
+            return s
+
+        state = loads_torch(pkl, load_storage)
+    except zipdir.ZipFormatError as e:
+        raise TorchZipError(str(e)) from None
+    return state, storages
+
+
+def check_view(d: TorchTensor, member: Member, key: str) -> None:
+    """``TorchZipError`` when the tensor ``d`` does not fit its storage's stored ``member`` (dtype or extent)."""
+    item = d.dtype.itemsize
+    if d.storage.dtype is not None and d.storage.dtype.itemsize != item:
+        raise TorchZipError(f"tensor {key}: dtype {d.dtype.name} does not match its storage")
+    extent = tensor_extent(d)
+    if extent * item > member.size:
+        raise TorchZipError(f"tensor {key}: shape {list(d.shape)} stride {list(d.stride)} offset {d.offset} reaches "
+                            f"{extent * item} bytes of a {member.size}-byte storage")
 
 
 def read_torch_zip(real: Path, *, key_prefix: str = "", root: Path, confinement: Confinement | None,
@@ -185,42 +253,7 @@ def read_torch_zip(real: Path, *, key_prefix: str = "", root: Path, confinement:
     try:
         st = os.fstat(fd)
         identity = FileIdentity.of_stat(st)
-        head = _pread(fd, 4, 0)
-        if head[:1] == b"\x80":  # a bare pickle (protocol 2+): the magic number of the legacy format
-            raise TorchZipError("torch's legacy (before 1.6) serialization, which ckptfs does not read; "
-                                "use the model's safetensors files, or re-save it with a recent torch")
-        if head != b"PK\x03\x04":
-            raise TorchZipError("not a torch.save zip archive")
-        try:
-            arch = _Archive(fd, st.st_size, str(real))
-            order = arch.read_member(arch.prefix + "byteorder", 64)
-            if order is not None and order != b"little":
-                raise TorchZipError(f"byte order {order[:16]!r}; only little-endian archives are read")
-            pkl = arch.read_member(arch.prefix + "data.pkl", MAX_PICKLE_BYTES)
-            storages: dict = {}
-
-            def load_storage(pid):
-                s = torch_storage(pid)
-                if s.key in storages:
-                    have = storages[s.key][0]
-                    if (have.dtype, have.numel) != (s.dtype, s.numel):
-                        raise PickleRefused(f"storage {s.key} is described twice, differently")
-                    return have
-                try:
-                    member = arch.member(f"{arch.prefix}data/{s.key}")
-                except (TorchZipError, zipdir.ZipFormatError) as e:
-                    raise PickleRefused(str(e)) from None
-                if member is None:
-                    raise PickleRefused(f"storage {s.key} has no member data/{s.key}")
-                if member.size != _storage_bytes(s):
-                    raise PickleRefused(f"storage {s.key}: member holds {member.size} bytes, the pickle says "
-                                        f"{_storage_bytes(s)}")
-                storages[s.key] = (s, member)
-                return s
-
-            state = loads_torch(pkl, load_storage)
-        except zipdir.ZipFormatError as e:
-            raise TorchZipError(str(e)) from None
+        state, storages = read_archive(lambda offset, n: _pread(fd, n, offset), st.st_size)
     finally:
         os.close(fd)
     if not isinstance(state, dict):
@@ -237,15 +270,10 @@ def read_torch_zip(real: Path, *, key_prefix: str = "", root: Path, confinement:
     return out
 
 
-def _tensor(d: TorchTensor, member: _Member, real: Path, key: str, root: Path, identity, confinement,
+def _tensor(d: TorchTensor, member: Member, real: Path, key: str, root: Path, identity, confinement,
             what: str):
+    check_view(d, member, key)
     item = d.dtype.itemsize
-    if d.storage.dtype is not None and d.storage.dtype.itemsize != item:
-        raise TorchZipError(f"tensor {key}: dtype {d.dtype.name} does not match its storage")
-    extent = tensor_extent(d)
-    if extent * item > member.size:
-        raise TorchZipError(f"tensor {key}: shape {list(d.shape)} stride {list(d.stride)} offset {d.offset} reaches "
-                            f"{extent * item} bytes of a {member.size}-byte storage")
     common = dict(identity=identity, confinement=confinement)
     if contiguous(d.shape, d.stride):
         return FileRegionTensor(real, member.offset + d.offset * item, d.shape, d.dtype, key, root, None, what,
