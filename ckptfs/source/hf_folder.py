@@ -12,7 +12,9 @@ Only metadata is read here: configs, indexes, safetensors headers, a ``.bin``'s 
 every other dtype kept), read on demand, checked against the file's version at every read.
 
 Confinement: every file is opened only when, all links resolved, it is a regular file inside the folder given (for
-a Hub snapshot, also its repository's ``blobs/``), or inside an ``--allow-external`` folder. Index entries must
+a Hub snapshot, also its repository's ``blobs/``), or inside an ``--allow-external`` folder. In a Hub cache every
+component below the ``models--org--name`` folder — ``snapshots/``, the snapshot, ``refs/`` and ``refs/main`` (a
+file, not a link), ``blobs/`` — must itself resolve inside that folder (``hf_layout.inside_repository``). Index entries must
 be plain file names (no ``/``, no ``..``). FIFOs, devices, sockets and directories are refused before they are
 opened; metadata files are read only up to a bound.
 """
