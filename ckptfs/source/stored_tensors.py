@@ -309,10 +309,10 @@ class FileRegionTensor(VirtualTensor):
                  referenced_as: str | None = None, what: str = "file", *, identity: FileIdentity | None = None,
                  confinement: Confinement | None = None):
         super().__init__(shape, dtype)
-        self.path = Path(path)
-        self.offset = int(offset)
+        self.path = path if isinstance(path, Path) else Path(path)  # shared, not copied: a model's tensors
+        self.offset = int(offset)  # share a few paths
         self.key = key
-        self.checkpoint_path = Path(checkpoint_path)
+        self.checkpoint_path = checkpoint_path if isinstance(checkpoint_path, Path) else Path(checkpoint_path)
         self.referenced_as = referenced_as
         self.what = what
         self.identity = identity
