@@ -103,24 +103,30 @@ class ChunkIndex:
         return arrays
 
     def _build(self) -> tuple:
+        """The arrays, filled chunk by chunk as HDF5 reports them: no per-chunk objects are kept, so indexing costs
+        the arrays' 20 bytes a chunk (``validate.chunking_problem`` bounds the chunks a tensor may have)."""
         g = self.grid
         offs = np.zeros(g.nchunks, dtype=np.int64)
         sizes = np.full(g.nchunks, -1, dtype=np.int64)
         masks = np.zeros(g.nchunks, dtype=np.uint32)
         did = self.dset.id
-        infos: list = []
+        pairs = tuple(zip(g.chunks, g.gstride))
+
+        def take(info) -> None:
+            if info.chunk_offset is None or info.byte_offset is None:
+                return
+            li = 0
+            for o, (c, s) in zip(info.chunk_offset, pairs):
+                li += o // c * s
+            offs[li] = info.byte_offset
+            sizes[li] = info.size
+            masks[li] = info.filter_mask
+
         if hasattr(did, "chunk_iter"):
-            did.chunk_iter(infos.append)
+            did.chunk_iter(take)
         else:
-            infos = [did.get_chunk_info(i) for i in range(did.get_num_chunks())]
-        infos = [i for i in infos if i.chunk_offset is not None and i.byte_offset is not None]
-        if infos:
-            n = len(infos)
-            co = np.array([i.chunk_offset for i in infos], dtype=np.int64).reshape(n, -1)
-            li = (co // np.array(g.chunks)) @ np.array(g.gstride, dtype=np.int64)
-            offs[li] = np.fromiter((i.byte_offset for i in infos), np.int64, n)
-            sizes[li] = np.fromiter((i.size for i in infos), np.int64, n)
-            masks[li] = np.fromiter((i.filter_mask for i in infos), np.int64, n)
+            for i in range(did.get_num_chunks()):
+                take(did.get_chunk_info(i))
         return offs, sizes, masks
 
     def first_stored(self, offs, sizes):
