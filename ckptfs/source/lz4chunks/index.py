@@ -8,6 +8,7 @@ most half of the dataset's: a peek at a tensor's start) looks its chunks up one 
 from __future__ import annotations
 
 import itertools
+from array import array
 import threading
 import weakref
 from collections import OrderedDict
@@ -103,30 +104,35 @@ class ChunkIndex:
         return arrays
 
     def _build(self) -> tuple:
-        """The arrays, filled chunk by chunk as HDF5 reports them: no per-chunk objects are kept, so indexing costs
-        the arrays' 20 bytes a chunk (``validate.chunking_problem`` bounds the chunks a tensor may have)."""
+        """The arrays, from HDF5's report of each stored chunk gathered into flat machine-word arrays: no per-chunk
+        objects are kept, so indexing costs a few dozen bytes a chunk (``validate.chunking_problem`` bounds the
+        chunks a tensor may have)."""
         g = self.grid
         offs = np.zeros(g.nchunks, dtype=np.int64)
         sizes = np.full(g.nchunks, -1, dtype=np.int64)
         masks = np.zeros(g.nchunks, dtype=np.uint32)
         did = self.dset.id
-        pairs = tuple(zip(g.chunks, g.gstride))
+        coords, at, size, mask = array("q"), array("q"), array("q"), array("q")
 
         def take(info) -> None:
-            if info.chunk_offset is None or info.byte_offset is None:
-                return
-            li = 0
-            for o, (c, s) in zip(info.chunk_offset, pairs):
-                li += o // c * s
-            offs[li] = info.byte_offset
-            sizes[li] = info.size
-            masks[li] = info.filter_mask
+            if info.chunk_offset is not None and info.byte_offset is not None:
+                coords.extend(info.chunk_offset)
+                at.append(info.byte_offset)
+                size.append(info.size)
+                mask.append(info.filter_mask)
 
         if hasattr(did, "chunk_iter"):
             did.chunk_iter(take)
         else:
             for i in range(did.get_num_chunks()):
                 take(did.get_chunk_info(i))
+        n = len(at)
+        if n:
+            co = np.frombuffer(coords, np.int64).reshape(n, -1)
+            li = (co // np.array(g.chunks)) @ np.array(g.gstride, dtype=np.int64)
+            offs[li] = np.frombuffer(at, np.int64)
+            sizes[li] = np.frombuffer(size, np.int64)
+            masks[li] = np.frombuffer(mask, np.int64)
         return offs, sizes, masks
 
     def first_stored(self, offs, sizes):
