@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ckptfs.source import open_checkpoint
-from conftest import FIXTURES, needs_fuse, run_ckptfs
+from conftest import FIXTURES, needs_fuse, real_env, run_ckptfs
 from fusehelp import mounted_server
 from rsshelp import measure_ckptfs
 from untrusted_help import add_leaves, copy_llama, leaf_metadata, tensor_md
@@ -104,3 +104,31 @@ def test_mount_keeps_serving_the_rest_with_bounded_memory(tmp_path):
         assert time.monotonic() - t0 < 30
         assert vm_hwm_mib(srv.proc.pid) - start < MAX_GROWTH_MIB
         assert os.path.ismount(mnt)
+
+
+def test_the_same_bomb_as_an_s3_object_is_refused_the_same_way(tmp_path):
+    from s3help import BUCKET, LocalS3
+
+    ckpt = bomb_checkpoint(tmp_path / "c")
+    srv = LocalS3(tmp_path / "s3")
+    try:
+        client = srv.client()
+        client.create_bucket(Bucket=BUCKET)
+        client.put_object(Bucket=BUCKET, Key="bomb/checkpoint.mdl", Body=ckpt.read_bytes())
+        url = f"s3://{BUCKET}/bomb/checkpoint.mdl"
+        env = srv.env(CKPTFS_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=real_env()["PYTHONPATH"])
+        info = run_ckptfs("info", url, env=env, text=True, timeout=120)
+        assert info.returncode == 0, info.stderr
+        assert "unreadable bomb:" in info.stdout and "262144 chunks" in info.stdout
+        base = measure_ckptfs("info", url, env=env, timeout=120)
+        r = measure_ckptfs("export", url, "tensors/bomb.npy", tmp_path / "bomb.npy", env=env, timeout=120)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "bomb" in r.stderr, r.stderr
+        assert r.peak_mib - base.peak_mib < MAX_GROWTH_MIB
+        emb = "tensors/model/embedding_layer/word_embeddings/weight.npy"
+        r = measure_ckptfs("export", url, emb, tmp_path / "emb.npy", env=env, timeout=120)
+        assert r.returncode == 0, r.stderr
+        with h5py.File(FIXTURES / "llama" / "cs" / "checkpoint.mdl", "r") as f:
+            want = f["model.embedding_layer.word_embeddings.weight"][()]
+        assert np.load(tmp_path / "emb.npy").tobytes() == want.tobytes()
+    finally:
+        srv.stop()
