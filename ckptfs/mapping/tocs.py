@@ -280,14 +280,12 @@ def _map_folder(spec, sub, cfg, hf: dict, where: str, notes: list, path, allow_u
         why = _unused_reason(spec, name)
         if why is None:
             undeclared.append((name, how))
-            if not allow_unused and len(undeclared) > MAX_UNMATCHED_NOTES:
-                break  # an error anyway: the first names it
         else:
             declared.setdefault(why, []).append(name)
     if undeclared and not allow_unused:
         name, how = undeclared[0]
         t = hf[name]
-        more = f" (and {len(lost) - 1} more unused)" if len(lost) > 1 else ""
+        more = f" (and {len(undeclared) - 1} more unused)" if len(undeclared) > 1 else ""
         raise ConfigError(path, f"{where}HF weight {name} {list(t.shape)} {t.dtype.name} {how}: the Cerebras "
                                 f"checkpoint would lose it{more}; is config.json the weights' own? "
                                 f"(--allow-unused-weights converts without it)")
@@ -308,9 +306,8 @@ def to_cs(folders: dict, *, model: str | None = None, added: bool = True, regist
           path=None, allow_unused: bool = False) -> CSModel:
     """Plan the Cerebras checkpoint of an HF model: ``folders`` maps a folder ('' for a single model) to
     ``(config dict, {HF name: VirtualTensor})``; ``added=False`` leaves out tensors the HF model does not hold
-    (``allow_unused``: an HF tensor the checkpoint would not carry is a note, not an error)
-    (README.txt says which). ConfigError / MappingError (naming ``path``, the HF model's folder) saying why when it
-    cannot."""
+    (README.txt says which); ``allow_unused``: an HF tensor the checkpoint would not carry is a note, not an error.
+    ConfigError / MappingError (naming ``path``, the HF model's folder) saying why when it cannot."""
     registry = registry or default_registry()
     configs = {f: c for f, (c, _) in folders.items()}
     for folder, config in configs.items():
