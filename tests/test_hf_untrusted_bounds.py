@@ -15,7 +15,7 @@ import pytest
 from ckptfs.options import MountOptions
 from ckptfs.views.from_hf import open_hf_checkpoint
 from conftest import FIXTURES, needs_fuse, run_ckptfs
-from fusehelp import is_mounted
+from fusehelp import force_unmount, is_mounted
 from hfhelp import hf_env
 from rsshelp import measure_ckptfs
 
@@ -150,6 +150,9 @@ def test_mount_of_unused_weights_is_refused_and_nothing_is_mounted(tmp_path):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     r = run_ckptfs("mount", m, mnt, env=hf_env(), text=True, timeout=120)
+    if is_mounted(mnt):  # the attack worked: do not leave its mount behind
+        force_unmount(mnt)
+        pytest.fail("the mount was made")
     assert r.returncode == 2 and not is_mounted(mnt)
     assert len(r.stderr.strip().splitlines()) == 1 and "down_proj" in r.stderr
 

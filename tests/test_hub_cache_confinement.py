@@ -15,7 +15,7 @@ from ckptfs.errors import CheckpointError
 from ckptfs.source.hf_folder import open_hf_model, read_hf_configs
 from ckptfs.source.hf_layout import is_hf_folder
 from conftest import needs_fuse, run_ckptfs
-from fusehelp import is_mounted, mounted
+from fusehelp import force_unmount, is_mounted, mounted
 from hfhelp import as_hub_cache, hf_env, llama_state, save_hf, save_llama
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
@@ -147,6 +147,9 @@ def test_mount_of_the_attack_is_refused_and_nothing_is_mounted(tmp_path):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     r = run_ckptfs("mount", repo, mnt, env=hf_env(), text=True, timeout=120)
+    if is_mounted(mnt):  # the attack worked: do not leave its mount behind
+        force_unmount(mnt)
+        pytest.fail("the mount was made")
     assert r.returncode == 2 and not is_mounted(mnt)
     assert len(r.stderr.strip().splitlines()) == 1 and "outside its repository" in r.stderr
 
