@@ -228,6 +228,10 @@ class MountOptions:
                                      "needs but the HF model lacks (Model Zoo's converter draws them at random: a "
                                      "headless model's lm_head, a missing projector…): keep (made deterministically; "
                                      "README.txt says how) or omit")
+    allow_unused_weights: bool = option(False, "--allow-unused-weights", FLAG, content=True,
+                                        help="a Hugging Face model mounted as a Cerebras checkpoint: convert it even "
+                                             "when some of its weights match no rule (they are left out, README.txt "
+                                             "lists them). Default: such a weight is an error naming it")
     endpoint_url: str | None = option(None, "--endpoint-url", TEXT,
                                       help="S3-compatible endpoint for s3:// checkpoints (MinIO, Ceph, R2…; default: "
                                            "AWS_ENDPOINT_URL, the AWS profile's endpoint_url, else AWS S3)")

@@ -15,7 +15,7 @@ class IdentityPlan:
     added: list = field(default_factory=list)
 
 
-def identity_plan(folders: dict, *, model=None, added=True) -> IdentityPlan:
+def identity_plan(folders: dict, *, model=None, added=True, allow_unused=False) -> IdentityPlan:
     """Every HF tensor as ``model.<folder>.<name>`` (test stand-in for mapping.tocs.to_cs)."""
     tensors = [((f + "." if f else "") + name, t) for f, (_, ts) in folders.items() for name, t in ts.items()]
     return IdentityPlan("identity", model or "identity", tensors, {"model": {"name": model or "identity"}},

@@ -120,11 +120,14 @@ def test_tied_copies_are_separate_tensors_of_the_same_data():
     assert not plan.added, "a tied copy is part of the model, not an added tensor"
 
 
-def test_hf_tensors_no_rule_takes_are_noted():
+def test_hf_tensors_no_rule_takes_are_an_error_unless_allowed():
     folders = hf_folders("llama")
     config, tensors = folders[""]
     tensors = {**tensors, "model.extra.weight": ArrayTensor(np.zeros((2, 2), np.float32))}
-    plan = to_cs({"": (config, tensors)})
+    with pytest.raises(ConfigError, match=r"HF weight model.extra.weight \[2, 2\] float32 matches no rule of "
+                                          r"llama.yaml.*--allow-unused-weights"):
+        to_cs({"": (config, tensors)})
+    plan = to_cs({"": (config, tensors)}, allow_unused=True)
     assert any("model.extra.weight [2, 2] float32 matches no rule of llama.yaml" in n for n in plan.notes)
 
 

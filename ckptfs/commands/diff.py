@@ -9,6 +9,11 @@ decoded block by block). ``--view hf`` (or cs, torch, tensors) compares instead 
 
 Exit code: 0 when everything compared is equal, 1 when something differs, 2 on bad input (a file that cannot be
 opened, a tensor that cannot be read: one line naming the file).
+
+Time is bounded: chunks neither checkpoint wrote are never read (two datasets that declare terabytes and wrote
+nothing are equal at once), and ``--max-bytes`` (default 256 GiB, ``0``: no bound) caps the bytes of A that are
+read to be compared; reaching it stops the diff with one line naming the key, exit 2. On a terminal a progress bar
+counts the bytes compared.
 """
 from __future__ import annotations
 
@@ -19,6 +24,8 @@ from pathlib import Path
 
 from .. import options as mount_options
 from ..errors import CheckpointError, UsageError
+from ..source.compare import DEFAULT_MAX_BYTES
+from ..units import parse_size
 
 #: mount options that decide what a view's files are (``--view``); the others apply to both kinds of diff
 VIEW_OPTIONS = ("config", "model", "trainer_index", "lora", "max_shard_size", "hf_format", "overlay", "zip_crc",
@@ -50,6 +57,12 @@ def add_parser(subparsers):
         except ValueError as e:
             raise ArgumentTypeError(str(e)) from None
 
+    def max_bytes(text):
+        try:
+            return parse_size(text)
+        except ValueError as e:
+            raise ArgumentTypeError(str(e)) from None
+
     p = subparsers.add_parser(
         "diff", help="what changed between two checkpoints (or what two mounts would serve)",
         description="Compare two checkpoints key by key: keys added or removed, and for keys both hold, changes of "
@@ -65,6 +78,9 @@ def add_parser(subparsers):
     p.add_argument("--view", metavar="NAME", choices=view_names(),
                    help=f"compare the files of this view ({', '.join(view_names())}) two mounts would serve")
     p.add_argument("--equal", action="store_true", help="also list the keys (files) that are equal")
+    p.add_argument("--max-bytes", type=max_bytes, default=DEFAULT_MAX_BYTES, metavar="SIZE",
+                   help="stop (exit 2, one line) rather than read more than SIZE of A's data to compare, e.g. 1TiB; "
+                        "chunks neither side wrote are not read (default: 256GiB; 0: no bound)")
     mount_options.add_arguments(p, only=VIEW_OPTIONS + COMMON_OPTIONS)
     return p
 
@@ -193,10 +209,14 @@ def run(args) -> int:
     show = (lambda line: print(line, flush=True)) if not args.json else (lambda line: None)
     show(f"A: {a}")
     show(f"B: {b}")
-    if args.view:
-        items, noun, bad = _diff_views(a, b, args, options, show)
-    else:
-        items, noun, bad = _diff_checkpoints(a, b, args, options, show)
+    bar = _Progress(not args.json and sys.stderr.isatty())
+    try:
+        if args.view:
+            items, noun, bad = _diff_views(a, b, args, options, show, bar)
+        else:
+            items, noun, bad = _diff_checkpoints(a, b, args, options, show, bar)
+    finally:
+        bar.close()
     equal = all(i.equal for i in items)
     if args.json:
         doc = {"a": str(a), "b": str(b), "view": args.view, "tolerance": args.tolerance, "equal": equal,
@@ -213,22 +233,48 @@ def run(args) -> int:
     return 0 if equal else 1
 
 
-def _diff_checkpoints(a: Path, b: Path, args, options, show) -> tuple:
+class _Progress:
+    """A progress bar of the bytes compared, on a terminal only, made once the total is known."""
+
+    def __init__(self, wanted: bool):
+        self.wanted, self.bar = wanted, None
+
+    def start(self, total: int, desc: str) -> None:
+        if self.wanted and total > 0:
+            from ..progress import progress_bar
+
+            self.bar = progress_bar(total, desc)
+
+    def update(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _diff_checkpoints(a: Path, b: Path, args, options, show, bar: _Progress) -> tuple:
     from ..source import open_checkpoint
-    from ..source.compare import diff_checkpoints
+    from ..source.compare import Budget, compared_bytes, diff_checkpoints
 
     if any(getattr(args, n, None) is not None for n in VIEW_OPTIONS):
         raise UsageError(None, "options that shape a view's files (--config, --model, --max-shard-size…) need --view")
     max_elements = max(1024, options.cache_size // 64)  # two boxes and their float64 values fit the cache
     with open_checkpoint(a, allow_partial=options.allow_partial, allow_external=options.allow_external) as ca, \
             open_checkpoint(b, allow_partial=options.allow_partial, allow_external=options.allow_external) as cb:
+        bar.start(compared_bytes(ca, cb), "diff")
         result = diff_checkpoints(ca, cb, tolerance=args.tolerance, max_elements=max_elements,
-                                  on_key=lambda k: show(key_text(k)) if args.equal or not k.equal else None)
+                                  on_key=lambda k: show(key_text(k)) if args.equal or not k.equal else None,
+                                  budget=Budget(args.max_bytes, bar.update))
     return result.keys, "keys", result.unreadable
 
 
-def _diff_views(a: Path, b: Path, args, options, show) -> tuple:
+def _diff_views(a: Path, b: Path, args, options, show, bar: _Progress) -> tuple:
     from dataclasses import replace
+
+    from ..source.compare import Budget
 
     from ..tree.assemble import build_tree
     from .diff_trees import diff_trees, view_files
@@ -243,9 +289,12 @@ def _diff_views(a: Path, b: Path, args, options, show) -> tuple:
             for path, tree in ((a, ta), (b, tb)):
                 if not view_files(tree, args.view, path.stem):
                     raise CheckpointError(path, f"view {args.view} is missing: {_why_missing(tree, args.view)}")
+            fa = view_files(ta, args.view, a.stem)
+            bar.start(sum(ta.lookup(p).size for p in fa.values()), f"diff --view {args.view}")
             files = diff_trees(ta, tb, args.view, a.stem, b.stem,
                                on_file=lambda f: show(file_text(f)) if args.equal or not f.equal else None,
-                               block=max(64 << 10, min(4 << 20, opts.cache_size // 8)))
+                               block=max(64 << 10, min(4 << 20, opts.cache_size // 8)),
+                               budget=Budget(args.max_bytes, bar.update))
         finally:
             tb.close()
     finally:

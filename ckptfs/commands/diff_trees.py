@@ -77,8 +77,9 @@ def _where(tree: Tree, path: str, offset: int) -> str:
     return f"{what}, {element.group(0)}" if element and lines[0].startswith("tensor ") else what
 
 
-def compare_files(ta: Tree, tb: Tree, pa: str, pb: str, block: int = BLOCK) -> FileDiff:
-    """Compare file ``pa`` of tree ``ta`` with file ``pb`` of tree ``tb``."""
+def compare_files(ta: Tree, tb: Tree, pa: str, pb: str, block: int = BLOCK, budget=None) -> FileDiff:
+    """Compare file ``pa`` of tree ``ta`` with file ``pb`` of tree ``tb``; ``budget`` (``source.compare.Budget``)
+    bounds the bytes read (``BudgetExceeded``)."""
     ea, eb = ta.lookup(pa), tb.lookup(pb)
     out = FileDiff(pa, EQUAL, ea.size, eb.size, pb if pb != pa else None)
     if ea.size != eb.size:
@@ -87,6 +88,9 @@ def compare_files(ta: Tree, tb: Tree, pa: str, pb: str, block: int = BLOCK) -> F
     buf_a, buf_b = bytearray(min(block, ea.size)), bytearray(min(block, ea.size))
     for off in range(0, ea.size, block):
         n = min(block, ea.size - off)
+        if budget is not None:
+            budget.key = pa
+            budget.spend(n)
         try:
             ta.readinto(ea, off, memoryview(buf_a)[:n])
         except CkptfsError as e:
@@ -97,6 +101,8 @@ def compare_files(ta: Tree, tb: Tree, pa: str, pb: str, block: int = BLOCK) -> F
         except CkptfsError as e:
             out.status, out.problem = UNREADABLE, f"B: {e}"
             return out
+        if budget is not None:
+            budget.advance(n)
         if buf_a[:n] == buf_b[:n]:
             continue
         diff = np.frombuffer(buf_a, np.uint8, n) != np.frombuffer(buf_b, np.uint8, n)
@@ -109,9 +115,10 @@ def compare_files(ta: Tree, tb: Tree, pa: str, pb: str, block: int = BLOCK) -> F
     return out
 
 
-def diff_trees(ta: Tree, tb: Tree, view: str, stem_a: str, stem_b: str, on_file=None, block: int = BLOCK) -> list:
+def diff_trees(ta: Tree, tb: Tree, view: str, stem_a: str, stem_b: str, on_file=None, block: int = BLOCK,
+               budget=None) -> list:
     """``[FileDiff]`` of the files of ``view`` in the two trees (A's files in order, then those only B has);
-    ``on_file`` sees each as soon as it is known."""
+    ``on_file`` sees each as soon as it is known; ``budget`` bounds the bytes read."""
     fa, fb = view_files(ta, view, stem_a), view_files(tb, view, stem_b)
     out = []
 
@@ -125,7 +132,7 @@ def diff_trees(ta: Tree, tb: Tree, view: str, stem_a: str, stem_b: str, on_file=
         if pb is None:
             emit(FileDiff(pa, REMOVED, size_a=ta.lookup(pa).size))
         else:
-            emit(compare_files(ta, tb, pa, pb, block))
+            emit(compare_files(ta, tb, pa, pb, block, budget))
     for key, pb in fb.items():
         if key not in fa:
             emit(FileDiff(pb, ADDED, size_b=tb.lookup(pb).size))

@@ -29,7 +29,7 @@ def add_parser(subparsers):
                                                 "that), or a Hugging Face model folder: its files, and the Cerebras "
                                                 "checkpoint a mount of it serves")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    mount_options.add_arguments(p, only=("allow_partial", "allow_external", "single", "model", "added_tensors", "endpoint_url",
+    mount_options.add_arguments(p, only=("allow_partial", "allow_external", "single", "model", "added_tensors", "allow_unused_weights", "endpoint_url",
                                            "profile"))
     return p
 

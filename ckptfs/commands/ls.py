@@ -24,7 +24,7 @@ def add_parser(subparsers):
                                                 "or a Hugging Face model folder: the keys of the Cerebras checkpoint "
                                                 "a mount of it serves")
     p.add_argument("-l", "--long", action="store_true", help="also show shapes, dtypes and values")
-    mount_options.add_arguments(p, only=("allow_partial", "allow_external", "single", "model", "added_tensors", "endpoint_url",
+    mount_options.add_arguments(p, only=("allow_partial", "allow_external", "single", "model", "added_tensors", "allow_unused_weights", "endpoint_url",
                                            "profile"))
     return p
 

@@ -135,6 +135,9 @@ class ConfigSpec:
     cs: dict = field(default_factory=dict)
     hf_notes: dict = field(default_factory=dict)
     cs_derive: dict = field(default_factory=dict)  # name -> expression over the HF config, usable in ``cs``
+    # HF -> CS: HF tensors the CS model has no place for, on purpose ({HF name pattern: reason}): left out with a
+    # note; any other HF tensor no rule takes is an error (``--allow-unused-weights`` makes it a note)
+    hf_unused: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -273,7 +276,8 @@ def merge_config(base: ConfigSpec, own: ConfigSpec) -> ConfigSpec:
         notes={**base.notes, **own.notes},
         cs={**base.cs, **own.cs},
         hf_notes={**base.hf_notes, **own.hf_notes},
-        cs_derive={**base.cs_derive, **own.cs_derive})
+        cs_derive={**base.cs_derive, **own.cs_derive},
+        hf_unused={**base.hf_unused, **own.hf_unused})
 
 
 class _Validator:
@@ -470,9 +474,9 @@ class _Validator:
                           None if cfg is None else self.expr(cfg, "detect.config"))
 
     def config(self, data, var_names) -> ConfigSpec:
-        self.keys(data, {"defaults", "derive", "guards", "hf", "generation", "notes", "cs", "hf_notes", "cs_derive"},
-                  "config")
-        for k in ("defaults", "derive", "hf", "generation", "notes", "cs", "hf_notes", "cs_derive"):
+        self.keys(data, {"defaults", "derive", "guards", "hf", "generation", "notes", "cs", "hf_notes", "cs_derive",
+                         "hf_unused"}, "config")
+        for k in ("defaults", "derive", "hf", "generation", "notes", "cs", "hf_notes", "cs_derive", "hf_unused"):
             if not isinstance(data.get(k) or {}, dict):
                 self.fail(f"config.{k}: must be a mapping")
         derive = {k: self.expr(e, f"config.derive.{k}") for k, e in (data.get("derive") or {}).items()}
@@ -501,7 +505,19 @@ class _Validator:
                           {str(k): str(v) for k, v in (data.get("notes") or {}).items()},
                           self.expressions(data.get("cs") or {}, "config.cs"),
                           {str(k): str(v) for k, v in (data.get("hf_notes") or {}).items()},
-                          self.expressions(data.get("cs_derive") or {}, "config.cs_derive"))
+                          self.expressions(data.get("cs_derive") or {}, "config.cs_derive"),
+                          self.unused(data.get("hf_unused") or {}))
+
+    def unused(self, data: dict) -> dict:
+        """``config.hf_unused``: {HF tensor name pattern: the reason the CS model has no place for it}."""
+        out = {}
+        for text, why in data.items():
+            try:
+                KeyPattern.compile(text)
+            except PatternError as e:
+                self.fail(f"config.hf_unused: {e}")
+            out[str(text)] = self.string(why, f"config.hf_unused.{text}")
+        return out
 
     def rules(self, items, section, var_names, prepare=False) -> list:
         if not isinstance(items, list):

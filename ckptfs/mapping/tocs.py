@@ -6,13 +6,18 @@ keys ``cstorch.save`` writes (``model.<key>``), the params the converter writes 
 name chosen, and notes for README.txt (tensors ckptfs adds and why, HF settings the params cannot carry, HF tensors
 no rule takes). It uses the same family files as ``to_hf``, read the other way: ``config.cs`` for the params
 (``hf_params.py``), the tensor rules pushed back through their ops (``inverse.py``). The result is checked by
-mapping it forward again: every HF tensor must come back under its name and shape.
+mapping it forward again: every HF tensor must come back under its name and shape, and one that does not come back
+is an error naming it (a weight lost), unless its family declares it unused (``config.hf_unused``, with the
+reason: rotary ``inv_freq`` buffers, a head the CS model lacks) or the caller allows unused weights
+(``allow_unused``, the CLI's ``--allow-unused-weights``). The config must agree with the weights
+(``hf_agreement``): structural sizes are positive integers, layers, hidden size and experts match the tensors.
 
 Multi-component models (``components:``) take one folder per component; a component with ``copy_of`` that the HF
 model lacks is made from that folder's tensors, as the converter makes DPO's reference model.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -21,8 +26,10 @@ from . import ops
 from .components import component_config, component_spec, params_at
 from .config import ConfigScope, config_functions, convert_config
 from .expr import ExprError, MissingName, evaluate
+from .hf_agreement import agreement_problem, structural_problem
 from .hf_params import cs_differences, dotted_path, hf_functions, hf_to_section, set_path
 from .inverse import InverseEngine, hf_coverage
+from .pattern import KeyPattern
 from .registry import Registry, default_registry
 from .rules import RuleEngine
 from .spec import ComponentSpec, FamilySpec, ModelVariant
@@ -229,13 +236,27 @@ def _global_key(comp: ComponentSpec, local: str) -> str:
     return comp.cs_prefix + local
 
 
-#: HF tensors no rule takes listed one by one in the notes; more are counted
+#: HF tensors left out listed one by one in the notes; more are counted
 MAX_UNMATCHED_NOTES = 20
 
 
-def _map_folder(spec, sub, cfg, hf: dict, where: str, notes: list, path):
+@functools.lru_cache(maxsize=None)
+def _pattern(text: str) -> KeyPattern:
+    return KeyPattern.compile(text)
+
+
+def _unused_reason(spec, name: str) -> str | None:
+    """Why the family leaves the HF tensor ``name`` out on purpose (``config.hf_unused``), or None."""
+    for text, why in spec.config.hf_unused.items():
+        if _pattern(text).match(name) is not None:
+            return why
+    return None
+
+
+def _map_folder(spec, sub, cfg, hf: dict, where: str, notes: list, path, allow_unused: bool = False):
     """The ``CSMapping`` of one HF folder (CS keys as its rules name them); checks that the CS tensors map back to
-    every HF tensor."""
+    every HF tensor. An HF tensor the checkpoint would not carry is an error (ConfigError naming it), unless the
+    family declares it unused (``config.hf_unused``: a note with the reason) or ``allow_unused`` (a note)."""
     funcs = config_functions(cfg.cs_scope, spec.path.name, None)
     mapping = InverseEngine(spec, sub, cfg.scope, funcs).run(hf)
     if not mapping.tensors:
@@ -243,33 +264,56 @@ def _map_folder(spec, sub, cfg, hf: dict, where: str, notes: list, path):
                                  f"really a {sub.hf_class}?")
     local = dict(mapping.tensors + mapping.made + [(a.key, a.tensor) for a in mapping.added])
     back = dict(RuleEngine(spec, sub, cfg.scope, funcs).run(local).tensors)
-    for name in mapping.unmatched[:MAX_UNMATCHED_NOTES]:
-        t = hf[name]
-        notes.append(f"{where}HF tensor {name} {list(t.shape)} {t.dtype.name} matches no rule of {spec.path.name}; "
-                     f"not converted")
-    if len(mapping.unmatched) > MAX_UNMATCHED_NOTES:
-        notes.append(f"{where}{len(mapping.unmatched) - MAX_UNMATCHED_NOTES} more HF tensors match no rule of "
-                     f"{spec.path.name}; not converted")
+    unmatched = set(mapping.unmatched)
+    lost = [(n, "matches no rule of " + spec.path.name) for n in mapping.unmatched]
     for name, t in hf.items():
-        if name in mapping.unmatched:
+        if name in unmatched:
             continue
         if name not in back:
-            notes.append(f"{where}HF tensor {name} is not carried by the Cerebras checkpoint (its CS tensors map "
-                         f"to other HF names)")
+            lost.append((name, "is not carried by the Cerebras checkpoint (its CS tensors map to other HF names)"))
         elif back[name].shape != t.shape:
             raise MappingError(spec.path, f"{where}HF tensor {name} {list(t.shape)} would come back as "
                                           f"{list(back[name].shape)}: the inverse of its rule is wrong")
+    declared = {}
+    undeclared = []
+    for name, how in lost:
+        why = _unused_reason(spec, name)
+        if why is None:
+            undeclared.append((name, how))
+        else:
+            declared.setdefault(why, []).append(name)
+    if undeclared and not allow_unused:
+        name, how = undeclared[0]
+        t = hf[name]
+        more = f" (and {len(undeclared) - 1} more unused)" if len(undeclared) > 1 else ""
+        raise ConfigError(path, f"{where}HF weight {name} {list(t.shape)} {t.dtype.name} {how}: the Cerebras "
+                                f"checkpoint would lose it{more}; is config.json the weights' own? "
+                                f"(--allow-unused-weights converts without it)")
+    for why, names in declared.items():
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        notes.append(f"{where}HF tensor(s) {shown} not converted: {why}")
+    for name, how in undeclared[:MAX_UNMATCHED_NOTES]:
+        t = hf[name]
+        notes.append(f"{where}HF tensor {name} {list(t.shape)} {t.dtype.name} {how}; not converted "
+                     f"(--allow-unused-weights)")
+    if len(undeclared) > MAX_UNMATCHED_NOTES:
+        notes.append(f"{where}{len(undeclared) - MAX_UNMATCHED_NOTES} more HF tensors unused; not converted "
+                     f"(--allow-unused-weights)")
     return mapping
 
 
 def to_cs(folders: dict, *, model: str | None = None, added: bool = True, registry: Registry | None = None,
-          path=None) -> CSModel:
+          path=None, allow_unused: bool = False) -> CSModel:
     """Plan the Cerebras checkpoint of an HF model: ``folders`` maps a folder ('' for a single model) to
     ``(config dict, {HF name: VirtualTensor})``; ``added=False`` leaves out tensors the HF model does not hold
-    (README.txt says which). ConfigError / MappingError (naming ``path``, the HF model's folder) saying why when it
-    cannot."""
+    (README.txt says which); ``allow_unused``: an HF tensor the checkpoint would not carry is a note, not an error.
+    ConfigError / MappingError (naming ``path``, the HF model's folder) saying why when it cannot."""
     registry = registry or default_registry()
     configs = {f: c for f, (c, _) in folders.items()}
+    for folder, config in configs.items():
+        why = structural_problem(config)
+        if why is not None:
+            raise ConfigError(path, (f"{folder}/: " if folder else "") + why)
     spec, variant, name, notes = detect_hf(configs, model, registry, {f: list(t) for f, (_, t) in folders.items()},
                                            path=path)
     problems: list = []
@@ -289,7 +333,7 @@ def to_cs(folders: dict, *, model: str | None = None, added: bool = True, regist
         cspec, sub, sec = parts[folder]
         cfg = _forward_config(cspec, sub, variant, section, folder, spec, registry)
         config, hf = folders[folder]
-        mapping = _map_folder(cspec, sub, cfg, hf, where, out.notes, path)
+        mapping = _map_folder(cspec, sub, cfg, hf, where, out.notes, path, allow_unused)
         glob = (lambda k: k) if comp is None else (lambda k, c=comp: _global_key(c, k))
         by_folder[folder] = mapping
         out.tensors += [(glob(k), t) for k, t in mapping.tensors + mapping.made]
@@ -308,6 +352,9 @@ def to_cs(folders: dict, *, model: str | None = None, added: bool = True, regist
         if added:
             out.tensors.append((key, t))
             out.added.append(key)
+    why = agreement_problem(section, out.tensors)
+    if why is not None:
+        raise ConfigError(path, why)
     _explain_added(out, pending_added, added)
     seen = set()
     for i, (key, t) in enumerate(out.tensors):  # one object per key: a checkpoint writer would link repeats

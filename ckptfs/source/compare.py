@@ -7,9 +7,15 @@ element, bit for bit (``tolerance`` 0), or as equal when they differ by at most 
 Two HDF5 datasets stored alike (``StoredLayout``: the same chunk shape, filters, stored type and fill value) are
 compared chunk by chunk as stored: a chunk at the same address of the same file version, or whose stored bytes are
 the same, is equal without being decoded (a checkpoint copied, or saved again with a tensor unchanged, is told
-equal from its stored chunks alone); only chunks whose bytes differ are decoded and compared. Every other pair is
-read in C-order boxes of at most ``max_elements`` elements. Either way memory stays bounded: one box, or one chunk,
-per side at a time.
+equal from its stored chunks alone); only chunks whose bytes differ are decoded and compared. Only the chunks
+either side has written are visited: a chunk neither wrote holds the fill value on both sides (the layouts, fill
+value included, are equal), so two datasets that declare terabytes and wrote nothing are equal without a read. Two
+datasets of any layouts that wrote nothing are compared by their fill values alone. Every other pair is read in
+C-order boxes of at most ``max_elements`` elements. Either way memory stays bounded: one box, or one chunk, per side
+at a time.
+
+Time is bounded by a ``Budget``: the bytes of A's tensors that are read to be compared (decoded boxes, stored chunk
+bytes) count against ``max_bytes``; past it ``BudgetExceeded`` stops the comparison (``ckptfs diff --max-bytes``).
 
 A change is described by how many elements differ, the largest absolute difference, and the first differing
 element (in C order) with its two values.
@@ -178,6 +184,40 @@ def accumulate(diff: ValueDiff, a: np.ndarray, b: np.ndarray, dtype_a: DType, dt
         diff.first_values = (_python(x[where[k]]), _python(y[where[k]]))
 
 
+# -- how much is read -------------------------------------------------------------------------------------------
+
+#: what ``ckptfs diff`` reads at most by default, counted on A's side (``--max-bytes``)
+DEFAULT_MAX_BYTES = 256 << 30
+
+
+class BudgetExceeded(CkptfsError):
+    """The comparison would read more than its budget allows (``problem``: one line, with the key)."""
+
+
+class Budget:
+    """The bytes a comparison may read (``max_bytes``; 0: no bound) and those read so far; ``on_bytes(n)`` is told
+    of every ``n`` bytes of tensor data compared, read or not (a progress bar)."""
+
+    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, on_bytes: Callable[[int], None] | None = None):
+        self.max_bytes = int(max_bytes)
+        self.read = 0
+        self.on_bytes = on_bytes
+        self.key = "?"
+
+    def spend(self, nbytes: int) -> None:
+        """Account for reading ``nbytes`` more; ``BudgetExceeded`` (before they are read) past the bound."""
+        if self.max_bytes and self.read + nbytes > self.max_bytes:
+            raise BudgetExceeded(None, f"diff stopped at {self.key}: comparing it would read more than "
+                                       f"--max-bytes {self.max_bytes} bytes ({self.read} read so far); raise "
+                                       f"--max-bytes (0: no bound) to compare everything")
+        self.read += nbytes
+
+    def advance(self, nbytes: int) -> None:
+        """``nbytes`` of tensor data compared without being read."""
+        if self.on_bytes is not None and nbytes:
+            self.on_bytes(nbytes)
+
+
 # -- tensors ---------------------------------------------------------------------------------------------------
 
 
@@ -216,30 +256,74 @@ def _stored_alike(a, b):
     return la if la is not None and la == b.stored_layout() else None
 
 
-def compare_tensors(a, b, *, tolerance: float = 0.0, max_elements: int = 1 << 22) -> ValueDiff:
-    """Compare two tensors of the same shape (their dtypes may differ: then by value)."""
+def _unwritten_fills(a, b):
+    """``(fill of a, fill of b)`` when both are HDF5 datasets that wrote nothing (every element is its fill value);
+    else None."""
+    if not (isinstance(a, H5DatasetTensor) and isinstance(b, H5DatasetTensor)):
+        return None
+    fa = a.unwritten_fill()
+    fb = b.unwritten_fill() if fa is not None else None
+    return None if fb is None else (fa, fb)
+
+
+def compare_tensors(a, b, *, tolerance: float = 0.0, max_elements: int = 1 << 22,
+                    budget: Budget | None = None) -> ValueDiff:
+    """Compare two tensors of the same shape (their dtypes may differ: then by value); ``budget`` bounds the bytes
+    read (``BudgetExceeded``)."""
+    budget = budget if budget is not None else Budget(0)
     shape = tuple(a.shape)
     diff = ValueDiff(math.prod(shape))
+    item = a.dtype.itemsize
+    fills = _unwritten_fills(a, b) if diff.elements else None
+    if fills is not None:  # nothing written on either side: every element is the fill value
+        one = ValueDiff(1)
+        accumulate(one, fills[0], fills[1], a.dtype, b.dtype, lambda where: where, tolerance, (1,))
+        if one.equal:
+            diff.by_storage = diff.elements
+            diff.max_abs_diff = one.max_abs_diff
+        else:
+            diff.changed, diff.max_abs_diff = diff.elements, one.max_abs_diff
+            diff.first_index, diff.first_values = tuple(0 for _ in shape), one.first_values
+        budget.advance(diff.elements * item)
+        return diff
     layout = _stored_alike(a, b) if a.dtype == b.dtype else None
     if layout is not None:
         same_file = _same_file(a, b)
-        for origin in layout.chunk_origins():
+        written = np.concatenate([a.stored_chunk_origins(), b.stored_chunk_origins()])
+        visited = 0
+        for row in (np.unique(written, axis=0) if len(written) else written):  # chunks either side wrote
+            origin = tuple(int(o) for o in row)
             box = layout.chunk_box(origin)
+            n = math.prod(hi - lo for lo, hi in box)
+            visited += n
             sa, sb = a.stored_chunk(origin), b.stored_chunk(origin)
-            if sa is None and sb is None or sa is not None and sb is not None and sa[0] == sb[0] and (
-                    same_file and sa == sb or sa[2] == sb[2] and a.read_stored_chunk(origin) == b.read_stored_chunk(origin)):
-                diff.by_storage += math.prod(hi - lo for lo, hi in box)  # fill values or stored bytes alike
+            if sa is None and sb is None or same_file and sa is not None and sa == sb:
+                diff.by_storage += n  # fill values, or the same stored chunk
+                budget.advance(n * item)
                 continue
+            if sa is not None and sb is not None and sa[0] == sb[0] and sa[2] == sb[2]:
+                budget.spend(sa[2])
+                if a.read_stored_chunk(origin) == b.read_stored_chunk(origin):
+                    diff.by_storage += n  # stored bytes alike
+                    budget.advance(n * item)
+                    continue
+            budget.spend(n * item)
             starts = np.array([lo for lo, _ in box])
             local = tuple(hi - lo for lo, hi in box)
             accumulate(diff, a.read(box), b.read(box), a.dtype, b.dtype,
                        lambda where: np.ravel_multi_index(
                            tuple(np.add(np.unravel_index(where, local), starts.reshape(-1, 1))), shape),
                        tolerance, shape)
+            budget.advance(n * item)
+        diff.by_storage += diff.elements - visited  # chunks neither side wrote: the fill value on both
+        budget.advance((diff.elements - visited) * item)
         return diff
     for box, start in c_order_boxes(shape, max_elements):
+        nbytes = math.prod(hi - lo for lo, hi in box) * item
+        budget.spend(nbytes)
         accumulate(diff, a.read(box), b.read(box), a.dtype, b.dtype, lambda where, s=start: where + s, tolerance,
                    shape)
+        budget.advance(nbytes)
     return diff
 
 
@@ -270,8 +354,10 @@ def _numeric(dtype: DType) -> bool:
     return dtype.name != "bool"
 
 
-def compare_leaves(key: str, la, lb, *, tolerance: float, max_elements: int, paths=("A", "B")) -> KeyDiff:
-    """What changed between two leaves held under ``key`` (``paths``: their checkpoints, for messages)."""
+def compare_leaves(key: str, la, lb, *, tolerance: float, max_elements: int, paths=("A", "B"),
+                   budget: Budget | None = None) -> KeyDiff:
+    """What changed between two leaves held under ``key`` (``paths``: their checkpoints, for messages);
+    ``BudgetExceeded`` past ``budget``."""
     da, db = describe(la), describe(lb)
     out = KeyDiff(key, EQUAL, da, db)
     for leaf, path in zip((la, lb), paths):
@@ -292,8 +378,12 @@ def compare_leaves(key: str, la, lb, *, tolerance: float, max_elements: int, pat
         if ta.dtype != tb.dtype and not (_numeric(ta.dtype) and _numeric(tb.dtype)):
             out.status = DTYPE
             return out
+        if budget is not None:
+            budget.key = key
         try:
-            out.values = compare_tensors(ta, tb, tolerance=tolerance, max_elements=max_elements)
+            out.values = compare_tensors(ta, tb, tolerance=tolerance, max_elements=max_elements, budget=budget)
+        except BudgetExceeded:
+            raise
         except CkptfsError as e:
             out.status, out.problem = UNREADABLE, str(e)
             return out
@@ -302,9 +392,9 @@ def compare_leaves(key: str, la, lb, *, tolerance: float, max_elements: int, pat
 
 
 def diff_checkpoints(a: Checkpoint, b: Checkpoint, *, tolerance: float = 0.0, max_elements: int = 1 << 22,
-                     on_key: Callable[[KeyDiff], None] | None = None) -> CheckpointDiff:
+                     on_key: Callable[[KeyDiff], None] | None = None, budget: Budget | None = None) -> CheckpointDiff:
     """Compare every flat key of ``a`` and ``b``; ``on_key`` sees each result as soon as it is known. A leaf held
-    under several keys (a tied alias) is compared once."""
+    under several keys (a tied alias) is compared once. ``budget`` bounds the bytes read (``BudgetExceeded``)."""
     result = CheckpointDiff([], tolerance)
     done: dict = {}  # (id of A's leaf, id of B's leaf) -> KeyDiff already computed
 
@@ -321,7 +411,8 @@ def diff_checkpoints(a: Checkpoint, b: Checkpoint, *, tolerance: float = 0.0, ma
         seen = done.get((id(la), id(lb)))
         if seen is None:
             seen = done[(id(la), id(lb))] = compare_leaves(key, la, lb, tolerance=tolerance,
-                                                           max_elements=max_elements, paths=(a.path, b.path))
+                                                           max_elements=max_elements, paths=(a.path, b.path),
+                                                           budget=budget)
             emit(seen)
         else:
             emit(KeyDiff(key, seen.status, seen.a, seen.b, seen.values, seen.problem))
@@ -329,3 +420,13 @@ def diff_checkpoints(a: Checkpoint, b: Checkpoint, *, tolerance: float = 0.0, ma
         if key not in a.leaves:
             emit(KeyDiff(key, ADDED, None, describe(lb)))
     return result
+
+
+def compared_bytes(a: Checkpoint, b: Checkpoint) -> int:
+    """The bytes of A's tensors that B also holds under the same key (what a progress bar counts)."""
+    total, seen = 0, set()
+    for key, la in a.leaves.items():
+        if isinstance(la, TensorLeaf) and isinstance(b.leaves.get(key), TensorLeaf) and id(la) not in seen:
+            seen.add(id(la))
+            total += la.tensor.nbytes
+    return total

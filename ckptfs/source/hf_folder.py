@@ -12,9 +12,12 @@ Only metadata is read here: configs, indexes, safetensors headers, a ``.bin``'s 
 every other dtype kept), read on demand, checked against the file's version at every read.
 
 Confinement: every file is opened only when, all links resolved, it is a regular file inside the folder given (for
-a Hub snapshot, also its repository's ``blobs/``), or inside an ``--allow-external`` folder. Index entries must
+a Hub snapshot, also its repository's ``blobs/``), or inside an ``--allow-external`` folder. In a Hub cache every
+component below the ``models--org--name`` folder — ``snapshots/``, the snapshot, ``refs/`` and ``refs/main`` (a
+file, not a link), ``blobs/`` — must itself resolve inside that folder (``hf_layout.inside_repository``). Index entries must
 be plain file names (no ``/``, no ``..``). FIFOs, devices, sockets and directories are refused before they are
-opened; metadata files are read only up to a bound.
+opened; metadata files are read only up to a bound, and a model holds at most ``MAX_MODEL_TENSORS`` tensors
+(a safetensors header at most ``safetensors_ref.MAX_HEADER_ENTRIES``).
 """
 from __future__ import annotations
 
@@ -34,7 +37,11 @@ from .torch_bin import TorchZipError, read_torch_zip
 from .watch import FileIdentity
 
 MAX_CONFIG_BYTES = 4 << 20
-MAX_INDEX_BYTES = 64 << 20
+#: an index names each tensor once (~60 bytes each): 16 MiB is far more than any genuine model's
+MAX_INDEX_BYTES = 16 << 20
+#: the most tensors a model (all its shards and components) may hold: each costs about 1 KiB of metadata in memory
+#: (the largest genuine models hold under 100,000)
+MAX_MODEL_TENSORS = 150_000
 
 
 @dataclass
@@ -79,6 +86,14 @@ class _Reader:
         self.where = confinement.folder + (f" and {hub.repo.name}/blobs/" if hub is not None else "")
         self.hint = "" if user_allowed else " (to allow a folder, mount with --allow-external DIR)"
         self.mtime_ns = 0
+        self.tensors = 0
+
+    def count(self, path: Path, n: int) -> None:
+        """Count ``n`` more tensors (from ``path``); CheckpointError past ``MAX_MODEL_TENSORS``."""
+        self.tensors += n
+        if self.tensors > MAX_MODEL_TENSORS:
+            raise CheckpointError(path, f"brings the model to {self.tensors} tensors, more than the "
+                                        f"{MAX_MODEL_TENSORS} ckptfs takes")
 
     def resolve(self, path: Path) -> Path:
         real = os.path.realpath(path)
@@ -140,6 +155,7 @@ def _safetensors_tensors(reader: _Reader, comp_dir: Path, shard: str, key_prefix
         raise CheckpointError(path, "not found") from None
     except (OSError, ValueError) as e:
         raise CheckpointError(path, str(e)) from None
+    reader.count(path, len(header))
     return {name: FileRegionTensor(real, e.offset, e.shape, e.dtype, key_prefix + name, root, None,
                                    "safetensors file", identity=ident, confinement=reader.confinement)
             for name, e in header.items()}
@@ -159,6 +175,7 @@ def _bin_tensors(reader: _Reader, comp_dir: Path, shard: str, key_prefix: str, r
     except OSError as e:
         raise CheckpointError(path, f"cannot be read ({e.strerror or e})") from None
     reader.identity(real)
+    reader.count(path, len(got.tensors))
     notes.extend(got.notes)
     return got.tensors
 
@@ -171,6 +188,8 @@ def _indexed(reader: _Reader, comp_dir: Path, index_name: str, load) -> tuple[di
     wm = doc.get("weight_map")
     if not isinstance(wm, dict) or not wm:
         raise CheckpointError(index, "has no weight_map object")
+    if len(wm) > MAX_MODEL_TENSORS:
+        raise CheckpointError(index, f"names {len(wm)} tensors, more than the {MAX_MODEL_TENSORS} ckptfs takes")
     shards: dict = {}
     for name, shard in wm.items():
         shards.setdefault(_plain_name(shard, index), []).append(name)

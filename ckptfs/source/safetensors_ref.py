@@ -1,13 +1,22 @@
-"""Reading the header of a .safetensors file a checkpoint refers to (DeferredSafeTensor), so the
-tensor becomes a ``FileRegionTensor`` over the file's data block. The file is opened as a regular file only
-(``confine.open_regular``: never blocks on a FIFO) and every entry is checked: a valid shape whose byte size equals
-its data range, inside the file."""
+"""Reading the header of a .safetensors file (a Hugging Face model's weights, or one a checkpoint refers to as
+DeferredSafeTensor), so each tensor becomes a ``FileRegionTensor`` over the file's data block. The file is opened as
+a regular file only (``confine.open_regular``: never blocks on a FIFO) and every entry is checked: a valid shape
+whose byte size equals its data range, inside the file.
+
+The header is untrusted JSON, so it is bounded before it is parsed and parsed in linear time: at most
+``MAX_HEADER_BYTES`` (safetensors itself takes up to 100 MB; a genuine header is about 150 bytes a tensor), nested
+at most ``MAX_HEADER_DEPTH`` deep (a genuine one nests three: the header, an entry, its shape), with at most
+``MAX_HEADER_ENTRIES`` tensors. Anything else is a ``ValueError`` of one line.
+"""
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 import struct
+
+import numpy as np
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +25,46 @@ from .confine import open_regular
 from .validate import shape_problem
 
 _BY_CODE = {d.safetensors: d for d in BY_NAME.values()}
-_MAX_HEADER = 100 << 20
+#: the largest header read (JSON bytes); safetensors' own limit is 100 MB, a genuine header ~150 bytes a tensor
+MAX_HEADER_BYTES = 16 << 20
+#: the deepest nesting of objects and arrays taken (a genuine header: 3, or 2 for ``__metadata__``)
+MAX_HEADER_DEPTH = 8
+#: the most tensors one file may declare (a genuine shard holds hundreds to a few thousand)
+MAX_HEADER_ENTRIES = 100_000
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_DEPTH_PIECE = 1 << 20
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def json_depth(text: bytes) -> int:
+    """How deep the objects and arrays of the JSON ``text`` nest (strings skipped), in linear time."""
+    brackets = _STRING.sub(b"", text).translate(None, _NOT_BRACKETS)
+    depth = deepest = 0
+    for start in range(0, len(brackets), _DEPTH_PIECE):  # in pieces: a few MB of work memory whatever the size
+        piece = np.frombuffer(brackets, np.uint8, min(_DEPTH_PIECE, len(brackets) - start), start)
+        steps = ((piece == ord("[")) | (piece == ord("{"))).astype(np.int32) * 2 - 1
+        levels = np.cumsum(steps, dtype=np.int64) + depth
+        deepest = max(deepest, int(levels.max()))
+        depth = int(levels[-1])
+    return deepest
+
+
+def parse_header(text: bytes) -> dict:
+    """The header JSON object of ``text``, bounded in depth and entries; ValueError of one line otherwise."""
+    depth = json_depth(text)
+    if depth > MAX_HEADER_DEPTH:
+        raise ValueError(f"safetensors header nests {depth} deep, more than the {MAX_HEADER_DEPTH} a header may")
+    try:
+        header = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"safetensors header is not JSON ({str(e).splitlines()[0][:200]})") from None
+    if not isinstance(header, dict):
+        raise ValueError("safetensors header is not a JSON object")
+    entries = len(header) - ("__metadata__" in header)
+    if entries > MAX_HEADER_ENTRIES:
+        raise ValueError(f"safetensors header declares {entries} tensors, more than the {MAX_HEADER_ENTRIES} a file "
+                         f"may")
+    return header
 
 
 @dataclass(frozen=True)
@@ -36,17 +84,14 @@ def read_safetensors_header(path: Path) -> dict:
         if len(raw) != 8:
             raise ValueError("file too short for a safetensors header")
         (n,) = struct.unpack("<Q", raw)
-        if n > _MAX_HEADER or n > size - 8:
+        if n > size - 8:
             raise ValueError(f"safetensors header length {n} is implausible for a {size}-byte file")
+        if n > MAX_HEADER_BYTES:
+            raise ValueError(f"safetensors header is {n} bytes, more than the {MAX_HEADER_BYTES} ckptfs reads")
         text = fh.read(n)
     if len(text) != n:
         raise ValueError("safetensors header is truncated")
-    try:
-        header = json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"safetensors header is not JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise ValueError("safetensors header is not a JSON object")
+    header = parse_header(text)
     base = 8 + n
     out = {}
     for name, info in header.items():

@@ -18,6 +18,7 @@ import itertools
 import math
 import os
 import threading
+from array import array
 from pathlib import Path
 
 import numpy as np
@@ -148,6 +149,37 @@ class H5DatasetTensor(VirtualTensor):
         if info.byte_offset is None:
             return None
         return int(info.filter_mask), int(info.byte_offset), int(info.size)
+
+    def stored_chunk_origins(self) -> np.ndarray:
+        """The first elements of the allocated chunks, one row each, in C order of the chunk grid (no data read;
+        the count is bounded by ``validate.chunking_problem``). Chunks not listed read as the fill value."""
+        d = self.dataset()
+        rows = array("q")
+        try:
+            d.id.chunk_iter(lambda info: rows.extend(info.chunk_offset) if info.byte_offset is not None else None)
+        except (OSError, RuntimeError, ValueError, TypeError, AttributeError) as e:
+            raise self._fail(f"cannot list the stored chunks: {e}") from e
+        out = np.frombuffer(rows, np.int64).reshape(-1, max(1, self.ndim))
+        return out[np.lexsort(out.T[::-1])] if len(out) > 1 else out
+
+    def unwritten_fill(self) -> np.ndarray | None:
+        """When nothing of the dataset is written (no chunk, no contiguous storage) and HDF5 gives its fill value
+        for every element: that value, as a one-element storage array; else None. No data read."""
+        from h5py import h5d
+
+        d = self.dataset()
+        try:
+            if d.id.get_storage_size() != 0:
+                return None
+            dcpl = d.id.get_create_plist()
+            if dcpl.get_fill_time() == h5d.FILL_TIME_NEVER or \
+                    dcpl.fill_value_defined() == h5d.FILL_VALUE_UNDEFINED:
+                return None
+            fill = np.zeros((1,), d.id.dtype)
+            dcpl.get_fill_value(fill)
+        except (OSError, RuntimeError, ValueError, TypeError, AttributeError) as e:
+            raise self._fail(f"cannot read the dataset's fill value: {e}") from e
+        return _to_storage(fill, self.dtype.storage).reshape(1)
 
     def read_stored_chunk(self, origin: tuple) -> bytes:
         """The stored (still encoded) bytes of the allocated chunk starting at element ``origin``."""
@@ -309,10 +341,10 @@ class FileRegionTensor(VirtualTensor):
                  referenced_as: str | None = None, what: str = "file", *, identity: FileIdentity | None = None,
                  confinement: Confinement | None = None):
         super().__init__(shape, dtype)
-        self.path = Path(path)
-        self.offset = int(offset)
+        self.path = path if isinstance(path, Path) else Path(path)  # shared, not copied: a model's tensors
+        self.offset = int(offset)  # share a few paths
         self.key = key
-        self.checkpoint_path = Path(checkpoint_path)
+        self.checkpoint_path = checkpoint_path if isinstance(checkpoint_path, Path) else Path(checkpoint_path)
         self.referenced_as = referenced_as
         self.what = what
         self.identity = identity

@@ -39,13 +39,15 @@ class HFCheckpoint:
 
 
 def plan_model(model: HFFolder, options, planner: Callable | None = None):
-    """The mapping core's plan for ``model`` (``--model`` and ``--added-tensors`` from ``options``)."""
+    """The mapping core's plan for ``model`` (``--model``, ``--added-tensors`` and ``--allow-unused-weights`` from
+    ``options``)."""
     folders = {f: (c.config, c.tensors) for f, c in model.components.items()}
     if planner is None:
         from ..mapping.tocs import to_cs as planner
     try:
         return planner(folders, model=getattr(options, "model", None),
-                       added=getattr(options, "added_tensors", "keep") != "omit")
+                       added=getattr(options, "added_tensors", "keep") != "omit",
+                       allow_unused=bool(getattr(options, "allow_unused_weights", False)))
     except CkptfsError as e:
         raise CheckpointError(model.path, e.problem) from None
 

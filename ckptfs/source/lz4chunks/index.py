@@ -8,6 +8,7 @@ most half of the dataset's: a peek at a tensor's start) looks its chunks up one 
 from __future__ import annotations
 
 import itertools
+from array import array
 import threading
 import weakref
 from collections import OrderedDict
@@ -103,24 +104,35 @@ class ChunkIndex:
         return arrays
 
     def _build(self) -> tuple:
+        """The arrays, from HDF5's report of each stored chunk gathered into flat machine-word arrays: no per-chunk
+        objects are kept, so indexing costs a few dozen bytes a chunk (``validate.chunking_problem`` bounds the
+        chunks a tensor may have)."""
         g = self.grid
         offs = np.zeros(g.nchunks, dtype=np.int64)
         sizes = np.full(g.nchunks, -1, dtype=np.int64)
         masks = np.zeros(g.nchunks, dtype=np.uint32)
         did = self.dset.id
-        infos: list = []
+        coords, at, size, mask = array("q"), array("q"), array("q"), array("q")
+
+        def take(info) -> None:
+            if info.chunk_offset is not None and info.byte_offset is not None:
+                coords.extend(info.chunk_offset)
+                at.append(info.byte_offset)
+                size.append(info.size)
+                mask.append(info.filter_mask)
+
         if hasattr(did, "chunk_iter"):
-            did.chunk_iter(infos.append)
+            did.chunk_iter(take)
         else:
-            infos = [did.get_chunk_info(i) for i in range(did.get_num_chunks())]
-        infos = [i for i in infos if i.chunk_offset is not None and i.byte_offset is not None]
-        if infos:
-            n = len(infos)
-            co = np.array([i.chunk_offset for i in infos], dtype=np.int64).reshape(n, -1)
+            for i in range(did.get_num_chunks()):
+                take(did.get_chunk_info(i))
+        n = len(at)
+        if n:
+            co = np.frombuffer(coords, np.int64).reshape(n, -1)
             li = (co // np.array(g.chunks)) @ np.array(g.gstride, dtype=np.int64)
-            offs[li] = np.fromiter((i.byte_offset for i in infos), np.int64, n)
-            sizes[li] = np.fromiter((i.size for i in infos), np.int64, n)
-            masks[li] = np.fromiter((i.filter_mask for i in infos), np.int64, n)
+            offs[li] = np.frombuffer(at, np.int64)
+            sizes[li] = np.frombuffer(size, np.int64)
+            masks[li] = np.frombuffer(mask, np.int64)
         return offs, sizes, masks
 
     def first_stored(self, offs, sizes):
