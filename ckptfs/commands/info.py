@@ -30,7 +30,7 @@ def add_parser(subparsers):
                                                 "checkpoint a mount of it serves")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     mount_options.add_arguments(p, only=("allow_partial", "allow_external", "single", "model", "added_tensors", "endpoint_url",
-                                           "profile"))
+                                           "profile", "revision"))
     return p
 
 
@@ -188,10 +188,11 @@ def format_hf(src: HFSourceInfo, s: Summary) -> str:
 
 def run(args) -> int:
     from ..source import open_checkpoint
-    from .runinfo import as_json, checkpoint_argument, format_run, is_hf_source, is_run_argument, scan_run
+    from .runinfo import as_json, classify_argument, format_run, scan_run
 
-    where = checkpoint_argument(args)
-    if is_hf_source(where):  # a Hugging Face model: its files, and the checkpoint a mount of it serves
+    src = classify_argument(args)
+    where = src.path
+    if src.is_hf:  # a Hugging Face model: its files, and the checkpoint a mount of it serves
         from ..views.from_hf import open_hf_checkpoint
 
         hc = open_hf_checkpoint(where, mount_options.from_args(args))
@@ -201,7 +202,7 @@ def run(args) -> int:
         else:
             print(format_hf(src, s))
         return 0
-    if is_run_argument(where, args.single):  # a model_dir: the run, then its latest checkpoint
+    if src.is_run and not args.single:  # a model_dir: the run, then its latest checkpoint
         listing = scan_run(where, args.allow_external or ())
         s = None
         if listing.latest is not None:
