@@ -64,6 +64,7 @@ class Summary:
     root_kind: str
     family: FamilyInfo
     warnings: list = field(default_factory=list)
+    loading: list = field(default_factory=list)  # how from_pretrained loads a mount of it (a mapped family only)
 
 
 def detect(ckpt: Checkpoint) -> FamilyInfo:
@@ -122,6 +123,15 @@ def summarize(ckpt: Checkpoint, family: FamilyInfo | None = None) -> Summary:
         warnings=list(ckpt.warnings))
 
 
+def with_loading(s: Summary) -> Summary:
+    """``s`` with the ``from_pretrained`` calls a mount of it answers (when its family maps to Hugging Face)."""
+    from ..views.hf_formats import loading_lines
+
+    if s.family.family:
+        s.loading = loading_lines()
+    return s
+
+
 def family_line(f: FamilyInfo) -> str:
     if not f.family:
         return f"unknown ({f.reason})" if f.reason else "unknown"
@@ -146,6 +156,7 @@ def format_text(s: Summary) -> str:
         lines.append(f"  unreadable {key}: {reason}")
     for msg in s.warnings:
         lines.append(f"warning: {msg}")
+    lines += [f"{'load (a mount of it):' if i == 0 else '':<22} {line}" for i, line in enumerate(s.loading)]
     return "\n".join(lines)
 
 
@@ -207,7 +218,7 @@ def run(args) -> int:
         s = None
         if listing.latest is not None:
             with open_checkpoint(listing.latest.path, allow_external=args.allow_external or ()) as ckpt:
-                s = summarize(ckpt)
+                s = with_loading(summarize(ckpt))
         if args.json:
             print(json.dumps({"run": as_json(listing), "latest_checkpoint": asdict(s) if s else None}, indent=2,
                              default=str))
@@ -216,7 +227,7 @@ def run(args) -> int:
         return 0
     with open_checkpoint(where, allow_partial=args.allow_partial,
                          allow_external=args.allow_external or ()) as ckpt:
-        s = summarize(ckpt)
+        s = with_loading(summarize(ckpt))
     if args.json:
         print(json.dumps(asdict(s), indent=2, default=str))
     else:

@@ -128,6 +128,18 @@ def _publishing(outcomes: list) -> list:
     return publishing_lines(paths, [folder_of(o.name) for o in outcomes if o.present and folder_of(o.name)])
 
 
+def _loading(outcomes: list) -> list:
+    """README.txt's ``load:`` lines, when the hf view serves a format in a sub-folder of its own (``bin/``): which
+    ``from_pretrained`` call reads which files (``use_safetensors=False`` on the root finds no ``.bin``)."""
+    from ..views import hf_formats
+
+    paths = {p for o in outcomes if o.present for p in o.files}
+    sub = [f for f in hf_formats.FORMATS if f.folder]
+    if not sub or not any(p.startswith(sub[0].folder + "/") and sub[0].is_shard(p.rsplit("/", 1)[-1]) for p in paths):
+        return []
+    return [f"{'load:' if i == 0 else '':<16}{line}" for i, line in enumerate(hf_formats.loading_lines())]
+
+
 def readme_text(info: SourceInfo, outcomes: list) -> str:
     """The root README.txt: what was mounted, which views are present, why any is missing, and all notes."""
     lines = ["ckptfs: a read-only view of a Cerebras checkpoint; every file is generated on read.", ""]
@@ -145,6 +157,7 @@ def readme_text(info: SourceInfo, outcomes: list) -> str:
         lines.append(f"resolved from:  {info.resolved_from} (its latest checkpoint when mounted; this mount keeps "
                      "serving that one: remount to see a newer checkpoint)")
     lines += _publishing(outcomes)
+    lines += _loading(outcomes)
     lines += ["", "views:"]
     for o in outcomes:
         if o.present:

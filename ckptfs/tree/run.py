@@ -486,6 +486,7 @@ def open_run(model_dir, options: MountOptions | None = None, **kw) -> RunTree:
 
     src = classify_source(model_dir, options or MountOptions())
     if not src.is_run:
+        what = "a checkpoint file, not a directory" if src.kind == "hdf5" else (src.reason or src.kind)
         raise CheckpointError(src.given, f"not a run (a model_dir holding checkpoint_<step>.mdl or Model Zoo's run "
-                                         f"files): {src.reason or src.kind}")
+                                         f"files): {what}")
     return RunTree(src.path, options, **kw)
