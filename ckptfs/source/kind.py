@@ -212,9 +212,9 @@ def _s3(p: Probe) -> SourceKind | None:
     try:
         target = s3_classify(loc)
     except CheckpointError as e:
-        if _is_member_name(loc.name) and loc.key:
+        if _is_member_name(loc.name) and "/" in loc.key:  # a name a run mount shows: the run says what it holds
             member = _s3_member(p, loc)
-            if member.found:
+            if member.found or "the run in" in member.reason:
                 return member
         return SourceKind(NOTHING, None, p.given, e.problem)
     return SourceKind(kinds[target.kind], target.location, p.given, target=target)

@@ -158,10 +158,13 @@ def url_problem(text: str) -> str | None:
     scheme = m.group(1).lower()
     if scheme in ("http", "https"):
         try:
-            host = urlsplit(text).hostname or "?"
+            parts = urlsplit(text)
+            host = parts.hostname or "?"
+            if parts.port:
+                host = f"{host}:{parts.port}"
         except ValueError:
             host = "?"
-        if host.endswith("amazonaws.com"):
+        if host.split(":")[0].endswith("amazonaws.com"):
             return (f"an https URL of {host} that names no S3 bucket and key (presigned or not an S3 address): give "
                     "s3://BUCKET/KEY")
         return (f"an https URL of {host}, which is not AWS S3: for an S3-compatible store give s3://BUCKET/KEY with "
