@@ -31,7 +31,8 @@ def add_parser(subparsers):
         description="Explain byte OFFSET of VIRTUAL_PATH (a path inside the mount): the piece of the file it lies "
                     "in (header, tensor bytes, zip directory…) and, for tensor bytes, the element, the cache block "
                     "and the source tensor element it is computed from.")
-    p.add_argument("ckpt", metavar="CKPT", help="checkpoint .mdl file or model_dir")
+    p.add_argument("ckpt", metavar="CKPT", help="checkpoint .mdl file, model_dir, Hugging Face folder, Hub repository id "
+                                              "(ORG/NAME, from the local cache) or s3:// location")
     p.add_argument("virtual_path", metavar="VIRTUAL_PATH", help="path inside the mount (see README.txt)")
     p.add_argument("offset", metavar="OFFSET", type=_offset, help="byte offset in the file (decimal or 0x hex)")
     mount_options.add_arguments(p)

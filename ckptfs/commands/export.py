@@ -32,7 +32,8 @@ def add_parser(subparsers):
                     "finished. With VIRTUAL_PATH DEST: write that one file of the mount (e.g. model.safetensors or "
                     "torch/checkpoint.pt) to DEST ('-' for stdout). Either way without FUSE, with exactly the bytes "
                     "the mount serves.")
-    p.add_argument("ckpt", metavar="CKPT", help="checkpoint .mdl file or model_dir")
+    p.add_argument("ckpt", metavar="CKPT", help="checkpoint .mdl file, model_dir, Hugging Face folder, Hub repository id "
+                                              "(ORG/NAME, from the local cache) or s3:// location")
     p.add_argument("virtual_path", metavar="OUTDIR|VIRTUAL_PATH",
                    help="output directory for the whole tree, or a path inside the mount (see README.txt)")
     p.add_argument("dest", metavar="DEST", nargs="?", help="output file, existing directory, or - for stdout")

@@ -16,7 +16,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Mount a Cerebras checkpoint (a .mdl file or a model_dir) read-only at MOUNTPOINT. Files are "
                     "generated on read. Without --foreground the server runs in the background (its log file is "
                     "printed); stop it with `ckptfs umount MOUNTPOINT`.")
-    p.add_argument("ckpt", metavar="CKPT", help="checkpoint .mdl file or model_dir")
+    p.add_argument("ckpt", metavar="CKPT", help="checkpoint .mdl file, model_dir, Hugging Face folder, Hub repository id "
+                                              "(ORG/NAME, from the local cache) or s3:// location")
     p.add_argument("mountpoint", metavar="MOUNTPOINT", help="an existing empty directory")
     mount_options.add_arguments(p)
     p.add_argument("--foreground", "-f", action="store_true",
