@@ -25,7 +25,7 @@ def every_option_set(tmp_path) -> mo.MountOptions:
                            hf_format="bin", overlay=(tmp_path,),
                            zip_crc="zero", cache_size=64 << 20, allow_partial=True, allow_external=(tmp_path,),
                            data_iter_dir=tmp_path, shuffle_seed=7, single=True, added_tensors="omit",
-                           endpoint_url="http://127.0.0.1:9000", profile="ckpts")
+                           endpoint_url="http://127.0.0.1:9000", profile="ckpts", revision="v2")
 
 
 def test_the_sample_sets_every_declared_option(tmp_path):
