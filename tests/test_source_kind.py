@@ -145,6 +145,16 @@ def test_every_command_refuses_a_folder_without_a_model_in_the_same_line(wrong_f
         assert not out.exists()
 
 
+def test_a_run_holding_a_copied_s3_layout_checkpoint_lists_it_as_unreadable(tmp_path):
+    d = model_dir(tmp_path / "run")
+    save(d, 100)
+    synced_copy("s3_run", tmp_path / "synced")
+    shutil.copytree(tmp_path / "synced" / "s3_run" / "model_dir" / "checkpoint_200.mdl", d / "checkpoint_200.mdl")
+    r = run_ckptfs("ls", d, text=True, check=True)
+    row = next(line for line in r.stdout.splitlines() if "checkpoint_200.mdl" in line)
+    assert "S3 layout copied to disk: unreadable" in row and "checkpoint_100 (highest step" in r.stdout
+
+
 @needs_fuse
 def test_mount_refuses_a_folder_without_a_model_before_mounting(wrong_folders, tmp_path):
     mnt = tmp_path / "mnt"
