@@ -504,7 +504,9 @@ def _mount(ckpt, mountpoint, options: MountOptions, *, foreground: bool, allow_o
     from .tree.assemble import classify_source
     from .tree.run import RUN_CACHE_TIMEOUT, check_run, open_run
 
-    src = classify_source(ckpt, options)  # what CKPT is (source.kind): nothing ckptfs reads is one line, unmounted
+    # what CKPT is (source.kind): nothing ckptfs reads is one line, unmounted; a caller's own builder (synthetic
+    # files) is given its argument as it is
+    src = classify_source(ckpt, options, required=build is build_tree)
     run = src.is_run and not options.single  # a model_dir: the whole training run, live (tree/run.py)
     if run and background_server:
         check_run(src.path, options)  # a directory that cannot be followed as a run fails the background start

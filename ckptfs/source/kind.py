@@ -550,7 +550,10 @@ def classify_local(p: Probe) -> SourceKind:
         return _first("file", p) or _unknown_file(p)
     if stat.S_ISDIR(st.st_mode):
         return _first("folder", p) or _unknown_folder(p)
-    return p.nothing(f"neither a regular file nor a folder: {_WHAT_WORKS}")
+    from ckptfs.source.confine import non_regular_kind
+
+    what = non_regular_kind(st) or "neither a regular file nor a folder"
+    return p.nothing(f"{what}, not a checkpoint file: not opened ({_WHAT_WORKS})")
 
 
 def classify_required(location, **kw) -> SourceKind:

@@ -199,15 +199,18 @@ def assemble_tree(info: SourceInfo, outcomes: list, *, mtime_ns: int | None = No
 # ---- building from a checkpoint ---------------------------------------------------------------------
 
 
-def classify_source(ckpt_path, options: MountOptions):
+def classify_source(ckpt_path, options: MountOptions, required: bool = True):
     """What ``ckpt_path`` is (``source.kind``), with the mount options' S3 settings and ``--revision``; a
-    ``CheckpointError`` (one line: what was found, what would work) when it is nothing ckptfs reads."""
+    ``CheckpointError`` (one line: what was found, what would work) when it is nothing ckptfs reads (unless not
+    ``required``: then its ``NOTHING`` kind)."""
     from ..source.kind import SourceKind, classify
 
     if isinstance(ckpt_path, SourceKind):
-        return ckpt_path.require()
-    return classify(ckpt_path, settings=s3_settings(options), revision=getattr(options, "revision", None),
-                    allow_external=options.allow_external).require()
+        src = ckpt_path
+    else:
+        src = classify(ckpt_path, settings=s3_settings(options), revision=getattr(options, "revision", None),
+                       allow_external=options.allow_external)
+    return src.require() if required else src
 
 
 def open_source(ckpt_path, options: MountOptions):
