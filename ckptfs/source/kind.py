@@ -216,7 +216,7 @@ def _s3(p: Probe) -> SourceKind | None:
             member = _s3_member(p, loc)
             if member.found or "the run in" in member.reason:
                 return member
-        return SourceKind(NOTHING, None, p.given, e.problem)
+        return SourceKind(NOTHING, None, e.path or p.given, e.problem)  # the path the endpoint's answer concerns
     return SourceKind(kinds[target.kind], target.location, p.given, target=target)
 
 
