@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -178,7 +179,6 @@ def test_a_model_dir_before_its_first_checkpoint_mounts_as_an_empty_run(tmp_path
         for _ in range(100):
             if "checkpoint_100" in os.listdir(mnt):
                 break
-            import time
             time.sleep(0.1)
         assert os.readlink(mnt / "latest") == "checkpoint_100"
 
