@@ -57,15 +57,15 @@ def load(ckpt, *, allow_partial: bool = False, allow_external=(), model: str | N
     config is ambiguous). ``ckpt`` may be an ``s3://`` location (``endpoint_url``, ``profile``: as
     ``--endpoint-url``, ``--profile``)."""
     from .source import open_checkpoint, resolve_checkpoint
-    from .source.hf_layout import is_hf_folder
+    from .source.kind import classify
     from .source.materialize import to_torch
-    from .storage.locate import locate
-    from .storage.s3url import S3Location, S3Settings
+    from .storage.s3url import S3Settings
     from ckptfs.source.materialize import require_torch
 
     require_torch()  # before anything is opened: without torch, say so at once
-    where = locate(ckpt, S3Settings(endpoint_url, profile))
-    if not isinstance(where, S3Location) and is_hf_folder(where):
+    src = classify(ckpt, settings=S3Settings(endpoint_url, profile), allow_external=allow_external).require()
+    where = src.path
+    if src.is_hf:
         from .views.from_hf import open_hf_checkpoint
 
         hc = open_hf_checkpoint(where, _options(allow_external=tuple(allow_external), model=model))
@@ -73,7 +73,7 @@ def load(ckpt, *, allow_partial: bool = False, allow_external=(), model: str | N
             return to_torch(hc.checkpoint)
         finally:
             hc.close()
-    if not isinstance(where, S3Location):
+    if src.kind == "run":
         where = resolve_checkpoint(where, allow_external)
     with open_checkpoint(where, allow_partial=allow_partial, allow_external=allow_external) as c:
         return to_torch(c)

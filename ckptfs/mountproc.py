@@ -554,14 +554,18 @@ def _mount(ckpt, mountpoint, options: MountOptions, *, foreground: bool, allow_o
         return start_background(ckpt, mp, options, allow_other=allow_other, debug=debug, build=build)
     load_mfusepy()  # a missing libfuse is reported before anything is built
     from .fusefs import CACHE_TIMEOUT, serve, trim_memory
-    from .tree.run import RUN_CACHE_TIMEOUT, check_run, is_run, open_run
+    from .tree.assemble import classify_source
+    from .tree.run import RUN_CACHE_TIMEOUT, check_run, open_run
 
-    run = is_run(ckpt, options)  # a model_dir: the whole training run, live (tree/run.py), unless --single
+    # what CKPT is (source.kind): nothing ckptfs reads is one line, unmounted; a caller's own builder (synthetic
+    # files) is given its argument as it is
+    src = classify_source(ckpt, options, required=build is build_tree)
+    run = src.is_run and not options.single  # a model_dir: the whole training run, live (tree/run.py)
     scanner = None
     if run and background_server:
-        scanner = check_run(ckpt, options)  # a directory that cannot be followed as a run fails the background start
-    tree = open_run(ckpt, options, build_tree=build, scanner=scanner) if run else build(ckpt, options,
-                                                                                       fork_builds=True)
+        scanner = check_run(src.path, options)  # a directory that cannot be followed as a run fails the background start
+    tree = open_run(src, options, build_tree=build, scanner=scanner) if run else build(ckpt, options,
+                                                                                      fork_builds=True)
     trim_memory()  # what building the tree used and freed (the catalog's HDF5 handle, temporaries) goes back
     tree.warm()  # expensive layouts (the cs view's HDF5 skeleton) build while the mount already answers
     setup_logging(debug)

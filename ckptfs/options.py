@@ -239,6 +239,9 @@ class MountOptions:
                                  help="AWS profile (~/.aws/config, ~/.aws/credentials) for s3:// checkpoints "
                                       "(default: AWS_PROFILE, else the environment's credentials or the default "
                                       "profile)")
+    revision: str | None = option(None, "--revision", TEXT,
+                                  help="a Hub repository id (ORG/NAME) or cache folder: the branch, tag or commit to "
+                                       "read from the local Hugging Face cache (default: main)")
     data_iter_dir: Path | None = option(None, "--data-iter-dir", PATH, content=True,
                                         help="dataloader state directory for the cs view")
     shuffle_seed: int | None = option(None, "--shuffle-seed", INT, content=True,

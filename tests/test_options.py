@@ -24,8 +24,9 @@ def every_option_set(tmp_path) -> mo.MountOptions:
                            max_shard_size=123_000, tf_max_shard_size=24_000, tf_shard_by=2,
                            hf_format="bin", overlay=(tmp_path,),
                            zip_crc="zero", cache_size=64 << 20, allow_partial=True, allow_external=(tmp_path,),
-                           data_iter_dir=tmp_path, shuffle_seed=7, single=True, added_tensors="omit", allow_unused_weights=True,
-                           endpoint_url="http://127.0.0.1:9000", profile="ckpts")
+                           data_iter_dir=tmp_path, shuffle_seed=7, single=True, added_tensors="omit",
+                           allow_unused_weights=True, endpoint_url="http://127.0.0.1:9000", profile="ckpts",
+                           revision="v2")
 
 
 def test_the_sample_sets_every_declared_option(tmp_path):

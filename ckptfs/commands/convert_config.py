@@ -19,6 +19,7 @@ settings it cannot take at all are one ``error:`` line each and exit code 2.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -41,7 +42,7 @@ def add_parser(subparsers):
     p.add_argument("params", metavar="PARAMS.yaml", help="Cerebras params YAML (legacy model: or trainer layout); or a "
                                                           "Hugging Face config.json (or model folder): the params "
                                                           "YAML a mount of that model serves")
-    mount_options.add_arguments(p, only=("model", "trainer_index"))  # --model NAME, --trainer-index N
+    mount_options.add_arguments(p, only=("model", "trainer_index", "revision"))  # --model, --trainer-index, --revision
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="the weights' dtype for torch_dtype/dtype (comes from the tensors in a real conversion; "
                         "default: float32)")
@@ -65,8 +66,23 @@ def _report(lines: list, head: str) -> None:
 
 
 def is_hf_config(path: Path) -> bool:
-    """A Hugging Face config (``*.json``) or model folder, rather than Cerebras params."""
-    return path.is_dir() or path.suffix.lower() == ".json"
+    """A Hugging Face config (``*.json``) or model folder, or a Hub repository id in the local cache (a path that
+    does not exist, spelled ``ORG/NAME``), rather than Cerebras params."""
+    from ..source.hub_cache import looks_like_repo_id
+
+    return path.is_dir() or path.suffix.lower() == ".json" or (not os.path.lexists(path) and
+                                                              looks_like_repo_id(str(path)))
+
+
+def hf_source(args) -> Path:
+    """The config file or model folder ``args.params`` names: a Hub repository id means its snapshot in the local
+    cache (``source.hub_cache``, with ``--revision``)."""
+    src = Path(args.params)
+    if src.is_dir() or os.path.lexists(src):
+        return src
+    from ..source.hub_cache import resolve_repo_id
+
+    return resolve_repo_id(args.params, getattr(args, "revision", None))  # a config alone will do: no weights needed
 
 
 def run_hf(args) -> int:
@@ -75,7 +91,7 @@ def run_hf(args) -> int:
     from ..source.hf_folder import read_hf_configs
     from ..views.cs import params_yaml
 
-    src = Path(args.params)
+    src = hf_source(args)
     configs = read_hf_configs(src)
     result = hf_to_params(configs, model=args.model)
     if result.problems:

@@ -2,7 +2,8 @@
 what must be read (Cerebras' ``cszoo checkpoint diff`` loads both).
 
 A and B are checkpoint files, model_dirs (their latest checkpoint), or a run's checkpoint named as a run mount
-names it: ``MODEL_DIR/checkpoint_2000``, ``MODEL_DIR/latest``. Every key is added, removed, equal, or changed in
+names it: ``MODEL_DIR/checkpoint_2000``, ``MODEL_DIR/latest``; each may be local or in a bucket (``s3://``: an
+object, a prefix in Cerebras' S3 layout, a run), as ``source.kind`` takes every checkpoint argument. Every key is added, removed, equal, or changed in
 kind, shape, dtype or value (``ckptfs.source.compare``: chunks stored alike are compared as stored, the others
 decoded block by block). ``--view hf`` (or cs, torch, tensors) compares instead the files two mounts would serve
 (``diff_trees``), e.g. to check that an upgrade changed nothing. Memory stays within ``--cache-size``.
@@ -30,7 +31,7 @@ from ..units import parse_size
 #: mount options that decide what a view's files are (``--view``); the others apply to both kinds of diff
 VIEW_OPTIONS = ("config", "model", "trainer_index", "lora", "max_shard_size", "hf_format", "overlay", "zip_crc",
                 "data_iter_dir", "shuffle_seed")
-COMMON_OPTIONS = ("cache_size", "allow_partial", "allow_external")
+COMMON_OPTIONS = ("cache_size", "allow_partial", "allow_external", "endpoint_url", "profile")
 
 _MARK = {"equal": "=", "changed": "~", "added": "+", "removed": "-", "shape": "!", "dtype": "!", "kind": "!",
          "size": "!", "unreadable": "?"}
@@ -70,7 +71,7 @@ def add_parser(subparsers):
                     "differing element). Chunks stored alike are compared without decoding. With --view, compare "
                     "the files two mounts would serve instead. Exit code 0: equal, 1: different, 2: bad input.")
     p.add_argument("a", metavar="A", help="checkpoint .mdl file, model_dir (its latest checkpoint), or "
-                                          "MODEL_DIR/checkpoint_<step> or MODEL_DIR/latest")
+                                          "MODEL_DIR/checkpoint_<step> or MODEL_DIR/latest; local or s3://")
     p.add_argument("b", metavar="B", help="the checkpoint to compare A with (same forms)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--tolerance", type=tolerance, default=0.0, metavar="X",
@@ -85,32 +86,25 @@ def add_parser(subparsers):
     return p
 
 
-def resolve_argument(text: str) -> Path:
-    """The checkpoint file an argument names (see the module docstring); ``CheckpointError`` naming it if none."""
-    from ..source import resolve_checkpoint
+def resolve_argument(text: str, options=None):
+    """The checkpoint an argument names (see the module docstring): a local file (a ``Path``) or a checkpoint in a
+    bucket (an ``S3Location``); ``CheckpointError`` naming it (one line: what was found, what would work) if none.
+    A model_dir, local or in a bucket, means its latest complete checkpoint."""
+    from ..options import MountOptions, s3_settings
+    from ..source.kind import classify
     from ..source.rundir import RunScanner
 
-    from ckptfs.source.tf_locate import is_tf_source
-
-    path = Path(text)
-    if is_tf_source(path) or path.is_dir() or (path.exists() and path.name != "latest"):
-        return resolve_checkpoint(path)
-    run = path.parent
-    if not run.is_dir():
-        raise CheckpointError(path, "no such file or directory")
-    listing = RunScanner(run).scan()
-    if not listing.checkpoints:
-        raise CheckpointError(path, "no such file or directory")
-    if path.name == "latest":
-        if listing.latest is None:
-            raise CheckpointError(path, f"the run in {run} has no complete checkpoint")
-        return listing.latest.path
-    for c in listing.complete:
-        if path.name in (c.name, c.path.name):
-            return c.path
-    names = ", ".join(c.name for c in listing.complete) or "none"
-    raise CheckpointError(path, f"no such file, nor a checkpoint of the run in {run} (its complete checkpoints: "
-                                f"{names}; latest)")
+    options = options or MountOptions()
+    src = classify(text, settings=s3_settings(options), allow_external=options.allow_external).require()
+    if src.is_hf:
+        raise CheckpointError(text, "a Hugging Face model, not a Cerebras checkpoint: diff its files against a "
+                                    "mount's with --view hf, or mount it and diff its checkpoint.mdl")
+    if not src.is_run:
+        return src.path
+    listing = RunScanner(src.path, allow_external=options.allow_external).scan()
+    if listing.latest is None:
+        raise CheckpointError(text, f"a run with no complete checkpoint ({listing.latest_reason})")
+    return listing.latest.path
 
 
 def _number(x):
@@ -204,8 +198,8 @@ def _summary(items, noun: str) -> str:
 
 
 def run(args) -> int:
-    a, b = resolve_argument(args.a), resolve_argument(args.b)
     options = mount_options.from_args(args)
+    a, b = resolve_argument(args.a, options), resolve_argument(args.b, options)
     show = (lambda line: print(line, flush=True)) if not args.json else (lambda line: None)
     show(f"A: {a}")
     show(f"B: {b}")

@@ -29,8 +29,8 @@ def add_parser(subparsers):
                                                 "that), or a Hugging Face model folder: its files, and the Cerebras "
                                                 "checkpoint a mount of it serves")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    mount_options.add_arguments(p, only=("allow_partial", "allow_external", "single", "model", "added_tensors", "allow_unused_weights", "endpoint_url",
-                                           "profile"))
+    mount_options.add_arguments(p, only=("allow_partial", "allow_external", "single", "model", "added_tensors",
+                                         "allow_unused_weights", "endpoint_url", "profile", "revision"))
     return p
 
 
@@ -64,6 +64,7 @@ class Summary:
     root_kind: str
     family: FamilyInfo
     warnings: list = field(default_factory=list)
+    loading: list = field(default_factory=list)  # how from_pretrained loads a mount of it (a mapped family only)
     notes: list = field(default_factory=list)  # where things came from (a params file fetched from a bucket)
     format_name: str | None = None  # a format without a Cerebras format version (a TF kind, a legacy torch.save zip)
     flat: bool = False  # a flat state keyed by TensorFlow variable names (a TF kind)
@@ -133,6 +134,15 @@ def summarize(ckpt: Checkpoint, family: FamilyInfo | None = None) -> Summary:
         format_name=getattr(ckpt, "format_name", None), flat=bool(getattr(ckpt, "is_tf", False)))
 
 
+def with_loading(s: Summary) -> Summary:
+    """``s`` with the ``from_pretrained`` calls a mount of it answers (when its family maps to Hugging Face)."""
+    from ..views.hf_formats import loading_lines
+
+    if s.family.family:
+        s.loading = loading_lines()
+    return s
+
+
 def family_line(f: FamilyInfo) -> str:
     if not f.family:
         return f"unknown ({f.reason})" if f.reason else "unknown"
@@ -169,6 +179,7 @@ def format_text(s: Summary) -> str:
     lines += s.notes
     for msg in s.warnings:
         lines.append(f"warning: {msg}")
+    lines += [f"{'load (a mount of it):' if i == 0 else '':<22} {line}" for i, line in enumerate(s.loading)]
     return "\n".join(lines)
 
 
@@ -211,10 +222,11 @@ def format_hf(src: HFSourceInfo, s: Summary) -> str:
 
 def run(args) -> int:
     from ..source import open_checkpoint
-    from .runinfo import as_json, checkpoint_argument, format_run, is_hf_source, is_run_argument, scan_run
+    from .runinfo import as_json, classify_argument, format_run, scan_run
 
-    where = checkpoint_argument(args)
-    if is_hf_source(where):  # a Hugging Face model: its files, and the checkpoint a mount of it serves
+    src = classify_argument(args)
+    where = src.path
+    if src.is_hf:  # a Hugging Face model: its files, and the checkpoint a mount of it serves
         from ..views.from_hf import open_hf_checkpoint
 
         hc = open_hf_checkpoint(where, mount_options.from_args(args))
@@ -224,12 +236,12 @@ def run(args) -> int:
         else:
             print(format_hf(src, s))
         return 0
-    if is_run_argument(where, args.single):  # a model_dir: the run, then its latest checkpoint
+    if src.is_run and not args.single:  # a model_dir: the run, then its latest checkpoint
         listing = scan_run(where, args.allow_external or ())
         s = None
         if listing.latest is not None:
             with open_checkpoint(listing.latest.path, allow_external=args.allow_external or ()) as ckpt:
-                s = summarize(ckpt)
+                s = with_loading(summarize(ckpt))
         if args.json:
             print(json.dumps({"run": as_json(listing), "latest_checkpoint": asdict(s) if s else None}, indent=2,
                              default=str))
@@ -238,7 +250,7 @@ def run(args) -> int:
         return 0
     with open_checkpoint(where, allow_partial=args.allow_partial,
                          allow_external=args.allow_external or ()) as ckpt:
-        s = summarize(ckpt)
+        s = with_loading(summarize(ckpt))
     if args.json:
         print(json.dumps(asdict(s), indent=2, default=str))
     else:

@@ -24,8 +24,8 @@ def add_parser(subparsers):
                                                 "or a Hugging Face model folder: the keys of the Cerebras checkpoint "
                                                 "a mount of it serves")
     p.add_argument("-l", "--long", action="store_true", help="also show shapes, dtypes and values")
-    mount_options.add_arguments(p, only=("allow_partial", "allow_external", "single", "model", "added_tensors", "allow_unused_weights", "endpoint_url",
-                                           "profile"))
+    mount_options.add_arguments(p, only=("allow_partial", "allow_external", "single", "model", "added_tensors",
+                                         "allow_unused_weights", "endpoint_url", "profile", "revision"))
     return p
 
 
@@ -77,13 +77,14 @@ def format_lines(ckpt, long: bool = False):
 
 def run(args) -> int:
     from ..source import open_checkpoint
-    from .runinfo import checkpoint_argument, format_run, is_hf_source, is_run_argument, scan_run
+    from .runinfo import classify_argument, format_run, scan_run
 
-    where = checkpoint_argument(args)
-    if is_run_argument(where, args.single):  # a model_dir: the run's checkpoints
+    src = classify_argument(args)
+    where = src.path
+    if src.is_run and not args.single:  # a model_dir: the run's checkpoints
         print(format_run(scan_run(where, args.allow_external or ())))
         return 0
-    if is_hf_source(where):  # a Hugging Face model: the checkpoint its mount serves
+    if src.is_hf:  # a Hugging Face model: the checkpoint its mount serves
         from ..views.from_hf import open_hf_checkpoint
 
         hc = open_hf_checkpoint(where, mount_options.from_args(args))

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from datetime import datetime
-from pathlib import Path
 
-from ..errors import CheckpointError
-from ..storage.s3url import is_s3_url
 from ..source.rundir import RunListing, RunScanner
 from ..units import human_size
 
@@ -25,44 +22,20 @@ class RunRow:
     latest: bool
 
 
-def checkpoint_argument(args):
-    """The command's CKPT as a local path or an ``s3://`` location (with ``--endpoint-url``, ``--profile``)."""
-    from ..storage.locate import locate
+def classify_argument(args):
+    """What the command's CKPT is (``source.kind``: with ``--endpoint-url``, ``--profile``, ``--revision``); the
+    one-line ``CheckpointError`` when it is nothing ckptfs reads."""
+    from ..source.kind import classify
     from ..storage.s3url import S3Settings
 
-    return locate(args.ckpt, S3Settings(getattr(args, "endpoint_url", None), getattr(args, "profile", None)))
-
-
-def is_run_argument(path, single: bool = False) -> bool:
-    """A directory (or an S3 prefix holding checkpoints) given without ``--single`` means the whole run (a Hugging
-    Face model folder never does)."""
-    if single:
-        return False
-    if is_s3_url(path):
-        from ..source.s3open import RUN, classify
-
-        return classify(path).kind == RUN
-    from ..source.hf_layout import is_hf_folder
-    from ckptfs.source.tf_locate import is_tf_source
-
-    return Path(path).is_dir() and not is_hf_folder(path) and not is_tf_source(path)
-
-
-def is_hf_source(path) -> bool:
-    """A Hugging Face model folder (or Hub cache snapshot): ``info`` and ``ls`` show the checkpoint it mounts as."""
-    if is_s3_url(path):
-        return False
-    from ..source.hf_layout import is_hf_folder
-
-    return is_hf_folder(path)
+    return classify(args.ckpt, settings=S3Settings(getattr(args, "endpoint_url", None), getattr(args, "profile", None)),
+                    revision=getattr(args, "revision", None),
+                    allow_external=getattr(args, "allow_external", None) or ()).require()
 
 
 def scan_run(path, allow_external=()) -> RunListing:
-    """The run in ``path``; a ``CheckpointError`` if the directory holds no checkpoint file at all."""
-    listing = RunScanner(path, allow_external=allow_external).scan()
-    if not listing.checkpoints:
-        raise CheckpointError(listing.model_dir, "is a directory with no checkpoint_<step>.mdl file (not a model_dir)")
-    return listing
+    """The run in ``path`` (a model_dir ``source.kind`` recognised: it may hold no checkpoint yet)."""
+    return RunScanner(path, allow_external=allow_external).scan()
 
 
 def rows(listing: RunListing) -> list:

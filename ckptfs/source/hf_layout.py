@@ -1,6 +1,6 @@
 """How a Hugging Face model folder looks on disk: the file names ``save_pretrained`` writes, the converter's
 multi-folder layouts, the Hub cache's ``models--org--name/snapshots/<rev>/``. Recognising one reads only directory
-entries (and a Hub repository's ``refs/main``; every component of a Hub repository must resolve inside it): ``is_hf_folder`` tells an HF folder from a Model Zoo ``model_dir``
+entries (and a Hub repository's ``refs/main``; every component of a Hub repository must resolve inside it); ``source.kind`` tells an HF folder from a Model Zoo ``model_dir``
 (``hf_folder`` opens one).
 """
 from __future__ import annotations
@@ -127,27 +127,9 @@ def component_folders(path: Path) -> tuple:
 
 
 def is_hf_folder(path) -> bool:
-    """Whether ``path`` looks like a Hugging Face model folder (``config.json`` beside weights, a multi-folder
-    model, or a Hub cache repository/snapshot) rather than a Model Zoo ``model_dir`` (a folder holding ``.mdl``
-    files is one, whatever else it holds)."""
-    p = Path(path)
-    if not p.is_dir():
-        return False
-    try:
-        snap = hub_repo_snapshot(p.absolute())
-    except (CheckpointError, OSError):
-        return True  # a Hub repository folder whose snapshot cannot be chosen: opening it says why
-    if snap is not None:
-        return True
-    if not (component_folders(p) or (os.path.lexists(p / CONFIG) and any(
-            os.path.lexists(p / n) for n in (SAFE_SINGLE, SAFE_INDEX, BIN_SINGLE, BIN_INDEX) + UNREAD_WEIGHTS))):
-        return False
-    return not _holds_mdl(p)  # a model_dir that also holds HF files stays a training run
+    """Whether ``path`` is served as a Hugging Face model (a model folder, a multi-folder model, a Hub cache
+    repository or snapshot) rather than a Model Zoo ``model_dir``: ``source.kind`` decides (a folder holding
+    checkpoint files is a run, whatever else it holds)."""
+    from ckptfs.source.kind import classify
 
-
-def _holds_mdl(path: Path) -> bool:
-    try:
-        with os.scandir(path) as it:
-            return any(e.name.endswith(".mdl") for e in it)
-    except OSError:
-        return False
+    return classify(path).is_hf

@@ -57,6 +57,8 @@ TEMPORARY_FILE = re.compile(r"^(?P<final>checkpoint_.+\.mdl)\.[0-9a-fA-F]{8}\.tm
 COMPLETE = "complete"
 IN_PROGRESS = "temporary file of a save in progress (or of a failed save)"
 LAYOUT_IN_PROGRESS = "no __METADATA__ yet: a save in progress to S3 (or a failed one)"
+LAYOUT_COPIED = ("a checkpoint in Cerebras' S3 layout copied to disk: unreadable (each tensor's shape and dtype lived in "
+                 "its object's S3 metadata, which the copy lost): mount it in the bucket")
 #: the object a checkpoint in Cerebras' S3 layout writes last
 LAYOUT_METADATA = "__METADATA__"
 #: the status of a checkpoint prefix older than a complete one, not asked about (``RunScanner._layouts_now``)
@@ -211,6 +213,9 @@ class RunScanner:
                 found.append(self._checkpoint(e, parsed))
             elif self.in_bucket and not e.name.endswith(".tmp"):
                 prefixes.append((e.name, parsed))
+            elif not self.in_bucket and os.path.lexists(self.model_dir / e.name / LAYOUT_METADATA):
+                found.append(RunCheckpoint(self.model_dir / e.name, *parsed, 0, e.mtime_ns, False, LAYOUT_COPIED,
+                                           ("copied layout", e.name)))
         found += self._layouts_now(prefixes)
         found.sort(key=RunCheckpoint.sort_key)
         with self._lock:

@@ -108,8 +108,9 @@ def _is_checkpoint_name(name: str) -> bool:
 
 
 def open_s3_checkpoint(path, *, allow_partial: bool = False) -> Checkpoint:
-    """The catalog of the checkpoint at an ``s3://`` location (a run means its latest checkpoint)."""
-    target = classify(path)
+    """The catalog of the checkpoint at an ``s3://`` location (a run means its latest checkpoint); ``path`` may be
+    the ``S3Target`` a classification already found (nothing is listed again)."""
+    target = path if isinstance(path, S3Target) else classify(path)
     if target.kind == RUN:
         listing = RunScanner(target.location).scan()
         if listing.latest is None:

@@ -138,7 +138,7 @@ class S3Client:
         try:
             session = boto3.session.Session(profile_name=self.settings.profile)
             return session.client(
-                "s3", endpoint_url=self.settings.endpoint_url,
+                "s3", endpoint_url=self.settings.endpoint_url, region_name=self.settings.region,
                 config=Config(connect_timeout=CONNECT_TIMEOUT, read_timeout=READ_TIMEOUT,
                               retries={"mode": "standard", "total_max_attempts": ATTEMPTS},
                               max_pool_connections=POOL_CONNECTIONS, tcp_keepalive=True))

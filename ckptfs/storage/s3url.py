@@ -8,7 +8,7 @@ endpoint URL and an AWS profile, each None to let boto3 find them as every AWS t
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit, urlunsplit
 
 SCHEME = "s3://"
@@ -24,6 +24,7 @@ class S3Settings:
 
     endpoint_url: str | None = None
     profile: str | None = None
+    region: str | None = None  # from an AWS https URL naming it (``s3.REGION.amazonaws.com``); None: boto3's own
 
 
 def safe_endpoint(url: str | None) -> str:
@@ -92,8 +93,85 @@ class S3Location:
 
 
 def is_s3_url(value) -> bool:
-    """Whether ``value`` is an S3 location or a text naming one (``s3://…``)."""
-    return isinstance(value, S3Location) or (isinstance(value, str) and value.startswith(SCHEME))
+    """Whether ``value`` is an S3 location or a text naming one: ``s3://…``, or a spelling ``s3_spelling`` takes."""
+    if isinstance(value, S3Location):
+        return True
+    return isinstance(value, str) and (value.startswith(SCHEME) or s3_spelling(value) is not None)
+
+
+#: other spellings of the ``s3://`` scheme that name the same object (cstorch.load takes ``S3://``; Hadoop tools
+#: write ``s3a://`` and ``s3n://``)
+_SCHEME_ALIASES = re.compile(r"^(?:[sS]3|[sS]3[aAnN])://")
+#: AWS's https addresses of an object: virtual-hosted (``BUCKET.s3[.-]REGION].amazonaws.com/KEY``) and path-style
+#: (``s3[.-]REGION.amazonaws.com/BUCKET/KEY``)
+_VIRTUAL_HOST = re.compile(r"^(?P<bucket>[a-z0-9][a-z0-9.-]{1,61}[a-z0-9])\.s3(?:[.-](?P<region>[a-z0-9-]+))?"
+                           r"(?:\.dualstack)?\.amazonaws\.com$")
+_PATH_HOST = re.compile(r"^s3(?:[.-](?:dualstack\.)?(?P<region>[a-z0-9-]+))?\.amazonaws\.com$")
+
+
+@dataclass(frozen=True)
+class Spelling:
+    """What another spelling of an S3 address means: its ``s3://`` URL and the region it names (or None)."""
+
+    url: str
+    region: str | None = None
+
+
+def s3_spelling(text: str) -> Spelling | None:
+    """The ``s3://`` URL another unambiguous spelling of an S3 address means (``S3://``, ``s3a://``, ``s3n://``;
+    AWS's virtual-hosted and path-style https URLs, with their region), or None for anything else (``s3://`` itself
+    included: it needs no translation)."""
+    if not isinstance(text, str) or text.startswith(SCHEME):
+        return None
+    m = _SCHEME_ALIASES.match(text)
+    if m:
+        return Spelling(SCHEME + text[m.end():])
+    if not text.lower().startswith(("https://", "http://")):
+        return None
+    try:
+        parts = urlsplit(text)
+        host = (parts.hostname or "").lower()
+    except ValueError:
+        return None
+    if parts.query or parts.fragment or parts.username:
+        return None  # a presigned URL or one with credentials: not a location ckptfs lists
+    path = parts.path.lstrip("/")
+    v = _VIRTUAL_HOST.match(host)
+    if v:
+        return Spelling(f"{SCHEME}{v.group('bucket')}/{path}", _region(v.group("region")))
+    p = _PATH_HOST.match(host)
+    if p and path:
+        return Spelling(f"{SCHEME}{path}", _region(p.group("region")))
+    return None
+
+
+def _region(name: str | None) -> str | None:
+    return None if name in (None, "external-1", "accelerate") else name
+
+
+def url_problem(text: str) -> str | None:
+    """For a text that looks like a URL ckptfs does not take (``SCHEME://…``, not an S3 spelling), one line saying
+    what would work; None for anything else."""
+    m = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", text) if isinstance(text, str) else None
+    if m is None or is_s3_url(text):
+        return None
+    scheme = m.group(1).lower()
+    if scheme in ("http", "https"):
+        try:
+            parts = urlsplit(text)
+            host = parts.hostname or "?"
+            if parts.port:
+                host = f"{host}:{parts.port}"
+        except ValueError:
+            host = "?"
+        if host.split(":")[0].endswith("amazonaws.com"):
+            return (f"an https URL of {host} that names no S3 bucket and key (presigned or not an S3 address): give "
+                    "s3://BUCKET/KEY")
+        return (f"an https URL of {host}, which is not AWS S3: for an S3-compatible store give s3://BUCKET/KEY with "
+                f"--endpoint-url {urlunsplit((scheme, host, '', '', ''))} (ckptfs does not download files)")
+    if scheme in ("hf", "huggingface"):
+        return "a Hugging Face URL: give the repository id (ORG/NAME) of a model in the local Hub cache, or its folder"
+    return f"a {scheme}:// URL: ckptfs reads local paths, s3:// locations and Hub repository ids in the local cache"
 
 
 class BadS3Url(ValueError):
@@ -103,6 +181,11 @@ class BadS3Url(ValueError):
 def parse_s3_url(text: str, settings: S3Settings | None = None) -> S3Location:
     """``s3://bucket/key`` (a trailing ``/`` is dropped: the same location taken as a folder) -> ``S3Location``;
     ``BadS3Url`` saying why for anything else."""
+    spelled = s3_spelling(text)
+    if spelled is not None:
+        text = spelled.url
+        if spelled.region and (settings is None or settings.region is None):
+            settings = replace(settings or S3Settings(), region=spelled.region)
     if not text.startswith(SCHEME):
         raise BadS3Url(f"{text!r} is not an s3:// URL")
     rest = text[len(SCHEME):]

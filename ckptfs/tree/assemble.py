@@ -20,8 +20,7 @@ from ..errors import CheckpointError, CkptfsError
 from ..layouts.crc import CrcStore
 from ..options import MountOptions, check_options, content_options, s3_settings
 from ..statedirs import cache_dir
-from ..storage.locate import locate
-from ..storage.s3url import S3Location, is_s3_url
+from ..storage.s3url import is_s3_url
 from ..units import human_size
 from ..views.base import README_NAME, BytesFile, ViewContext, ViewResult
 from ..views.registry import default_names, folder_of, names, view, views_for
@@ -130,6 +129,18 @@ def _publishing(outcomes: list) -> list:
     return publishing_lines(paths, [folder_of(o.name) for o in outcomes if o.present and folder_of(o.name)])
 
 
+def _loading(outcomes: list) -> list:
+    """README.txt's ``load:`` lines, when the hf view serves a format in a sub-folder of its own (``bin/``): which
+    ``from_pretrained`` call reads which files (``use_safetensors=False`` on the root finds no ``.bin``)."""
+    from ..views import hf_formats
+
+    paths = {p for o in outcomes if o.present for p in o.files}
+    sub = [f for f in hf_formats.FORMATS if f.folder]
+    if not sub or not any(p.startswith(sub[0].folder + "/") and sub[0].is_shard(p.rsplit("/", 1)[-1]) for p in paths):
+        return []
+    return [f"{'load:' if i == 0 else '':<16}{line}" for i, line in enumerate(hf_formats.loading_lines())]
+
+
 def readme_text(info: SourceInfo, outcomes: list) -> str:
     """The root README.txt: what was mounted, which views are present, why any is missing, and all notes."""
     lines = ["ckptfs: a read-only view of a Cerebras checkpoint; every file is generated on read.", ""]
@@ -149,6 +160,7 @@ def readme_text(info: SourceInfo, outcomes: list) -> str:
         lines.append(f"resolved from:  {info.resolved_from} (its latest checkpoint when mounted; this mount keeps "
                      "serving that one: remount to see a newer checkpoint)")
     lines += _publishing(outcomes)
+    lines += _loading(outcomes)
     lines += ["", "views:"]
     for o in outcomes:
         if o.present:
@@ -190,33 +202,45 @@ def assemble_tree(info: SourceInfo, outcomes: list, *, mtime_ns: int | None = No
 # ---- building from a checkpoint ---------------------------------------------------------------------
 
 
-def is_hf_source(path) -> bool:
-    """Whether ``path`` is a Hugging Face model folder (or Hub cache snapshot), not a Cerebras checkpoint or run."""
-    if is_s3_url(path):
-        return False
-    from ..source.hf_layout import is_hf_folder
+def classify_source(ckpt_path, options: MountOptions, required: bool = True):
+    """What ``ckpt_path`` is (``source.kind``), with the mount options' S3 settings and ``--revision``; a
+    ``CheckpointError`` (one line: what was found, what would work) when it is nothing ckptfs reads (unless not
+    ``required``: then its ``NOTHING`` kind)."""
+    from ..source.kind import SourceKind, classify
 
-    return is_hf_folder(path)
+    if isinstance(ckpt_path, SourceKind):
+        src = ckpt_path
+    else:
+        src = classify(ckpt_path, settings=s3_settings(options), revision=getattr(options, "revision", None),
+                       allow_external=options.allow_external)
+    return src.require() if required else src
 
 
 def open_source(ckpt_path, options: MountOptions):
-    """Resolve a checkpoint path (a .mdl or a model_dir, local or ``s3://``) and open it: ``(resolved_path,
-    checkpoint, options)``. For a checkpoint in S3 without ``--config``, the options name the params file found
-    beside it in the bucket, fetched into the cache folder (``source.s3params``)."""
+    """Resolve a checkpoint path (a .mdl or a model_dir, local or ``s3://``; or its ``SourceKind``) and open it:
+    ``(resolved_path, checkpoint, options)``. For a checkpoint in S3 without ``--config``, the options name the
+    params file found beside it in the bucket, fetched into the cache folder (``source.s3params``)."""
     from ..source import open_checkpoint, resolve_checkpoint  # h5py: not imported before a tree is built
-    from ckptfs.source.tf_locate import is_tf_source
 
-    path = locate(ckpt_path, s3_settings(options))
-    if isinstance(path, S3Location):
-        ckpt = open_checkpoint(path, allow_partial=options.allow_partial)
+    src = classify_source(ckpt_path, options)
+    if src.in_bucket:
+        from ..source.s3open import open_s3_checkpoint
+
+        ckpt = open_s3_checkpoint(src.target, allow_partial=options.allow_partial)
         if options.config is None:
             options = _with_s3_params(ckpt, options)
         return ckpt.path, ckpt, options
-    if not path.exists() and not is_tf_source(path):  # a TF checkpoint's prefix names no file
-        raise CheckpointError(path, "no such file or directory")
-    path = Path(resolve_checkpoint(path, options.allow_external))
+    if src.kind not in OPENED_KINDS:
+        raise CheckpointError(src.given, f"is {src.reason or src.kind}, which ckptfs cannot open as a checkpoint")
+    resolve = src.is_run or src.kind == "tf checkpoint"  # a run: its latest checkpoint; a TF checkpoint: its .index
+    path = Path(resolve_checkpoint(src.path, options.allow_external)) if resolve else Path(src.path)
     return path, open_checkpoint(path, allow_partial=options.allow_partial,
                                  allow_external=options.allow_external), options
+
+
+#: the kinds ``open_source`` opens as a checkpoint (a local run: its latest checkpoint)
+OPENED_KINDS = ("hdf5", "run", "tf checkpoint", "legacy torch")  # source.kind's names (importing it would import
+# the readers: a mount's start does not)
 
 
 def _with_s3_params(ckpt, options: MountOptions) -> MountOptions:
@@ -301,12 +325,12 @@ def build_tree(ckpt_path, options: MountOptions | None = None, *, cache: BlockCa
         closers: list = []
         identity = None
         mtime_ns = None
-    elif is_hf_source(ckpt_path):  # a Hugging Face model folder: served as a Cerebras checkpoint
+    elif (src := classify_source(ckpt_path, options)).is_hf:  # a Hugging Face model: served as a Cerebras checkpoint
         from .hf import build_hf_tree
 
-        return build_hf_tree(ckpt_path, options, cache=cache, fork_builds=fork_builds)
+        return build_hf_tree(src.path, options, cache=cache, fork_builds=fork_builds)
     else:
-        path, ckpt, options = open_source(ckpt_path, options)
+        path, ckpt, options = open_source(src, options)
         path = path.absolute()
         identity = content_identity(path, options, ckpt.version)
         ctx = ViewContext(checkpoint=ckpt, ckpt_path=path, stem=path.stem, options=options,
@@ -322,7 +346,8 @@ def build_tree(ckpt_path, options: MountOptions | None = None, *, cache: BlockCa
         built.update({n: ViewOutcome(n, missing=why) for n, why in chosen if why is not None})
         outcomes = [built[n] for n, _ in chosen]
         given = ckpt_path if is_s3_url(ckpt_path) else Path(ckpt_path).absolute()
-        resolved_from = given if str(given).rstrip("/") != str(path) and (is_s3_url(given) or given.is_dir()) else None
+        resolved = src.is_run or " of the run in " in src.reason  # a run's latest (or named) checkpoint
+        resolved_from = given if resolved and str(given).rstrip("/") != str(path) else None
         info = SourceInfo(path, getattr(ckpt, "format_version", None), getattr(ckpt, "release", None),
                           getattr(ckpt, "success", None),
                           [str(w) for w in [*getattr(ckpt, "notes", ()), *(getattr(ckpt, "warnings", None) or [])]],

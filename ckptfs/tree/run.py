@@ -468,18 +468,12 @@ def run_readme(listing: RunListing, poll: float = POLL_SECONDS, held: list = ())
 
 
 def is_run(path, options: MountOptions | None = None) -> bool:
-    """Whether ``path`` is mounted as a whole run: a directory (not a Hugging Face model folder) or an S3 prefix
-    holding checkpoints, unless ``--single`` was given."""
-    if getattr(options, "single", False):
-        return False
-    if is_s3_url(path):
-        from ..source.s3open import RUN, classify
+    """Whether ``path`` is mounted as a whole run: a model_dir, local or in a bucket (``source.kind``), unless
+    ``--single`` was given; a ``CheckpointError`` when it is nothing ckptfs reads."""
+    from .assemble import classify_source
 
-        return classify(locate(path, s3_settings(options or MountOptions()))).kind == RUN
-    from ..source.hf_layout import is_hf_folder
-    from ckptfs.source.tf_locate import is_tf_source
-
-    return Path(path).is_dir() and not is_hf_folder(path) and not is_tf_source(path)
+    src = classify_source(path, options or MountOptions())
+    return src.is_run and not getattr(options, "single", False)
 
 
 def check_run(model_dir, options: MountOptions | None = None) -> RunScanner:
@@ -494,7 +488,11 @@ def check_run(model_dir, options: MountOptions | None = None) -> RunScanner:
 def open_run(model_dir, options: MountOptions | None = None, **kw) -> RunTree:
     """The run tree of ``model_dir``, a local directory or an S3 prefix (``kw``: ``keep``, ``poll``, ``build``,
     ``build_tree``, ``scanner`` of ``RunTree``)."""
-    where = locate(model_dir, s3_settings(options or MountOptions()))
-    if not is_s3_url(where) and not where.is_dir():
-        raise CheckpointError(where, "not a directory (a run is a model_dir)")
-    return RunTree(where, options, **kw)
+    from .assemble import classify_source
+
+    src = classify_source(model_dir, options or MountOptions())
+    if not src.is_run:
+        what = "a checkpoint file, not a directory" if src.kind == "hdf5" else (src.reason or src.kind)
+        raise CheckpointError(src.given, f"not a run (a model_dir holding checkpoint_<step>.mdl or Model Zoo's run "
+                                         f"files): {what}")
+    return RunTree(src.path, options, **kw)

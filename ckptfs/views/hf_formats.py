@@ -77,3 +77,17 @@ def option_help() -> str:
     each = ", ".join(f"{f.name} ({f.stem}*{f.suffix})" for f in FORMATS)
     others = "; ".join(f"the {f.suffix} files in its complete HF folder {f.folder}/" for f in FORMATS if f.folder)
     return f"HF weight files: {each} or {ALL} ({primary().name} in each HF folder, {others})"
+
+
+def loading_lines(root: str = "MOUNT", folder: str = "") -> list:
+    """How ``from_pretrained`` loads each format of a model served under ``--hf-format both`` at ``root``
+    (``folder``: the model folder inside it): the primary format from the folder itself, each other from its own
+    sub-folder — ``use_safetensors=False`` on the model folder finds no ``.bin`` there."""
+    where = f"{root}/{folder}".rstrip("/")
+    first = primary()
+    lines = [f"from_pretrained({where}) loads the {first.about} ({first.stem}{first.suffix})"]
+    for f in FORMATS:
+        if f.folder:
+            lines.append(f"from_pretrained({where}/{f.folder}, use_safetensors=False) loads the {f.about} "
+                         f"({f.stem}{f.suffix}): {where} itself has none, so use_safetensors=False on it fails")
+    return lines
