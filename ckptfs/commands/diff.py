@@ -99,6 +99,10 @@ def resolve_argument(text: str, options=None):
     if src.is_hf:
         raise CheckpointError(text, "a Hugging Face model, not a Cerebras checkpoint: diff its files against a "
                                     "mount's with --view hf, or mount it and diff its checkpoint.mdl")
+    if src.kind == "tf checkpoint":  # its prefix or folder: the .index file of the checkpoint it names
+        from ..source.resolve import resolve_checkpoint
+
+        return resolve_checkpoint(src.path)
     if not src.is_run:
         return src.path
     listing = RunScanner(src.path, allow_external=options.allow_external).scan()
