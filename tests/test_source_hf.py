@@ -18,7 +18,7 @@ import torch
 from ckptfs.errors import CheckpointError, SourceChangedError
 from ckptfs.source import torch_bin
 from ckptfs.source.hf_folder import open_hf_model
-from ckptfs.source.hf_layout import is_hf_folder
+from ckptfs.source.kind import is_hf_folder
 from ckptfs.virtual_tensor import full_box
 from conftest import FIXTURES
 from hfhelp import as_hub_cache, llama_state, save_hf

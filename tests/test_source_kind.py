@@ -99,10 +99,11 @@ def test_the_table_tells_each_local_form_apart(tmp_path):
     shutil.copy(FIXTURES / "llama" / "hf" / "model.safetensors", tmp_path / "hf_bin")
     alone = classify(tmp_path / "hf_bin" / "model.safetensors")
     assert alone.kind == NOTHING and "safetensors" in alone.reason and "config.json" in alone.reason
-    # the placeholders other sources slot into are in the table, in their documented places, answering nothing yet
+    # the other sources are rows of the table, in their documented places
     names = [r.name for r in RECOGNISERS]
-    assert names.index("tf h5") < names.index("hdf5") < names.index("legacy torch")
-    assert {r.name for r in RECOGNISERS if not r.handled} == {"tf h5", "tf checkpoint", "legacy torch"}
+    assert names.index("tf index") < names.index("hdf5") < names.index("legacy torch")
+    assert names.index("run") < names.index("tf checkpoint") < names.index("hf")
+    assert all(r.handled for r in RECOGNISERS)
 
 
 # ---- item 1/2: folders that hold no model --------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import argparse
 from dataclasses import replace
 
 from .. import options as mount_options
-from ckptfs.commands.ckpt_arg import CKPT_HELP
+from ckptfs.commands import CKPT_HELP
 from ..tree.base import Tree
 from .export import resolve_file
 

@@ -19,7 +19,7 @@ from ..outfiles import OutputDir
 from ..tree.base import Tree, VirtualPathError, split_path
 from .export_tree import export_tree, read_failed
 from .. import options as mount_options
-from ckptfs.commands.ckpt_arg import CKPT_FORMS, CKPT_HELP
+from ckptfs.commands import CKPT_FORMS, CKPT_HELP
 
 BLOCK = 8 << 20
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from .. import options as mount_options
-from ckptfs.commands.ckpt_arg import CKPT_FORMS, CKPT_HELP
+from ckptfs.commands import CKPT_FORMS, CKPT_HELP
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

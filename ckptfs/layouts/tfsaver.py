@@ -25,7 +25,7 @@ from typing import Sequence
 
 from ckptfs.cache import BlockCache
 from ckptfs.errors import CkptfsError, TensorReadError
-from ckptfs.layouts.pieces import Computed, PiecedFile, TensorRun, packed
+from ckptfs.layouts.pieces import Computed, Literal, PiecedFile, TensorRun, packed
 from ckptfs.tfbundle import (DT, BundleEntry, BundleHeader, checkpoint_state, crc32c, data_file_name, encode_index,
                              encode_slice_key, mask)
 from ckptfs.tfbundle.sharding import max_shard_size_shards, prefix_groups
@@ -279,12 +279,11 @@ class TFSaverLayout:
 
     def files(self) -> dict[str, VirtualFile]:
         """``{"<prefix>.index": ..., "<prefix>.data-00000-of-0000N": ..., "checkpoint": ...}``."""
-        from ckptfs.views.base import BytesFile
-
         out: dict = {self.index_name: _File([Computed(self._index_size, self._index_part, "bundle index (CRCs "
                                                       "computed from the tensors when first read)")],
                                              name=self.index_name, cache=self.cache)}
         for i, name in enumerate(self.data_names()):
             out[name] = self._data_file(i)
-        out["checkpoint"] = BytesFile(checkpoint_state(self.prefix))
+        state = checkpoint_state(self.prefix)
+        out["checkpoint"] = _File([Literal(state, "the checkpoint state file")], name="checkpoint", cache=self.cache)
         return out

@@ -124,12 +124,3 @@ def component_folders(path: Path) -> tuple:
         if all(os.path.lexists(path / f / CONFIG) for f in layout):
             return layout
     return ()
-
-
-def is_hf_folder(path) -> bool:
-    """Whether ``path`` is served as a Hugging Face model (a model folder, a multi-folder model, a Hub cache
-    repository or snapshot) rather than a Model Zoo ``model_dir``: ``source.kind`` decides (a folder holding
-    checkpoint files is a run, whatever else it holds)."""
-    from ckptfs.source.kind import classify
-
-    return classify(path).is_hf

@@ -575,3 +575,10 @@ def classify_required(location, **kw) -> SourceKind:
     """``classify(location).require()``: the kind, or the one-line ``CheckpointError``."""
     return classify(location, **kw).require()
 
+
+def is_hf_folder(path) -> bool:
+    """Whether ``path`` is served as a Hugging Face model (a model folder, a multi-folder model, a Hub cache
+    repository or snapshot) rather than a Model Zoo ``model_dir``: ``source.kind`` decides (a folder holding
+    checkpoint files is a run, whatever else it holds)."""
+    return classify(path).is_hf
+

@@ -16,8 +16,8 @@ call               IAM action        what it is for
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+from ..env import aws_environment
 
 
 @dataclass(frozen=True)
@@ -72,14 +72,15 @@ def denied_problem(operation: str | None, bucket: str, key: str | None, code: st
 
 def profile_name() -> tuple:
     """``(name, what named it)`` of the profile boto3 uses when ``--profile`` names none."""
+    env = dict(aws_environment())
     for var in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE"):
-        if os.environ.get(var):
-            return os.environ[var], var
+        if env.get(var):
+            return env[var], var
     return "default", "the default"
 
 
 def _file(var: str, default: str) -> str:
-    value = os.environ.get(var)
+    value = dict(aws_environment()).get(var)
     return f"{value} ({var})" if value else default
 
 

@@ -30,17 +30,7 @@ from ..storage.local import FileIdentity
 from ..virtual_file import VirtualFile
 from ..storage.locate import local_folder
 from ckptfs.storage.s3url import is_s3_url
-
-#: file names of a Hugging Face tokenizer (and chat template) that are picked up without --overlay
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json", "merges.txt", "vocab.txt",
-    "chat_template.jinja", "chat_template.json",
-)
-
-#: params YAML keys (at any depth) whose value may be a local tokenizer directory or file
-TOKENIZER_PARAM_KEYS = ("tokenizer_path", "tokenizer_file", "tokenizer_dir", "tokenizer", "huggingface_tokenizer",
-                        "pretrained_model_name_or_path", "vocab_file", "encoder_file")
+from .tokenizer_files import TOKENIZER_FILES, named_in_params
 
 
 class OverlayError(CkptfsError):
@@ -189,19 +179,6 @@ def collect_overlays(dirs) -> Overlay:
 # ---- tokenizer discovery (no --overlay) --------------------------------------------------------------------
 
 
-def _named_in_params(doc, found: list, path: tuple = ()) -> None:
-    """(dotted key, value) of every TOKENIZER_PARAM_KEYS string in a params document, in document order."""
-    if isinstance(doc, dict):
-        for k, v in doc.items():
-            if isinstance(v, str) and k in TOKENIZER_PARAM_KEYS:
-                found.append((".".join(map(str, path + (k,))), v))
-            else:
-                _named_in_params(v, found, path + (k,))
-    elif isinstance(doc, list):
-        for i, v in enumerate(doc):
-            _named_in_params(v, found, path + (i,))
-
-
 def params_tokenizer_paths(params_path: Path | None) -> tuple:
     """([(origin, local path)], [hints]) for the tokenizer locations a params YAML names: an existing directory,
     or an existing tokenizer file; a Hub name (``org/name``) that is not a local path becomes a hint."""
@@ -212,7 +189,7 @@ def params_tokenizer_paths(params_path: Path | None) -> tuple:
     except ConfigError:
         return [], []
     named: list = []
-    _named_in_params(doc, named)
+    named_in_params(doc, named)
     out, hints = [], []
     for key, value in named:
         p = Path(os.path.expandvars(os.path.expanduser(value)))

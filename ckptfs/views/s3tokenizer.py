@@ -24,7 +24,7 @@ from ckptfs.storage.s3client import client_for
 from ckptfs.storage.s3object import S3Object
 from ckptfs.storage.s3url import BadS3Url, S3Location, is_s3_url, parse_s3_url
 from ckptfs.virtual_file import VirtualFile
-from ckptfs.views.overlay import TOKENIZER_FILES, _named_in_params
+from ckptfs.views.tokenizer_files import TOKENIZER_FILES, named_in_params
 
 #: a tokenizer file in a bucket larger than this is not served (the largest published tokenizer.json files are a few
 #: tens of MB)
@@ -81,7 +81,7 @@ def _named_places(params_local, params_location: S3Location | None, settings) ->
     except CkptfsError:
         return [], []
     named: list = []
-    _named_in_params(doc, named)
+    named_in_params(doc, named)
     places, hints = [], []
     for key, value in named:
         value = value.strip()
