@@ -11,8 +11,9 @@ import pytest
 
 from ckptfs import env
 from ckptfs.errors import CheckpointError
-from ckptfs.source import catalog_index, open_checkpoint
-from ckptfs.source import open as open_mod
+from ckptfs.source.catalog import catalog_index
+from ckptfs.source import open_checkpoint
+from ckptfs.source.catalog import open as open_mod
 from ckptfs.source.catalog import Container, Leaf, OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
 from ckptfs.source.stored_tensors import FullTensor, H5DatasetTensor
 from conftest import needs_fuse, real_env

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ckptfs.source import open_checkpoint
-from ckptfs.source import stored_tensors as source_tensors
+from ckptfs.source.catalog import stored_tensors as source_tensors
 from ckptfs.source.catalog import TensorLeaf, ValueLeaf
 from ckptfs.source.compare import c_order_boxes, compare_leaves, compare_tensors, diff_checkpoints
 from ckptfs.virtual_tensor import ArrayTensor

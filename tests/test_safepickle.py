@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from ckptfs.source import safepickle as sp
+from ckptfs.source.catalog import safepickle as sp
 from ckptfs.source.safepickle import Limits, PickleRefused, loads_plain, loads_torch
 
 

@@ -13,7 +13,8 @@ import torch
 from safetensors.numpy import save_file
 
 from ckptfs.errors import CheckpointError, TensorReadError
-from ckptfs.source import TensorLeaf, UnreadableLeaf, open_checkpoint
+from ckptfs.source.catalog import TensorLeaf, UnreadableLeaf
+from ckptfs.source import open_checkpoint
 from ckptfs.source.materialize import to_torch
 from conftest import FIXTURES as FIX
 

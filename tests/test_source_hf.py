@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ckptfs.errors import CheckpointError, SourceChangedError
-from ckptfs.source import torch_bin
+from ckptfs.source.catalog import torch_bin
 from ckptfs.source.hf_folder import open_hf_model
 from ckptfs.source.kind import is_hf_folder
 from ckptfs.virtual_tensor import full_box

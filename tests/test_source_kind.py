@@ -100,9 +100,9 @@ def test_the_table_tells_each_local_form_apart(tmp_path):
     alone = classify(tmp_path / "hf_bin" / "model.safetensors")
     assert alone.kind == NOTHING and "safetensors" in alone.reason and "config.json" in alone.reason
     # the other sources are rows of the table, in their documented places
-    names = [r.name for r in RECOGNISERS]
-    assert names.index("tf index") < names.index("hdf5") < names.index("legacy torch")
-    assert names.index("run") < names.index("tf checkpoint") < names.index("hf")
+    rows = [(r.name, r.stage) for r in RECOGNISERS]
+    assert rows.index(("tf index", "file")) < rows.index(("hdf5", "file")) < rows.index(("legacy torch", "file"))
+    assert rows.index(("run", "folder")) < rows.index(("tf checkpoint", "folder")) < rows.index(("hf", "folder"))
     assert all(r.handled for r in RECOGNISERS)
 
 

@@ -12,7 +12,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from ckptfs.errors import TensorReadError
-from ckptfs.source import TensorLeaf, ValueLeaf, open_checkpoint
+from ckptfs.source.catalog import TensorLeaf, ValueLeaf
+from ckptfs.source import open_checkpoint
 from ckptfs.source.materialize import to_torch
 from ckptfs.source.stored_tensors import box_runs, float_to_bf16_bits
 from conftest import FIXTURES

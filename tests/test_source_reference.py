@@ -14,7 +14,8 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from ckptfs.source import OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf, open_checkpoint
+from ckptfs.source.catalog import OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
+from ckptfs.source import open_checkpoint
 from ckptfs.source.materialize import Opaque, Unreadable, to_torch
 from conftest import FIXTURES as FIX
 

@@ -14,7 +14,8 @@ import pytest
 from ckptfs.cache import BlockCache
 from ckptfs.commands.info import summarize
 from ckptfs.errors import TensorReadError
-from ckptfs.source import TensorLeaf, UnreadableLeaf, open_checkpoint
+from ckptfs.source.catalog import TensorLeaf, UnreadableLeaf
+from ckptfs.source import open_checkpoint
 from ckptfs.virtual_tensor import BLOCK_BYTES
 from conftest import FIXTURES as FIX
 

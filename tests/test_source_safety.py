@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from ckptfs.errors import CheckpointError
-from ckptfs.source import OpaqueLeaf, open_checkpoint
+from ckptfs.source.catalog import OpaqueLeaf
+from ckptfs.source import open_checkpoint
 from ckptfs.source.legacy_spec import SpecUnpickler, decode_legacy_spec
 from ckptfs.source.materialize import Opaque, to_torch
 from ckptfs.source.pytree import SpecError

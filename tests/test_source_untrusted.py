@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from ckptfs.errors import SourceChangedError, TensorReadError
-from ckptfs.source import TensorLeaf, UnreadableLeaf, open_checkpoint
+from ckptfs.source.catalog import TensorLeaf, UnreadableLeaf
+from ckptfs.source import open_checkpoint
 from ckptfs.source.confine import Confinement, RefusedReference
 from conftest import run_ckptfs
 from untrusted_help import (ALLOWED_WITH_OUTSIDE, EDGE, FIXTURES, HOSTILE_KEYS, MARK, REFERENCE_KEYS, SECRET,

@@ -15,7 +15,8 @@ import pytest
 
 import ckptfs
 from ckptfs import env as ckptfs_env
-from ckptfs.source import catalog_index, open_checkpoint
+from ckptfs.source.catalog import catalog_index
+from ckptfs.source import open_checkpoint
 from conftest import FIXTURES, real_env as _real_env, run_ckptfs
 
 LLAMA = FIXTURES / "llama" / "cs"

@@ -25,8 +25,11 @@ from pathlib import Path
 
 from .. import options as mount_options
 from ..errors import CheckpointError, UsageError
-from ..source.compare import DEFAULT_MAX_BYTES
 from ..units import parse_size
+
+#: what a diff reads at most unless --max-bytes says otherwise (the comparison's own default: ``compare.Budget``;
+#: not imported from there, which would import h5py and numpy into every command's parser)
+DEFAULT_MAX_BYTES = 256 << 30
 
 #: mount options that decide what a view's files are (``--view``); the others apply to both kinds of diff
 VIEW_OPTIONS = ("config", "model", "trainer_index", "lora", "max_shard_size", "hf_format", "overlay", "zip_crc",
