@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 
-from .options import from_kwargs as _options
+from .views.options import from_kwargs as _options
 from .tree.base import Tree
 
 
@@ -21,7 +21,7 @@ def open(ckpt, **options) -> Tree:  # noqa: A001 - mirrors the file-system verb
     ``attr``, ``read``, ``iter_blocks``, ``walk``. A Hugging Face model folder (or Hub cache snapshot) gives the tree
     of the Cerebras checkpoint planned from it (``checkpoint.mdl``, ``params.yaml``, ``tensors/``, README.txt).
 
-    Options are the fields of ``ckptfs.options.MountOptions`` (config, model, views, max_shard_size, zip_crc,
+    Options are the fields of ``ckptfs.views.options.MountOptions`` (config, model, views, max_shard_size, zip_crc,
     cache_size, …); a text is parsed as its command-line flag's value (``max_shard_size="5GB"``, ``views="hf,cs"``).
     """
     from .tree.assemble import build_tree
@@ -56,17 +56,17 @@ def load(ckpt, *, allow_partial: bool = False, allow_external=(), model: str | N
     folder gives the state of the Cerebras checkpoint planned from it (``model``: a converter name, where the
     config is ambiguous). ``ckpt`` may be an ``s3://`` location (``endpoint_url``, ``profile``: as
     ``--endpoint-url``, ``--profile``)."""
-    from .source import open_checkpoint, resolve_checkpoint
-    from .source.kind import classify
-    from .source.materialize import to_torch
+    from .readers import open_checkpoint, resolve_checkpoint
+    from .readers.kind import classify
+    from .catalog.materialize import to_torch
     from .storage.s3url import S3Settings
-    from ckptfs.source.materialize import require_torch
+    from ckptfs.catalog.materialize import require_torch
 
     require_torch()  # before anything is opened: without torch, say so at once
     src = classify(ckpt, settings=S3Settings(endpoint_url, profile), allow_external=allow_external).require()
     where = src.path
     if src.is_hf:
-        from .views.from_hf import open_hf_checkpoint
+        from .mapping.hf_checkpoint import open_hf_checkpoint
 
         hc = open_hf_checkpoint(where, _options(allow_external=tuple(allow_external), model=model))
         try:

@@ -5,21 +5,21 @@ from __future__ import annotations
 
 import os
 
-#: the folder ckptfs keeps state in (``ckptfs.statedirs``)
+#: the folder ckptfs keeps state in (``ckptfs.state.dirs``)
 CACHE_DIR = "CKPTFS_CACHE_DIR"
-#: ``0``: read every catalog from its file, never from an index (``ckptfs.source.catalog_index``)
+#: ``0``: read every catalog from its file, never from an index (``ckptfs.readers.cerebras.catalog_cache``)
 CATALOG_INDEX = "CKPTFS_CATALOG_INDEX"
 #: ``0``: read cold ranges of a local checkpoint through the page cache, never with ``O_DIRECT``
 #: (``ckptfs.storage.local``)
 DIRECT_IO = "CKPTFS_DIRECT_IO"
 #: threads that decode one read's LZ4 chunks (default: the CPUs; ``1``: in the reading thread)
 DECODE_THREADS = "CKPTFS_DECODE_THREADS"
-#: background threads computing the blocks after a sequential read (``ckptfs.readahead``)
+#: background threads computing the blocks after a sequential read (``ckptfs.tensor.readahead``)
 READ_AHEAD_THREADS = "CKPTFS_READ_AHEAD_THREADS"
 #: ``1``: libfuse's multi-threaded loop for every mount; ``0``: one loop thread for every mount (default: the
-#: multi-threaded loop for a checkpoint in object storage only: ``ckptfs.fusefs.serve``)
+#: multi-threaded loop for a checkpoint in object storage only: ``ckptfs.fuse.operations.serve``)
 FUSE_THREADS = "CKPTFS_FUSE_THREADS"
-#: mfusepy's own: the libfuse to load, by path or by name (``ckptfs.fusefs`` sets the path to libfuse 3 otherwise)
+#: mfusepy's own: the libfuse to load, by path or by name (``ckptfs.fuse.operations`` sets the path to libfuse 3 otherwise)
 FUSE_LIBRARY_PATH = "FUSE_LIBRARY_PATH"
 FUSE_LIBRARY_NAME = "FUSE_LIBRARY_NAME"
 #: boto3's own (endpoint, profile, credentials…): ckptfs keeps one S3 client per set of them
@@ -66,7 +66,7 @@ def read_ahead_threads() -> int:
 
 
 def fuse_threads() -> bool | None:
-    """True (``1``), False (``0``) or None (unset or anything else: ``ckptfs.fusefs.serve`` decides)."""
+    """True (``1``), False (``0``) or None (unset or anything else: ``ckptfs.fuse.operations.serve`` decides)."""
     return {"1": True, "0": False}.get(_text(FUSE_THREADS))
 
 

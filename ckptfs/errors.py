@@ -44,3 +44,8 @@ class StorageError(CkptfsError):
     def __init__(self, path, problem: str, kind: str = "failed"):
         super().__init__(path, problem)
         self.kind = kind
+
+
+def one_line(text) -> str:
+    """Collapse a message to a single line (HDF5 errors can span several)."""
+    return " ".join(str(text).split())

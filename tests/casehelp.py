@@ -21,8 +21,8 @@ import pytest
 import torch
 import yaml
 
-from ckptfs.mapping.convert import to_hf
-from ckptfs.source import open_checkpoint
+from ckptfs.mapping.to_hf import to_hf
+from ckptfs.readers import open_checkpoint
 
 from conftest import FIXTURES
 CASE_FILES = Path(__file__).parent / "conformance"

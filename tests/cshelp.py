@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ckptfs.source.catalog import Container, OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
-from ckptfs.virtual_tensor import VirtualTensor
+from ckptfs.catalog.model import Container, OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
+from ckptfs.tensor.base import VirtualTensor
 from conftest import FIXTURES  # noqa: F401 - re-exported to the tests
 
 
@@ -149,7 +149,7 @@ def copy_view_file_in_subprocess(view: str, src: Path, name: str, dest: Path, ca
     script = textwrap.dedent("""
         import tracemalloc
         from pathlib import Path
-        from ckptfs.source import open_checkpoint
+        from ckptfs.readers import open_checkpoint
         from ckptfs.views import %s as view
         from ckptfs.views.base import MountOptions, ViewContext
         p = Path(%r)
@@ -178,9 +178,9 @@ def rewrite_checkpoint(src: Path, dst: Path, *, keep=lambda key: True, replace: 
     import h5py
     import hdf5plugin
 
-    from ckptfs.layouts.hdf5 import RTFX_CODES
-    from ckptfs.layouts.hdf5_spec import spec_attr
-    from ckptfs.source import open_checkpoint
+    from ckptfs.layouts.hdf5.layout import RTFX_CODES
+    from ckptfs.layouts.hdf5.spec_attr import spec_attr
+    from ckptfs.readers import open_checkpoint
 
     replace = dict(replace or {})
     with open_checkpoint(src) as ck:

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptfs.errors import CheckpointError, TensorReadError
-from ckptfs.mountproc import fusermount, proc_mounts
+from ckptfs.fuse.mount import fusermount, proc_mounts
 from ckptfs.views.base import BytesFile, ViewResult
-from ckptfs.virtual_file import VirtualFile
+from ckptfs.layouts.file import VirtualFile
 from conftest import FIXTURES, ckptfs_argv, real_env
 
 MiB = 1 << 20
@@ -103,7 +103,7 @@ def fake_views_server_fails(ckpt_path: Path, options) -> dict:
 
 def fake_tree(ckpt="fake.mdl", **options):
     """The tree of ``fake_views`` in this process (what a mount of it must show)."""
-    from ckptfs.options import MountOptions
+    from ckptfs.views.options import MountOptions
     from ckptfs.tree.assemble import build_tree
 
     return build_tree(ckpt, MountOptions(**options), views=fake_views)

@@ -1,4 +1,4 @@
-"""Helpers for the mapping tests: open fixture checkpoints (with the real ``ckptfs.source`` reader),
+"""Helpers for the mapping tests: open fixture checkpoints (with the real ``ckptfs.readers`` reader),
 build small checkpoints from tensors, and a source tensor that records the regions asked of it."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from ckptfs.source import open_checkpoint
-from ckptfs.source.catalog import Checkpoint, Container, TensorLeaf
-from ckptfs.virtual_tensor import ArrayTensor, Box, VirtualTensor, box_shape
+from ckptfs.readers import open_checkpoint
+from ckptfs.catalog.model import Checkpoint, Container, TensorLeaf
+from ckptfs.tensor.base import ArrayTensor, Box, VirtualTensor, box_shape
 from conftest import FIXTURES  # noqa: F401 - re-exported to the mapping tests
 
 

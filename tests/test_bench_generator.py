@@ -49,7 +49,7 @@ def test_matches_real_fixture_layout(tmp_path, fixtures):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_data_round_trips_through_h5py_and_source_reader(tmp_path, dtype):
-    from ckptfs.source import open_checkpoint
+    from ckptfs.readers import open_checkpoint
 
     out = tmp_path / "checkpoint_0.mdl"
     info = gen.write_checkpoint(out, TINY, dtype, seed=7)
@@ -77,7 +77,7 @@ def test_data_round_trips_through_h5py_and_source_reader(tmp_path, dtype):
 
 
 def test_unallocated_checkpoint_is_metadata_only(tmp_path):
-    from ckptfs.source import open_checkpoint
+    from ckptfs.readers import open_checkpoint
 
     dims = gen.LlamaDims(hidden=1024, layers=3, heads=8, kv_heads=2, ffn=2816, vocab=32000)
     out = tmp_path / "big.mdl"

@@ -1,5 +1,5 @@
 """BlockCache bounds: what a kept block costs beyond its bytes is charged against --cache-size."""
-from ckptfs.cache import BLOCK_OVERHEAD, BlockCache
+from ckptfs.tensor.cache import BLOCK_OVERHEAD, BlockCache
 
 
 def test_many_tiny_blocks_stay_within_the_bound():

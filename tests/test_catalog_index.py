@@ -1,4 +1,4 @@
-"""The catalog index (``ckptfs.source.catalog_index``): a checkpoint opened again reads its catalog from the index
+"""The catalog index (``ckptfs.readers.cerebras.catalog_cache``): a checkpoint opened again reads its catalog from the index
 — the same catalog, the same bytes in every view — and only for the exact file version and code it was made from."""
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ import pytest
 
 from ckptfs import env
 from ckptfs.errors import CheckpointError
-from ckptfs.source.catalog import catalog_index
-from ckptfs.source import open_checkpoint
-from ckptfs.source.catalog import open as open_mod
-from ckptfs.source.catalog import Container, Leaf, OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
-from ckptfs.source.stored_tensors import FullTensor, H5DatasetTensor
+from ckptfs.catalog.model import catalog_index
+from ckptfs.readers import open_checkpoint
+from ckptfs.catalog.model import open as open_mod
+from ckptfs.catalog.model import Container, Leaf, OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
+from ckptfs.tensor.regions import FullTensor
+from ckptfs.readers.cerebras.dataset_tensor import H5DatasetTensor
 from conftest import needs_fuse, real_env
 from fusehelp import mounted_server
 
@@ -133,7 +134,7 @@ def test_plain_catalogs_are_indexed_and_others_are_not(cache):
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "lora_llama", "t5", "cstorch_edge_cases", "tied_and_scalars"])
 def test_a_tree_from_the_index_serves_the_same_bytes(family, cache, monkeypatch):
-    from ckptfs.options import MountOptions
+    from ckptfs.views.options import MountOptions
     from ckptfs.tree.assemble import build_tree
 
     mdl = next((FIX / family).glob("**/*.mdl"))

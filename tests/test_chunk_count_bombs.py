@@ -14,7 +14,7 @@ import hdf5plugin
 import numpy as np
 import pytest
 
-from ckptfs.source import open_checkpoint
+from ckptfs.readers import open_checkpoint
 from conftest import FIXTURES, needs_fuse, real_env, run_ckptfs
 from fusehelp import mounted_server
 from rsshelp import measure_ckptfs
@@ -42,7 +42,7 @@ def vm_hwm_mib(pid: int) -> float:
 
 
 def test_the_rule_admits_genuine_chunkings_and_refuses_bombs():
-    from ckptfs.source.validate import chunking_problem
+    from ckptfs.catalog.validate import chunking_problem
 
     assert chunking_problem((512, 512), (1, 1), 4, "x") is not None
     assert chunking_problem((262144,), (1,), 4, "x") is not None

@@ -55,7 +55,7 @@ from casehelp import (ABSENT, CASE_FILES, CASES, FIXTURES, IGNORED_CONFIG_KEYS, 
                       case_facts, case_model, case_options, config_mismatches, converted, expected_folders, has_hf,
                       loaded_config, model_inputs, model_outputs, original_config, original_tensors, raw_bytes,
                       served_configs, sha256, torch_bytes, transformers_class)
-from ckptfs.mapping.registry import default_registry, list_models
+from ckptfs.mapping.lang.families import default_registry, list_models
 
 pytestmark = pytest.mark.slow  # every converter case, every tensor, and the models built from them
 
@@ -215,10 +215,10 @@ def test_outputs_equal_original_model(case, tmp_path):
 @pytest.mark.parametrize("case", [c for c in CASES if not has_hf(c)])
 def test_models_without_hf_side_are_refused_with_their_reason(case):
     from ckptfs.errors import MappingError
-    from ckptfs.mapping.convert import to_hf
+    from ckptfs.mapping.to_hf import to_hf
     from ckptfs.mapping.detect import detect_family
-    from ckptfs.mapping.registry import default_registry
-    from ckptfs.source import open_checkpoint
+    from ckptfs.mapping.lang.families import default_registry
+    from ckptfs.readers import open_checkpoint
 
     with open_checkpoint(case_checkpoint(case)) as ck:
         det = detect_family(ck, **case_options(case))

@@ -91,8 +91,8 @@ def test_params_equal_converter_params(case):
 
 @pytest.mark.parametrize("case", HF_CASES)
 def test_round_trip_gives_back_the_hf_tensors(case):
-    from ckptfs.mapping.convert import to_hf
-    from ckptfs.source.catalog import Checkpoint, Container, TensorLeaf
+    from ckptfs.mapping.to_hf import to_hf
+    from ckptfs.catalog.model import Checkpoint, Container, TensorLeaf
 
     facts = hf_facts(case)
     plan = planned(case)

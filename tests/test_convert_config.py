@@ -111,7 +111,7 @@ def test_output_file_folder_and_multi_component_directory(tmp_path, capsys):
 
 
 def test_output_is_not_written_through_a_linked_folder_or_temporary_file(tmp_path, capsys):
-    """``-o DIR`` writes as export does (``ckptfs.outfiles``): a component folder that is a link elsewhere, or a
+    """``-o DIR`` writes as export does (``ckptfs.state.outfiles``): a component folder that is a link elsewhere, or a
     ``config.json.tmp`` link to a victim, stop it with one line and nothing is written through them."""
     elsewhere, victim = tmp_path / "elsewhere", tmp_path / "victim.txt"
     elsewhere.mkdir()

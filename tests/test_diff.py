@@ -10,11 +10,11 @@ import hdf5plugin  # noqa: F401  (the LZ4 filter, to rewrite one dataset of a co
 import numpy as np
 import pytest
 
-from ckptfs.source import open_checkpoint
-from ckptfs.source.catalog import stored_tensors as source_tensors
-from ckptfs.source.catalog import TensorLeaf, ValueLeaf
-from ckptfs.source.compare import c_order_boxes, compare_leaves, compare_tensors, diff_checkpoints
-from ckptfs.virtual_tensor import ArrayTensor
+from ckptfs.readers import open_checkpoint
+from ckptfs.catalog.model import stored_tensors as source_tensors
+from ckptfs.catalog.model import TensorLeaf, ValueLeaf
+from ckptfs.commands.compare import c_order_boxes, compare_leaves, compare_tensors, diff_checkpoints
+from ckptfs.tensor.base import ArrayTensor
 from ckptfs.cli import main
 from conftest import FIXTURES, run_ckptfs, slow
 from cshelp import rewrite_checkpoint

@@ -13,7 +13,7 @@ import torch
 from casehelp import (CASES, case_checkpoint, case_dir, case_facts, case_model, case_options, config_mismatches,
                       converted, has_hf, loaded_config, model_inputs, model_outputs, state_dicts_equal,
                       transformers_class)
-from ckptfs.mapping.registry import default_registry
+from ckptfs.mapping.lang.families import default_registry
 from conftest import needs_fuse, real_env
 from fusehelp import mounted
 
@@ -120,8 +120,8 @@ def test_a_model_without_hf_side_mounts_with_the_views_that_apply():
     """bert-summarization: README.txt says why there is no HF view; cs/, torch/ and tensors/ serve the checkpoint."""
     import numpy as np
 
-    from ckptfs.mapping.registry import default_registry
-    from ckptfs.source import open_checkpoint
+    from ckptfs.mapping.lang.families import default_registry
+    from ckptfs.readers import open_checkpoint
 
     case = "bert_summarization"
     reason = default_registry().family("bert-summarization").no_hf

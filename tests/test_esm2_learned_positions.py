@@ -60,7 +60,7 @@ def test_hf_to_cs_writes_learned_positions_masked_after_the_padding(absolute_mod
     assert params["mask_padding_in_positional_embed"] is True
     assert params["max_position_embeddings"] == hf_cfg["max_position_embeddings"] - hf_cfg["pad_token_id"] - 1
     assert "rotary_dim" not in params
-    from ckptfs.source import open_checkpoint
+    from ckptfs.readers import open_checkpoint
 
     with open_checkpoint(tmp_path / "checkpoint.mdl") as c:
         pos = c.tensors()["model.bert_encoder.embedding_layer.position_embeddings.embed.weight"].tensor.read_all()

@@ -18,10 +18,10 @@ import pytest
 import torch
 import yaml
 
-from ckptfs.mapping.convert import to_hf
+from ckptfs.mapping.to_hf import to_hf
 from ckptfs.mapping.detect import cs_model_tensors, infer_from_keys
-from ckptfs.mapping.registry import default_registry
-from ckptfs.virtual_tensor import ArrayTensor
+from ckptfs.mapping.lang.families import default_registry
+from ckptfs.tensor.base import ArrayTensor
 from mappinghelp import FIXTURES, checkpoint_from_model, open_fixture
 
 MINE = {"falcon", "bloom", "mpt"}

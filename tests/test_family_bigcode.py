@@ -13,10 +13,10 @@ import torch
 import yaml
 
 from ckptfs.errors import ConfigError
-from ckptfs.mapping.convert import to_hf
+from ckptfs.mapping.to_hf import to_hf
 from ckptfs.mapping.detect import detect_family
 from mappinghelp import FIXTURES, checkpoint_from_model, open_fixture
-from ckptfs.virtual_tensor import ArrayTensor
+from ckptfs.tensor.base import ArrayTensor
 
 
 def digest(hf) -> dict:

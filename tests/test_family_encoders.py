@@ -14,9 +14,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ckptfs.errors import ConfigError
-from ckptfs.mapping.convert import to_hf
+from ckptfs.mapping.to_hf import to_hf
 from ckptfs.mapping.detect import detect_family
-from ckptfs.virtual_tensor import ArrayTensor
+from ckptfs.tensor.base import ArrayTensor
 from mappinghelp import (FIXTURES, checkpoint_from_model, model_tensors, open_fixture, open_path, params_of, to_torch,
                          write_yaml)
 
@@ -164,7 +164,7 @@ def test_cs_names_pick_the_bert_head(tmp_path, name, model):
         det = detect_family(ck)
         assert det.family == "bert"
         hf = to_hf(ck)
-        from ckptfs.mapping.registry import default_registry
+        from ckptfs.mapping.lang.families import default_registry
         assert default_registry().family("bert").variant(hf.model_name).name == model
 
 
@@ -240,8 +240,8 @@ def test_bert_for_masked_lm_goes_to_a_bert_without_nsp_and_back(tmp_path):
     without NSP head or pooler; mounted back, the params choose BertForMaskedLM and every tensor is the original's."""
     from transformers import BertForMaskedLM
 
-    from ckptfs.mapping.tocs import to_cs
-    from ckptfs.source.hf_folder import open_hf_model
+    from ckptfs.mapping.to_cs import to_cs
+    from ckptfs.readers.hf.folder import open_hf_model
 
     BertForMaskedLM.from_pretrained(FIXTURES / "bert" / "hf").save_pretrained(tmp_path / "hf")
     hf_model = open_hf_model(tmp_path / "hf")

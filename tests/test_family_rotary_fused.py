@@ -7,10 +7,10 @@ import pytest
 import yaml
 
 from ckptfs.errors import ConfigError
-from ckptfs.mapping.convert import to_hf
+from ckptfs.mapping.to_hf import to_hf
 from ckptfs.mapping.transforms.codegen import codegen_fused_qkv
 from ckptfs.mapping.transforms.gpt_neox import interleave_blocks, neox_fused_qkv
-from ckptfs.virtual_tensor import ArrayTensor
+from ckptfs.tensor.base import ArrayTensor
 from mappinghelp import FIXTURES, checkpoint_from_model, model_tensors, open_fixture
 
 HEADS, HEAD_DIM = 4, 8

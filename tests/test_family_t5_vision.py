@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from ckptfs.errors import MappingError
-from ckptfs.mapping.convert import to_hf
+from ckptfs.mapping.to_hf import to_hf
 from ckptfs.mapping.detect import detect_family
-from ckptfs.mapping.registry import Registry, default_registry, mapping_dirs
+from ckptfs.mapping.lang.families import Registry, default_registry, mapping_dirs
 from ckptfs.mapping.transforms.mllama import patch_linear_to_conv
 from mappinghelp import FIXTURES, RecordingTensor, checkpoint_from_model, model_tensors, open_fixture
 

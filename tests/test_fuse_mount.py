@@ -73,7 +73,7 @@ def test_ls_lR_lists_every_file_with_exact_size_mode_and_mtime(srv, tree, ckpt):
 def test_the_mount_reads_ahead_read_ahead_kb(srv):
     """The server raises its mount's kernel read-ahead (bdi ``read_ahead_kb``) to ``READ_AHEAD_KB`` when it may:
     a page fault of a memory-mapped file then reads that much around it (``from_pretrained`` maps the weights)."""
-    from ckptfs.fusefs import READ_AHEAD_KB, mount_device, mount_target
+    from ckptfs.fuse.operations import READ_AHEAD_KB, mount_device, mount_target
 
     dev = mount_device(mount_target(srv.mnt))
     assert dev is not None

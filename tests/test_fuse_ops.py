@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from ckptfs.fusefs import CkptfsOperations
+from ckptfs.fuse.operations import CkptfsOperations
 from fusehelp import FAIL_FROM, FAILING, fake_tree
 
 

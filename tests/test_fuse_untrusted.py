@@ -172,7 +172,7 @@ def test_checkpoint_changed_under_a_live_mount_never_mixes_bytes(tmp_path, how):
 
 
 def test_colliding_nul_and_overlong_keys_are_all_reachable(tmp_path):
-    from ckptfs.source import open_checkpoint
+    from ckptfs.readers import open_checkpoint
     from untrusted_help import craft_names
 
     ckpt = craft_names(tmp_path / "ck")

@@ -15,7 +15,7 @@ import yaml
 
 import ckptfs
 from ckptfs.layouts.pieces import PiecedFile, TensorBytes
-from ckptfs.views.overlay import OverlayError
+from ckptfs.views.hf.overlay import OverlayError
 from conftest import FIXTURES
 from tokhelp import make_tokenizer
 
@@ -158,8 +158,8 @@ class RawLayout(PiecedFile):
 def test_a_new_weight_format_is_one_layout_and_one_row_of_the_table(monkeypatch):
     """The HF view, its folders and the --hf-format choices follow ``hf_formats.FORMATS``: a row naming a layout is
     served on its own, in its own complete HF folder beside the safetensors, and with an index when sharded."""
-    from ckptfs import options
-    from ckptfs.views import hf_formats
+    from ckptfs.views import options
+    from ckptfs.views.hf import formats as hf_formats
 
     assert options.by_name("hf_format").kind.metavar == "{" + ",".join(hf_formats.choices()) + "}"
     raw = hf_formats.WeightFormat("raw", "weights", ".raw", "raw", "raw tensor bytes", RawLayout)

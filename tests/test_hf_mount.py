@@ -12,9 +12,9 @@ import pytest
 import torch
 import yaml
 
-from ckptfs.options import MountOptions
-from ckptfs.source import open_checkpoint
-from ckptfs.views.from_hf import open_hf_checkpoint
+from ckptfs.views.options import MountOptions
+from ckptfs.readers import open_checkpoint
+from ckptfs.mapping.hf_checkpoint import open_hf_checkpoint
 from conftest import needs_fuse, run_ckptfs
 from fusehelp import is_mounted, mounted
 from hfhelp import as_hub_cache, hf_env, save_llama

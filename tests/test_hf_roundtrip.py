@@ -11,9 +11,9 @@ import pytest
 from safetensors.numpy import load_file
 
 import ckptfs
-from ckptfs.tree.hf import build_hf_tree
-from ckptfs.options import MountOptions
-from ckptfs.views.from_hf import open_hf_checkpoint
+from ckptfs.tree.hf_source import build_hf_tree
+from ckptfs.views.options import MountOptions
+from ckptfs.mapping.hf_checkpoint import open_hf_checkpoint
 from conftest import FIXTURES, needs_fuse
 from fusehelp import mounted
 from hfhelp import hf_env

@@ -14,12 +14,12 @@ import yaml
 
 import ckptfs
 from ckptfs.errors import UsageError
-from ckptfs.tree.hf import build_hf_tree
-from ckptfs.options import MountOptions
-from ckptfs.source import open_checkpoint
-from ckptfs.source.stored_tensors import FileRegionTensor
+from ckptfs.tree.hf_source import build_hf_tree
+from ckptfs.views.options import MountOptions
+from ckptfs.readers import open_checkpoint
+from ckptfs.tensor.regions import FileRegionTensor
 from conftest import run_ckptfs
-from ckptfs.views.from_hf import open_hf_checkpoint
+from ckptfs.mapping.hf_checkpoint import open_hf_checkpoint
 from hfhelp import hf_env, identity_plan, llama_state, save_hf, save_llama
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}

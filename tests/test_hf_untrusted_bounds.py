@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptfs.options import MountOptions
-from ckptfs.views.from_hf import open_hf_checkpoint
+from ckptfs.views.options import MountOptions
+from ckptfs.mapping.hf_checkpoint import open_hf_checkpoint
 from conftest import FIXTURES, needs_fuse, run_ckptfs
 from fusehelp import force_unmount, is_mounted
 from hfhelp import hf_env

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from ckptfs.errors import CheckpointError
-from ckptfs.source.hf_folder import open_hf_model, read_hf_configs
-from ckptfs.source.kind import is_hf_folder
+from ckptfs.readers.hf.folder import open_hf_model, read_hf_configs
+from ckptfs.readers.kind import is_hf_folder
 from conftest import needs_fuse, run_ckptfs
 from fusehelp import force_unmount, is_mounted, mounted
 from hfhelp import as_hub_cache, hf_env, llama_state, save_hf, save_llama

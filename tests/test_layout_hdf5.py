@@ -1,4 +1,4 @@
-"""ckptfs.layouts.hdf5 / hdf5_spec: cstorch key naming and spec JSON, the sparse skeleton, lazy reads."""
+"""ckptfs.layouts.hdf5.layout / hdf5_spec: cstorch key naming and spec JSON, the sparse skeleton, lazy reads."""
 from __future__ import annotations
 
 import collections
@@ -19,13 +19,13 @@ from conftest import read_all
 from cshelp import RampTensor, h5_bytes_file
 from ckptfs.dtypes import BFLOAT16, FLOAT16
 from ckptfs.errors import CheckpointError
-from ckptfs.layouts import hdf5_spec
-from ckptfs.layouts.hdf5 import Hdf5Layout
-from ckptfs.layouts.hdf5_buffers import ScratchBuffer, SparseBuffer
-from ckptfs.layouts.hdf5_entries import (BytesEntry, FullEntry, LinkEntry, NoneEntry, ScalarEntry, StringEntry,
-                                         TensorEntry, entry_metadata)
-from ckptfs.source.catalog import Container
-from ckptfs.virtual_tensor import ArrayTensor
+from ckptfs.layouts.hdf5 import spec_attr as hdf5_spec
+from ckptfs.layouts.hdf5.layout import Hdf5Layout
+from ckptfs.layouts.hdf5.buffers import ScratchBuffer, SparseBuffer
+from ckptfs.layouts.hdf5.entries import (BytesEntry, FullEntry, LinkEntry, NoneEntry, ScalarEntry, StringEntry,
+    TensorEntry, entry_metadata)
+from ckptfs.catalog.model import Container
+from ckptfs.tensor.base import ArrayTensor
 
 
 # -- spec encoding against torch's own pytree --------------------------------------------------------
@@ -254,10 +254,10 @@ def test_memory_stays_bounded_while_copying_out(tmp_path):
         import sys, tracemalloc
         sys.path.insert(0, %r)
         from cshelp import RampTensor
-        from ckptfs.cache import BlockCache
-        from ckptfs.layouts.hdf5 import Hdf5Layout
-        from ckptfs.layouts.hdf5_entries import TensorEntry
-        from ckptfs.source.catalog import Container
+        from ckptfs.tensor.cache import BlockCache
+        from ckptfs.layouts.hdf5.layout import Hdf5Layout
+        from ckptfs.layouts.hdf5.entries import TensorEntry
+        from ckptfs.catalog.model import Container
         root = Container("dict", [f"t{i}" for i in range(4)], [TensorEntry(RampTensor(4 << 20, i)) for i in range(4)])
         tracemalloc.start()
         lay = Hdf5Layout(root, cache=BlockCache(8 << 20))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import read_all
-from ckptfs.layouts.hdf5 import Hdf5Layout
+from ckptfs.layouts.hdf5.layout import Hdf5Layout
 from test_layout_hdf5 import _tree
 
 TESTS = Path(__file__).resolve().parent
@@ -30,7 +30,7 @@ PRELUDE = """
     import gc, os, threading
     from conftest import read_all
     from ckptfs.layouts import hdf5_fork
-    from ckptfs.layouts.hdf5 import Hdf5Layout
+    from ckptfs.layouts.hdf5.layout import Hdf5Layout
     from test_layout_hdf5 import _tree
 
     def reaped(pid):
@@ -62,7 +62,7 @@ def test_a_failed_child_falls_back_to_building_here():
 
     hdf5_fork.build_in_child = lambda *a: os._exit(3)  # what the forked child runs
     seen = []
-    logging.getLogger("ckptfs.layouts.hdf5").addHandler(
+    logging.getLogger("ckptfs.layouts.hdf5.layout").addHandler(
         type("Seen", (logging.Handler,), {"emit": lambda self, rec: seen.append(rec.getMessage())})())
     lay = Hdf5Layout(_tree())
     assert lay.fork_build()
@@ -92,7 +92,7 @@ def test_cs_view_of_a_forking_mount_has_the_same_bytes():
     from conftest import read_all
     from conftest import FIXTURES
     from ckptfs.tree.assemble import build_tree
-    from ckptfs.options import MountOptions
+    from ckptfs.views.options import MountOptions
 
     def digest(fork):
         tree = build_tree(FIXTURES / "llama" / "cs" / "checkpoint.mdl", MountOptions(views=("cs", "hf")),

@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numpy.lib import format as npformat
 
-from ckptfs.cache import BlockCache
+from ckptfs.tensor.cache import BlockCache
 from ckptfs.dtypes import BY_NAME, by_name
 from ckptfs.layouts.npy import NpyLayout, npy_header, npy_suffix
-from ckptfs.virtual_tensor import ArrayTensor
+from ckptfs.tensor.base import ArrayTensor
 from test_layout_safetensors import PatternTensor, random_raw, torch_from_raw
 
 NATIVE = [d for d in BY_NAME.values() if d.npy_native]

@@ -12,13 +12,13 @@ import pytest
 import safetensors.numpy
 import torch
 
-from ckptfs.cache import BlockCache
+from ckptfs.tensor.cache import BlockCache
 from ckptfs.layouts import pieces
 from ckptfs.layouts.npy import NpyLayout
 from ckptfs.layouts.pieces import PackedBytes
 from ckptfs.layouts.safetensors import SafetensorsLayout
-from ckptfs.layouts.torchzip import TorchZipLayout
-from ckptfs.virtual_tensor import ArrayTensor
+from ckptfs.layouts.torchzip.layout import TorchZipLayout
+from ckptfs.tensor.base import ArrayTensor
 from conftest import read_all
 
 

@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import load_file, save, save_file
 
-from ckptfs.cache import BlockCache
+from ckptfs.tensor.cache import BlockCache
 from ckptfs.dtypes import BY_NAME, DType, by_name
 from ckptfs.errors import CkptfsError
 from ckptfs.layouts.safetensors import DTYPE_ORDER, SafetensorsLayout
-from ckptfs.virtual_tensor import ArrayTensor, VirtualTensor, box_shape
+from ckptfs.tensor.base import ArrayTensor, VirtualTensor, box_shape
 from conftest import FIXTURES
 
 

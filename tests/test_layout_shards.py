@@ -17,9 +17,9 @@ from transformers.utils.hub import convert_file_size_to_int
 
 from ckptfs.dtypes import BY_NAME
 from ckptfs.layouts.safetensors import SafetensorsLayout
-from ckptfs.layouts.shards import index_filename, index_json, plan_shards, shard_filenames, total_size
+from ckptfs.views.hf.shards import index_filename, index_json, plan_shards, shard_filenames, total_size
 from ckptfs.units import parse_size
-from ckptfs.virtual_tensor import ArrayTensor
+from ckptfs.tensor.base import ArrayTensor
 from test_layout_safetensors import PatternTensor, array_tensor_from_torch
 from conftest import FIXTURES
 

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from ckptfs.dtypes import BY_NAME, DType
 from ckptfs.errors import CkptfsError
-from ckptfs.virtual_tensor import ArrayTensor, VirtualTensor
-from ckptfs.layouts.torchzip import TorchZipLayout
+from ckptfs.tensor.base import ArrayTensor, VirtualTensor
+from ckptfs.layouts.torchzip.layout import TorchZipLayout
 from conftest import FIXTURES
 
 DTYPES = sorted(BY_NAME.values(), key=lambda d: d.name)

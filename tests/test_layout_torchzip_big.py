@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from ckptfs.dtypes import BY_NAME, UINT8
-from ckptfs.virtual_tensor import VirtualTensor, box_shape
-from ckptfs.layouts.torchzip import TorchZipLayout
+from ckptfs.tensor.base import VirtualTensor, box_shape
+from ckptfs.layouts.torchzip.layout import TorchZipLayout
 
 U32 = 0xFFFFFFFF
 GiB = 1 << 30

@@ -13,11 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptfs.cache import BlockCache
+from ckptfs.tensor.cache import BlockCache
 from ckptfs.dtypes import BY_NAME, UINT8
-from ckptfs.virtual_tensor import BLOCK_BYTES, VirtualTensor, box_shape
-from ckptfs.layouts.crc import CrcStore, crc32, default_crc_dir
-from ckptfs.layouts.torchzip import TorchZipLayout
+from ckptfs.tensor.base import BLOCK_BYTES, VirtualTensor, box_shape
+from ckptfs.layouts.torchzip.crc_store import CrcStore, crc32, default_crc_dir
+from ckptfs.layouts.torchzip.layout import TorchZipLayout
 from conftest import read_all
 
 
@@ -223,7 +223,7 @@ def test_hashing_for_the_central_directory_reads_ahead_like_a_sequential_read(mo
     """With the cache's read-ahead on (the FUSE server's), the hasher queues the blocks after the one it reads —
     into the next tensor at a tensor's end — so they decode while it hashes; every element is still produced once
     and the directory is the one computed without read-ahead."""
-    from ckptfs import readahead
+    from ckptfs.tensor import readahead
 
     queued = []
     real = readahead.READ_AHEAD.submit

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptfs.layouts.pickle2 import Global, PersistentId, PickleTypeError, Reduce, dumps2
+from ckptfs.layouts.torchzip.pickle_writer import Global, PersistentId, PickleTypeError, Reduce, dumps2
 
 scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=8)
 hashables = st.recursive(st.integers() | st.text(max_size=4) | st.booleans(),

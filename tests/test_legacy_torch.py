@@ -1,5 +1,5 @@
 """Legacy-mode checkpoints: a ``torch.save`` zip of a Cerebras state mounts, exports and diffs like an HDF5 ``.mdl``
-of the same state (``ckptfs/source/legacy_torch.py``), read without unpickling; hostile files are refused in one
+of the same state (``ckptfs/readers/legacy_torch/reader.py``), read without unpickling; hostile files are refused in one
 line, nothing mounted."""
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ import torch
 from safetensors.numpy import load_file
 
 from ckptfs.errors import CheckpointError
-from ckptfs.source import open_checkpoint
-from ckptfs.source.compare import EQUAL, diff_checkpoints
-from ckptfs.source.legacy_torch import HEAD_BYTES, is_legacy_torch
-from ckptfs.source.materialize import to_torch
+from ckptfs.readers import open_checkpoint
+from ckptfs.commands.compare import EQUAL, diff_checkpoints
+from ckptfs.readers.legacy_torch.reader import HEAD_BYTES, is_legacy_torch
+from ckptfs.catalog.materialize import to_torch
 from conftest import FIXTURES, real_env, run_ckptfs
 from fusehelp import mounted
 from test_source_reference import _ref_cases

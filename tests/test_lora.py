@@ -1,4 +1,4 @@
-"""LoRA folding (ckptfs/mapping/lora.py, lora_fold.py): bit-exact to Model Zoo's fold_lora_checkpoint.py, lazy
+"""LoRA folding (ckptfs/mapping/lora/find.py, lora_fold.py): bit-exact to Model Zoo's fold_lora_checkpoint.py, lazy
 (a row block reads only its rows of W and B), lora_params groups chosen by Model Zoo class paths, the params in
 either layout, and clear errors when the checkpoint and the params disagree."""
 from __future__ import annotations
@@ -12,12 +12,12 @@ import pytest
 import yaml
 
 from ckptfs.errors import ConfigError, MappingError
-from ckptfs.mapping.convert import to_hf
+from ckptfs.mapping.to_hf import to_hf
 from ckptfs.mapping.detect import cs_model_tensors
-from ckptfs.mapping.lora import find_lora, lora_settings, parse_groups
-from ckptfs.mapping.lora_fold import LoraFold, fma32, fma_matmul
-from ckptfs.mapping.params import find_params
-from ckptfs.mapping.registry import default_registry
+from ckptfs.mapping.lora.find import find_lora, lora_settings, parse_groups
+from ckptfs.mapping.lora.fold import LoraFold, fma32, fma_matmul
+from ckptfs.mapping.params.find import find_params
+from ckptfs.mapping.lang.families import default_registry
 from mappinghelp import FIXTURES, RecordingTensor, checkpoint_from_model, open_fixture
 
 CASES = ["lora_gpt2", "lora_llama"]
@@ -153,7 +153,7 @@ def test_region_read_of_a_folded_embedding_reads_only_its_rows_and_a_columns():
 
 
 def test_fold_checks_shapes_and_dtypes():
-    from ckptfs.virtual_tensor import ArrayTensor
+    from ckptfs.tensor.base import ArrayTensor
 
     w = ArrayTensor(np.zeros((4, 6), np.float32))
     with pytest.raises(MappingError, match="do not fit"):
@@ -164,8 +164,8 @@ def test_fold_checks_shapes_and_dtypes():
 
 def test_bfloat16_fold_rounds_after_every_operation():
     from ckptfs.dtypes import BFLOAT16
-    from ckptfs.mapping import floats
-    from ckptfs.virtual_tensor import ArrayTensor
+    from ckptfs.tensor import floats
+    from ckptfs.tensor.base import ArrayTensor
 
     rng = np.random.default_rng(4)
     w32, a32, b32 = (rng.standard_normal(s).astype(np.float32) for s in ((6, 5), (2, 5), (6, 2)))
@@ -249,7 +249,7 @@ def test_lora_matrices_without_lora_params_are_an_error(tmp_path):
 
 def test_lora_params_on_a_folded_checkpoint_map_it_as_it_is(tmp_path):
     """fold_lora_checkpoint.py's output with the unfolded params: no LoRA keys, a note, the same HF tensors."""
-    from ckptfs.source import open_checkpoint
+    from ckptfs.readers import open_checkpoint
 
     cs = cs_model_tensors(open_checkpoint(FIXTURES / "lora_gpt2" / "cs" / "folded.mdl"))
     (tmp_path / "params.yaml").write_text((FIXTURES / "lora_gpt2" / "cs" / "params.yaml").read_text())
@@ -285,7 +285,7 @@ def test_config_has_no_lora_keys_and_the_notes_say_what_was_folded():
 def _with_embedding_lora(tmp_path, head_too: bool):
     """lora_llama plus LoRA on the word embedding (and on lm_head): a third group for EmbeddingLayer."""
     cs = dict(cs_model_tensors(open_fixture("lora_llama")))
-    from ckptfs.virtual_tensor import ArrayTensor
+    from ckptfs.tensor.base import ArrayTensor
 
     rng = np.random.default_rng(5)
     emb = "model.embedding_layer.word_embeddings"

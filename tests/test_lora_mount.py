@@ -72,7 +72,7 @@ def source_views_unchanged(mnt, case):
     model = params.get("model") or params["trainer"]["init"]["model"]
     assert model["lora_params"] == yaml.safe_load((FIXTURES / case / "cs" / "params.yaml").read_text())[
         "model"]["lora_params"]
-    from ckptfs.source import open_checkpoint
+    from ckptfs.readers import open_checkpoint
 
     with open_checkpoint(mnt / "cs" / "checkpoint.mdl") as upgraded:
         up = cs_model_tensors(upgraded)

@@ -1,4 +1,4 @@
-"""``--lora keep`` (ckptfs/mapping/lora_peft.py): beside the folded model, the base model and the LoRA adapter as
+"""``--lora keep`` (ckptfs/mapping/lora/peft.py): beside the folded model, the base model and the LoRA adapter as
 a PEFT adapter directory. PEFT loads it onto the base model; merged, it gives the folded model's weights (bit for
 bit on the fixtures); unmerged, the same outputs up to float rounding. Where PEFT cannot hold the LoRA exactly,
 there is no adapter and the notes say why."""
@@ -13,13 +13,13 @@ import pytest
 import torch
 import yaml
 
-from ckptfs.mapping.convert import to_hf
+from ckptfs.mapping.to_hf import to_hf
 from ckptfs.mapping.detect import cs_model_tensors
-from ckptfs.mapping.lora import find_lora
-from ckptfs.mapping.lora_peft import NotExpressible, peft_adapter
-from ckptfs.mapping.params import find_params
-from ckptfs.mapping.registry import default_registry
-from ckptfs.virtual_tensor import ArrayTensor
+from ckptfs.mapping.lora.find import find_lora
+from ckptfs.mapping.lora.peft import NotExpressible, peft_adapter
+from ckptfs.mapping.params.find import find_params
+from ckptfs.mapping.lang.families import default_registry
+from ckptfs.tensor.base import ArrayTensor
 from mappinghelp import FIXTURES, RecordingTensor, checkpoint_from_model, open_fixture
 
 CASES = {"lora_gpt2": "gpt2", "lora_llama": "llama"}
@@ -108,7 +108,7 @@ def test_no_adapter_with_mup_and_the_notes_say_why(tmp_path):
 
 
 def test_no_adapter_for_a_family_without_peft_rules():
-    from ckptfs.mapping.lora_spec import PeftSpec
+    from ckptfs.mapping.lora.spec import PeftSpec
 
     ck = open_fixture("lora_llama")
     spec = default_registry().family("llama")

@@ -58,10 +58,10 @@ def test_a_crafted_rank_leaves_the_hf_files_out_with_the_reason(tmp_path, r, wor
 def test_a_fold_larger_than_the_cache_is_refused(tmp_path):
     """The fold of a Linear reads all of lora_A for whole rows: r x columns, held as float32 and float64."""
     from ckptfs.errors import MappingError
-    from ckptfs.mapping.lora import find_lora
+    from ckptfs.mapping.lora.find import find_lora
     from ckptfs.mapping.detect import cs_model_tensors
-    from ckptfs.mapping.params import find_params
-    from ckptfs.mapping.registry import default_registry
+    from ckptfs.mapping.params.find import find_params
+    from ckptfs.mapping.lang.families import default_registry
     from mappinghelp import open_fixture
 
     ck = open_fixture("lora_llama")

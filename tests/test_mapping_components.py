@@ -10,9 +10,9 @@ import yaml
 
 from ckptfs.errors import ConfigError, MappingError
 from ckptfs.mapping.components import params_at, unused_settings
-from ckptfs.mapping.convert import to_hf
-from ckptfs.mapping.registry import Registry, default_registry, mapping_dirs
-from ckptfs.source import open_checkpoint
+from ckptfs.mapping.to_hf import to_hf
+from ckptfs.mapping.lang.families import Registry, default_registry, mapping_dirs
+from ckptfs.readers import open_checkpoint
 from conftest import FIXTURES
 
 

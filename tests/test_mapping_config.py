@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from ckptfs.errors import ConfigError, MappingError
-from ckptfs.mapping.config import convert_config
-from ckptfs.mapping.convert import to_hf
+from ckptfs.mapping.params.to_hf_config import convert_config
+from ckptfs.mapping.to_hf import to_hf
 from ckptfs.mapping.detect import detect_family
-from ckptfs.mapping.registry import default_registry
+from ckptfs.mapping.lang.families import default_registry
 from mappinghelp import (FIXTURES, RecordingTensor, checkpoint_from_model, model_tensors, open_fixture, open_path,
                          params_of, write_yaml)
 
@@ -146,7 +146,7 @@ def test_missing_required_key_names_it():
 def test_unconverted_keys_are_reported_once():
     res = hf_config("mixtral", {"foo_bar": 3, "moe": {"num_experts": 4, "top_k": 2,
                                                       "load_balancing_loss_coef": 0.001, "routing_algorithm": "hash"}})
-    from ckptfs.mapping.config import unused_key_warnings
+    from ckptfs.mapping.params.to_hf_config import unused_key_warnings
     spec = default_registry().family("mixtral")
     warnings = unused_key_warnings(res.cs_scope, spec, spec.variant(None))
     assert any("model.foo_bar=3" in w for w in warnings)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from ckptfs.mapping.convert import to_hf
+from ckptfs.mapping.to_hf import to_hf
 from mappinghelp import FIXTURES, open_fixture, to_torch
 
 CASES = ["gpt2", "llama", "mistral", "mixtral", "gemma2", "bf16_llama", "train_gpt2"]

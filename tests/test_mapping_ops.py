@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from ckptfs.dtypes import BFLOAT16, FLOAT16, FLOAT32, FLOAT64, INT64, by_name
 from ckptfs.errors import MappingError
-from ckptfs.mapping import ops
-from ckptfs.mapping.floats import bf16_bits_to_f32, cast, f32_to_bf16_bits
-from ckptfs.virtual_tensor import full_box
+from ckptfs.tensor import ops
+from ckptfs.tensor.floats import bf16_bits_to_f32, cast, f32_to_bf16_bits
+from ckptfs.tensor.base import full_box
 from mappinghelp import RecordingTensor
 
 
@@ -102,7 +102,7 @@ def test_slice_and_select_read_only_their_region():
 
 
 def test_cached_byte_reads_touch_only_the_requested_rows():
-    from ckptfs.cache import BlockCache
+    from ckptfs.tensor.cache import BlockCache
 
     src = RecordingTensor(rand((64, 16)))
     t = ops.Transpose(src)  # [16, 64]; one row is 256 bytes

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from ckptfs.errors import ConfigError
-from ckptfs.mapping.safe_yaml import MAX_BYTES, load_params_yaml
+from ckptfs.guard.safe_yaml import MAX_BYTES, load_params_yaml
 from conftest import FIXTURES
 
 pytestmark = pytest.mark.timeout(120)  # the harness bound (a FIFO opened by mistake would block)

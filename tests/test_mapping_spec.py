@@ -8,10 +8,10 @@ import pytest
 import yaml
 
 from ckptfs.errors import ConfigError, MappingError
-from ckptfs.mapping.convert import to_hf
-from ckptfs.mapping.expr import ExprError, Scope, evaluate, parse
-from ckptfs.mapping.pattern import KeyPattern, PatternError
-from ckptfs.mapping.registry import LazyRegistry, Registry, default_registry, list_models, mapping_dirs
+from ckptfs.mapping.to_hf import to_hf
+from ckptfs.mapping.lang.expr import ExprError, Scope, evaluate, parse
+from ckptfs.mapping.lang.pattern import KeyPattern, PatternError
+from ckptfs.mapping.lang.families import LazyRegistry, Registry, default_registry, list_models, mapping_dirs
 from mappinghelp import RecordingTensor, checkpoint_from_model
 
 REQUIRED_NAMES = {"gpt2", "gpt2-headless", "llama", "llamaV2", "code-llama", "wizardlm", "llama-headless",

@@ -12,9 +12,9 @@ import yaml
 
 from ckptfs.dtypes import by_name
 from ckptfs.errors import ConfigError, MappingError
-from ckptfs.mapping.registry import Registry, default_registry, list_models
-from ckptfs.mapping.tocs import detect_hf, hf_to_params, to_cs
-from ckptfs.virtual_tensor import ArrayTensor
+from ckptfs.mapping.lang.families import Registry, default_registry, list_models
+from ckptfs.mapping.to_cs import detect_hf, hf_to_params, to_cs
+from ckptfs.tensor.base import ArrayTensor
 from conftest import FIXTURES
 from tocshelp import HF_CASES, hf_folders, hf_model
 
@@ -192,8 +192,8 @@ def test_automatic_inverses_give_back_the_cs_tensor(tmp_path):
       - {{hf: "{hf}", op: "{op}", each: {each}}}
 ''')
         (d / "tiny.yaml").write_text(text)
-        from ckptfs.mapping.rules import RuleEngine  # forward, to make the HF tensors from x
-        from ckptfs.mapping.config import config_functions, convert_config
+        from ckptfs.mapping.forward import RuleEngine  # forward, to make the HF tensors from x
+        from ckptfs.mapping.params.to_hf_config import config_functions, convert_config
 
         reg = Registry([d])
         spec = reg.family("tiny")

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from ckptfs.errors import CheckpointError
-from ckptfs.source import resolve_checkpoint
+from ckptfs.readers import resolve_checkpoint
 from conftest import needs_fuse, real_env, run_ckptfs
 from fusehelp import mounted
 from runhelp import model_dir, norm_of, save

@@ -8,9 +8,9 @@ import pytest
 
 from casehelp import CASES, FIXTURES, case_checkpoint, case_facts, case_model, has_hf, sha256
 from ckptfs.cli import main
-from ckptfs.mapping.convert import to_hf
-from ckptfs.mapping.registry import default_registry
-from ckptfs.source import open_checkpoint
+from ckptfs.mapping.to_hf import to_hf
+from ckptfs.mapping.lang.families import default_registry
+from ckptfs.readers import open_checkpoint
 
 
 def alias_groups() -> list:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from ckptfs.cli import main
-from ckptfs.mapping.registry import list_models
+from ckptfs.mapping.lang.families import list_models
 from conftest import run_ckptfs
 
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from ckptfs.errors import CheckpointError, ConfigError, CkptfsError
-from ckptfs.mountproc import MountError, encode_status_error, relayed_error
+from ckptfs.fuse.mount import MountError, encode_status_error, relayed_error
 from conftest import REPO, needs_fuse, real_env, run_ckptfs
 from fusehelp import FAKE, FIXTURES_CKPT, force_unmount, is_mounted, process_gone
 
@@ -39,7 +39,7 @@ def test_the_cli_starts_a_mount_without_importing_what_a_tree_needs():
         import sys, tempfile
         from ckptfs.cli import build_parser
         from ckptfs import options
-        from ckptfs.mountproc import check_mountpoint
+        from ckptfs.fuse.mount import check_mountpoint
         args = build_parser().parse_args(["mount", "x.mdl", "mnt"])
         o = options.from_args(args)
         options.check_options(o)
@@ -47,9 +47,9 @@ def test_the_cli_starts_a_mount_without_importing_what_a_tree_needs():
         import subprocess
         spawned = []
         subprocess.Popen.__init__ = lambda self, args, *a, **k: spawned.append(args) or 1 / 0
-        from ckptfs.fusefs import check_fuse
+        from ckptfs.fuse.operations import check_fuse
         check_fuse()
-        heavy = sorted(m for m in ("h5py", "numpy", "yaml", "ckptfs.source", "ckptfs.views.hf", "ckptfs.mapping.spec",
+        heavy = sorted(m for m in ("h5py", "numpy", "yaml", "ckptfs.readers", "ckptfs.views.hf.view", "ckptfs.mapping.lang.spec",
                                    "mfusepy") if m in sys.modules)
         print(",".join(heavy) + ";" + repr(spawned))
     """
@@ -87,7 +87,7 @@ def test_the_cli_imports_only_the_command_it_runs():
 
 @needs_fuse
 def test_libfuse3_is_loaded_by_soname_without_a_subprocess(monkeypatch):
-    from ckptfs import fusefs
+    from ckptfs.fuse import operations as fusefs
 
     monkeypatch.setattr(subprocess.Popen, "__init__", lambda *a, **k: pytest.fail(f"subprocess started: {a[1:]}"))
     name = fusefs.libfuse3_path()
@@ -100,7 +100,7 @@ def test_libfuse3_is_loaded_by_soname_without_a_subprocess(monkeypatch):
 def test_a_missing_mfusepy_is_one_line_naming_the_fix(monkeypatch):
     import importlib.util
 
-    from ckptfs import fusefs
+    from ckptfs.fuse import operations as fusefs
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mfusepy" else real(name, *a))
@@ -131,7 +131,7 @@ def test_background_mount_of_a_bad_checkpoint_relays_the_servers_line(tmp_path):
 
 def test_convert_config_dtypes_are_the_mapping_cores():
     from ckptfs.commands.convert_config import DTYPES as cli_dtypes
-    from ckptfs.mapping.params_config import DTYPES
+    from ckptfs.mapping.params.convert_config import DTYPES
 
     assert cli_dtypes == DTYPES
 
@@ -173,7 +173,7 @@ def test_a_process_running_threads_starts_a_new_interpreter_for_the_server(tmp_p
     mnt.mkdir()
     code = f"""if True:
         import threading, time
-        from ckptfs.mountproc import mount, single_threaded
+        from ckptfs.fuse.mount import mount, single_threaded
         assert single_threaded()
         threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
         assert not single_threaded()

@@ -1,4 +1,4 @@
-"""Mount options are declared once (ckptfs.options): the CLI flags, the server's argv, the Python API and the
+"""Mount options are declared once (ckptfs.views.options): the CLI flags, the server's argv, the Python API and the
 content identity all derive from the declaration."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from ckptfs import options as mo
+from ckptfs.views import options as mo
 from ckptfs.cli import build_parser
-from ckptfs.mountproc import server_argv
+from ckptfs.fuse.mount import server_argv
 from ckptfs.tree.assemble import content_identity
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,8 +99,8 @@ def test_a_repeatable_option_round_trips(tmp_path):
 
 
 def test_cache_dir_is_resolved_in_one_place(tmp_path, monkeypatch):
-    from ckptfs.layouts.crc import default_crc_dir
-    from ckptfs.mountproc import log_dir
+    from ckptfs.layouts.torchzip.crc_store import default_crc_dir
+    from ckptfs.fuse.mount import log_dir
 
     monkeypatch.setenv("CKPTFS_CACHE_DIR", str(tmp_path))
     assert (default_crc_dir(), log_dir()) == (tmp_path / "crc", tmp_path / "logs")

@@ -27,7 +27,7 @@ def test_wheel_installed_outside_the_repo_finds_its_mappings(tmp_path):
                        capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     env = dict(os.environ, PYTHONPATH=str(site))
-    code = ("import ckptfs, sys; from ckptfs.mapping.registry import list_models; "
+    code = ("import ckptfs, sys; from ckptfs.mapping.lang.families import list_models; "
             "print(ckptfs.__file__); print(len(list_models()))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr

@@ -9,18 +9,18 @@ import numpy as np
 import pytest
 
 import ckptfs
-from ckptfs.cache import BlockCache
+from ckptfs.tensor.cache import BlockCache
 from ckptfs.dtypes import FLOAT32
 from ckptfs.errors import TensorReadError
-from ckptfs.layouts.hdf5 import Hdf5Layout
+from ckptfs.layouts.hdf5.layout import Hdf5Layout
 from ckptfs.layouts.npy import NpyLayout
 from ckptfs.layouts.pieces import Computed, Literal, PiecedFile, TensorBytes, Zeros
 from ckptfs.layouts.safetensors import SafetensorsLayout
-from ckptfs.layouts.torchzip import TorchZipLayout
-from ckptfs.mapping import ops
-from ckptfs.virtual_tensor import ArrayTensor, VirtualTensor, box_shape
-from ckptfs.virtual_file import VirtualFile, fill
-from ckptfs.views.hf import weight_files
+from ckptfs.layouts.torchzip.layout import TorchZipLayout
+from ckptfs.tensor import ops
+from ckptfs.tensor.base import ArrayTensor, VirtualTensor, box_shape
+from ckptfs.layouts.file import VirtualFile, fill
+from ckptfs.views.hf.view import weight_files
 
 from conftest import FIXTURES, read_all
 

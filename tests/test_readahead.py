@@ -1,4 +1,4 @@
-"""The server-side read-ahead (ckptfs.readahead) as a pieced file drives it: which blocks get computed, by whom.
+"""The server-side read-ahead (ckptfs.tensor.readahead) as a pieced file drives it: which blocks get computed, by whom.
 
 A sequential read of a file made of tensors queues the blocks after it for the read-ahead thread, within the piece
 being read too (a safetensors data section is one TensorRun piece holding every tensor), and a block read whole and
@@ -13,12 +13,12 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from ckptfs import virtual_tensor as tensor_mod
-from ckptfs.cache import BlockCache
+from ckptfs.tensor import base as tensor_mod
+from ckptfs.tensor.cache import BlockCache
 from ckptfs.layouts.pieces import Literal, PiecedFile, TensorRun
-from ckptfs.readahead import READ_AHEAD
-from ckptfs.virtual_file import fill
-from ckptfs.virtual_tensor import ArrayTensor
+from ckptfs.tensor.readahead import READ_AHEAD
+from ckptfs.layouts.file import fill
+from ckptfs.tensor.base import ArrayTensor
 
 BLOCK = 256 << 10  # small blocks (above the small-read and sequential-read sizes) so a few MB span many
 
@@ -136,7 +136,7 @@ def test_a_read_of_a_dropped_block_still_computes_it():
 
 
 def test_several_workers_compute_each_queued_block_once():
-    from ckptfs.readahead import ReadAhead
+    from ckptfs.tensor.readahead import ReadAhead
 
     ra = ReadAhead(max_queued=64, workers=3)
     cache = BlockCache(64 << 20)
@@ -162,7 +162,7 @@ def test_several_workers_compute_each_queued_block_once():
 def test_a_second_worker_computes_only_while_blocks_go_to_the_disk(disk):
     """Blocks whose reads waited for the storage (the ``waited_reads`` hook counts them) are computed two at a time;
     blocks from memory one at a time (after the first, which starts with all workers)."""
-    from ckptfs.readahead import ReadAhead
+    from ckptfs.tensor.readahead import ReadAhead
 
     waits = threading.local()
     ra = ReadAhead(max_queued=64, workers=2, waited_reads=lambda: getattr(waits, "n", 0))
@@ -205,7 +205,7 @@ def test_a_peek_and_the_kernels_small_follow_up_queue_nothing():
 def test_an_idle_worker_is_not_woken_for_a_block_it_may_not_take():
     """With blocks from the page cache one worker computes at a time; the other sleeps through the whole queue
     instead of waking (a thread switch and a GIL hand-off) for every block queued or finished."""
-    from ckptfs.readahead import ReadAhead
+    from ckptfs.tensor.readahead import ReadAhead
 
     class CountingCondition(threading.Condition):
         waits = 0
@@ -241,7 +241,7 @@ def test_a_block_computed_from_memory_alone_marks_its_cache_and_one_that_waited_
     """The worker marks the cache ``from_memory`` after ``FROM_MEMORY_RUN`` blocks in a row whose reads were all known
     to come from memory (the ``memory_reads`` hook counted them, ``waited_reads`` did not move), and clears it at any
     other block."""
-    from ckptfs.readahead import ReadAhead
+    from ckptfs.tensor.readahead import ReadAhead
 
     counts = threading.local()
 
@@ -254,7 +254,7 @@ def test_a_block_computed_from_memory_alone_marks_its_cache_and_one_that_waited_
             return b"x"
         return run
 
-    from ckptfs.cache import FROM_MEMORY_RUN
+    from ckptfs.tensor.cache import FROM_MEMORY_RUN
 
     ra = ReadAhead(workers=1, waited_reads=counter("waited"), memory_reads=counter("memory"))
     cache = BlockCache(1 << 20)

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from ckptfs.errors import MappingError
-from ckptfs.mapping.registry import LazyRegistry, Registry, default_registry, mapping_dirs
+from ckptfs.mapping.lang.families import LazyRegistry, Registry, default_registry, mapping_dirs
 
 
 @pytest.fixture(scope="module")

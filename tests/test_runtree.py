@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckptfs.options import MountOptions
+from ckptfs.views.options import MountOptions
 from ckptfs.tree.run import LATEST, RunTree, is_run, open_run
-from ckptfs.source.rundir import IN_PROGRESS, RunScanner, parse_name
+from ckptfs.readers.run.scan import IN_PROGRESS, RunScanner, parse_name
 from ckptfs.tree.base import VirtualPathError
 from conftest import run_ckptfs
 from runhelp import NORM_HF, model_dir, norm_of, save, save_partial, set_success, write_copy
@@ -82,7 +82,7 @@ def test_a_latest_pointer_wins_when_it_names_a_complete_checkpoint(tmp_path):
 
 
 def test_files_are_probed_once_until_they_change(tmp_path, monkeypatch):
-    from ckptfs.source import rundir
+    from ckptfs.readers.run import scan as rundir
 
     d = model_dir(tmp_path / "run")
     save(d, 1)

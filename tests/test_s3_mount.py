@@ -303,8 +303,8 @@ def test_untrusted_metadata_is_refused_or_checked(s3, monkeypatch):
     import pickle
 
     from ckptfs.errors import CheckpointError, TensorReadError
-    from ckptfs.source import open_checkpoint
-    from ckptfs.source.catalog import TensorLeaf, UnreadableLeaf
+    from ckptfs.readers import open_checkpoint
+    from ckptfs.catalog.model import TensorLeaf, UnreadableLeaf
     from ckptfs.storage.s3url import S3Settings, parse_s3_url
 
     for k, v in s3.env().items():
@@ -350,7 +350,7 @@ def test_untrusted_metadata_is_refused_or_checked(s3, monkeypatch):
 
 def test_params_beside_a_bucket_checkpoint_are_fetched_and_never_trusted_from_the_cache(s3, monkeypatch, tmp_path):
     from ckptfs.errors import StorageError
-    from ckptfs.source.s3params import fetch_params
+    from ckptfs.readers.s3.params import fetch_params
     from ckptfs.storage.s3url import S3Settings, parse_s3_url
 
     for k, v in s3.env().items():

@@ -9,8 +9,8 @@ import pytest
 
 from ckptfs.dtypes import BFLOAT16, BY_NAME
 from ckptfs.errors import CheckpointError
-from ckptfs.source.s3layout import name_problem
-from ckptfs.source.s3tensor import metadata_fingerprint, object_problem
+from ckptfs.readers.s3.layout import name_problem
+from ckptfs.readers.s3.object_tensor import metadata_fingerprint, object_problem
 from ckptfs.storage.locate import locate
 from ckptfs.storage.s3url import S3Location, S3Settings, parse_s3_url, safe_endpoint
 
@@ -323,7 +323,7 @@ def test_a_sequential_read_fetches_the_next_objects_ahead_and_no_byte_twice(tmp_
     from s3help import LocalS3
 
     import ckptfs
-    from ckptfs import fusefs
+    from ckptfs.fuse import operations as fusefs
     from ckptfs.storage import s3object
 
     from s3help import generated_checkpoint
@@ -376,10 +376,10 @@ def test_only_a_stream_through_the_file_announces_what_follows():
     the server's read-ahead window and on into the next tensor do."""
     from array import array
 
-    from ckptfs.cache import BlockCache
+    from ckptfs.tensor.cache import BlockCache
     from ckptfs.dtypes import BY_NAME
     from ckptfs.layouts.pieces import PiecedFile, TensorRun
-    from ckptfs.virtual_tensor import ArrayTensor
+    from ckptfs.tensor.base import ArrayTensor
 
     announced = []
 
@@ -418,7 +418,7 @@ def test_a_tree_over_object_storage_keeps_its_parts_within_its_cache_size(tmp_pa
     import time
 
     import ckptfs
-    from ckptfs import fusefs
+    from ckptfs.fuse import operations as fusefs
     from ckptfs.storage import s3object
     from ckptfs.tree.memory import REMOTE_SHARE
     from s3help import LocalS3, generated_checkpoint

@@ -197,8 +197,8 @@ def test_a_tensor_declared_1_tib_over_a_32_mib_object_fails_at_once(s3, tmp_path
         assert (mnt / OTHER_FILES[1]).read_bytes().startswith(b"\x93NUMPY")
 
     # why: the catalog refuses the tensor with a reason (the file is left out of the views)
-    from ckptfs.source import open_checkpoint
-    from ckptfs.source.catalog import UnreadableLeaf
+    from ckptfs.readers import open_checkpoint
+    from ckptfs.catalog.model import UnreadableLeaf
     from ckptfs.storage.s3url import S3Settings, parse_s3_url
 
     for k, v in env.items():
@@ -267,7 +267,7 @@ def test_compressed_blocks_read_out_of_order_decode_the_frame_once(s3, monkeypat
     import zstandard
 
     from ckptfs.dtypes import from_numpy
-    from ckptfs.source import s3tensor
+    from ckptfs.readers.s3 import object_tensor as s3tensor
     from ckptfs.storage import s3object
     from ckptfs.storage.s3client import S3Client
     from ckptfs.storage.s3url import S3Settings

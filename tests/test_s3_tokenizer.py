@@ -93,7 +93,7 @@ def test_a_tokenizer_named_outside_the_checkpoint_and_params_prefixes_is_not_rea
 
 def test_a_tokenizer_file_over_the_bound_is_left_out_with_a_note(s3, env, monkeypatch):
     import ckptfs
-    from ckptfs.views import s3tokenizer
+    from ckptfs.views.hf import s3_tokenizers as s3tokenizer
 
     for k, v in env.items():
         if k.startswith("AWS_"):

@@ -55,7 +55,7 @@ def _copy(s3, name: str) -> str:
 
 
 def _metadata(s3, prefix: str) -> dict:
-    from ckptfs.source.safepickle import loads_plain
+    from ckptfs.guard.safepickle import loads_plain
 
     body = s3.client().get_object(Bucket=BUCKET, Key=prefix + "__METADATA__")["Body"].read()
     return loads_plain(body)
@@ -125,7 +125,7 @@ def test_zstd_frame_declaring_2_to_the_40_is_one_line_not_memory_error(s3, env, 
 def test_decompress_bounded_caps_what_a_frame_makes():
     import zstandard
 
-    from ckptfs.source.zstdbound import ZstdRefused, decompress_bounded
+    from ckptfs.guard.zstd_bound import ZstdRefused, decompress_bounded
 
     assert decompress_bounded(zstandard.ZstdCompressor().compress(b"abc" * 100), 300) == b"abc" * 100
     with pytest.raises(ZstdRefused, match="declares 301"):
@@ -186,7 +186,7 @@ def proxy(s3):
 
 def test_a_chunked_gigabyte_for_metadata_is_refused_at_the_bound(s3, env, proxy, baseline, tmp_path):
     """An endpoint answering the ``__METADATA__`` GET with 1 GiB and no Content-Length: read only up to the bound."""
-    from ckptfs.source.s3layout import MAX_METADATA_BYTES
+    from ckptfs.readers.s3.layout import MAX_METADATA_BYTES
 
     prefix = _copy(s3, "chunked")
     proxy.chunked[prefix + "__METADATA__"] = 1 << 30
@@ -197,7 +197,7 @@ def test_a_chunked_gigabyte_for_metadata_is_refused_at_the_bound(s3, env, proxy,
 
 
 def test_a_chunked_gigabyte_for_params_is_refused_at_the_bound(s3, env, proxy, baseline, tmp_path):
-    from ckptfs.source.s3params import MAX_BYTES
+    from ckptfs.readers.s3.params import MAX_BYTES
 
     prefix = _copy(s3, "chunkparams")
     s3.client().put_object(Bucket=BUCKET, Key="chunkparams/params.yaml", Body=b"model: {}\n")
@@ -251,7 +251,7 @@ def test_mdl_object_whose_superblock_claims_2_to_the_60_bytes_is_one_line(s3, en
 
 
 def test_hdf5_messages_become_what_was_found_and_what_works():
-    from ckptfs.source.h5errors import open_problem
+    from ckptfs.readers.cerebras.h5errors import open_problem
 
     assert open_problem(OSError("Unable to synchronously open file (bad superblock version number)"), "object") == (
         "damaged HDF5 object (HDF5: bad superblock version number); copy the whole checkpoint again from where it "
@@ -300,8 +300,8 @@ def test_endpoint_password_is_not_on_the_forked_servers_command_line(s3, env, tm
 def test_endpoint_password_is_not_on_the_spawned_servers_command_line(s3, env, tmp_path, monkeypatch):
     """The same for a server started as a new process (the Python API from a program with threads): its options
     come through a pipe, not its command line."""
-    from ckptfs.mountproc import start_background, unmount
-    from ckptfs.options import MountOptions
+    from ckptfs.fuse.mount import start_background, unmount
+    from ckptfs.views.options import MountOptions
 
     for k, v in env.items():
         monkeypatch.setenv(k, v)

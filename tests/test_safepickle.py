@@ -15,8 +15,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from ckptfs.source.catalog import safepickle as sp
-from ckptfs.source.safepickle import Limits, PickleRefused, loads_plain, loads_torch
+from ckptfs.catalog.model import safepickle as sp
+from ckptfs.guard.safepickle import Limits, PickleRefused, loads_plain, loads_torch
 
 
 def same(a, b) -> bool:

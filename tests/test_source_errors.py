@@ -13,9 +13,9 @@ import torch
 from safetensors.numpy import save_file
 
 from ckptfs.errors import CheckpointError, TensorReadError
-from ckptfs.source.catalog import TensorLeaf, UnreadableLeaf
-from ckptfs.source import open_checkpoint
-from ckptfs.source.materialize import to_torch
+from ckptfs.catalog.model import TensorLeaf, UnreadableLeaf
+from ckptfs.readers import open_checkpoint
+from ckptfs.catalog.materialize import to_torch
 from conftest import FIXTURES as FIX
 
 EDGE = FIX / "cstorch_edge_cases"

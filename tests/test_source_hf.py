@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from ckptfs.errors import CheckpointError, SourceChangedError
-from ckptfs.source.catalog import torch_bin
-from ckptfs.source.hf_folder import open_hf_model
-from ckptfs.source.kind import is_hf_folder
-from ckptfs.virtual_tensor import full_box
+from ckptfs.catalog.model import torch_bin
+from ckptfs.readers.hf.folder import open_hf_model
+from ckptfs.readers.kind import is_hf_folder
+from ckptfs.tensor.base import full_box
 from conftest import FIXTURES
 from hfhelp import as_hub_cache, llama_state, save_hf
 

@@ -1,4 +1,4 @@
-"""What a checkpoint argument is (``ckptfs.source.kind``), driven as a user drives it: the CLI in a subprocess, real
+"""What a checkpoint argument is (``ckptfs.readers.kind``), driven as a user drives it: the CLI in a subprocess, real
 FUSE mounts, the local S3 endpoint the S3 tests start (moto), a Hugging Face Hub cache laid out by
 ``huggingface_hub``'s own functions.
 
@@ -78,7 +78,7 @@ def one_line(r) -> str:
 # ---- in-process: the table's order ---------------------------------------------------------------------------------
 
 def test_the_table_tells_each_local_form_apart(tmp_path):
-    from ckptfs.source.kind import HDF5_FILE, HF_FOLDER, NOTHING, RECOGNISERS, RUN, classify
+    from ckptfs.readers.kind import HDF5_FILE, HF_FOLDER, NOTHING, RECOGNISERS, RUN, classify
 
     assert classify(LLAMA_MDL).kind == HDF5_FILE
     assert classify(FIXTURES / "llama" / "hf").kind == HF_FOLDER

@@ -12,10 +12,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from ckptfs.errors import TensorReadError
-from ckptfs.source.catalog import TensorLeaf, ValueLeaf
-from ckptfs.source import open_checkpoint
-from ckptfs.source.materialize import to_torch
-from ckptfs.source.stored_tensors import box_runs, float_to_bf16_bits
+from ckptfs.catalog.model import TensorLeaf, ValueLeaf
+from ckptfs.readers import open_checkpoint
+from ckptfs.catalog.materialize import to_torch
+from ckptfs.tensor.regions import box_runs, float_to_bf16_bits
 from conftest import FIXTURES
 
 FIX = FIXTURES / "legacy_emulated"

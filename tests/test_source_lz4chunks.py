@@ -1,4 +1,4 @@
-"""The chunk-parallel LZ4 reader (ckptfs/source/lz4chunks/) returns exactly h5py's bytes for every box, raises
+"""The chunk-parallel LZ4 reader (ckptfs/readers/cerebras/lz4chunks/) returns exactly h5py's bytes for every box, raises
 TensorReadError on a chunk that does not decode, and leaves everything else to the plain h5py read. No timing."""
 from __future__ import annotations
 
@@ -17,18 +17,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptfs import env
-from ckptfs.cache import BlockCache
+from ckptfs.tensor.cache import BlockCache
 from ckptfs.dtypes import BFLOAT16, BOOL, from_numpy
 from ckptfs.errors import TensorReadError
-from ckptfs.source import lz4chunks
-from ckptfs.source.h5store import H5Store
-from ckptfs.source.lz4chunks import batch, frame, index, reader
-from ckptfs.source.lz4chunks.batch import BatchRead
-from ckptfs.source.lz4chunks.grid import ChunkGrid
-from ckptfs.source.lz4filter import LZ4_FILTER_ID
-from ckptfs.source.stored_tensors import H5DatasetTensor
+from ckptfs.readers.cerebras import lz4chunks
+from ckptfs.readers.cerebras.h5store import H5Store
+from ckptfs.readers.cerebras.lz4chunks import batch, frame, index, reader
+from ckptfs.readers.cerebras.lz4chunks.batch import BatchRead
+from ckptfs.readers.cerebras.lz4chunks.grid import ChunkGrid
+from ckptfs.readers.cerebras.lz4filter import LZ4_FILTER_ID
+from ckptfs.readers.cerebras.dataset_tensor import H5DatasetTensor
 from ckptfs.storage import local
-from ckptfs.virtual_tensor import BLOCK_BYTES, aligned_block_elems
+from ckptfs.tensor.base import BLOCK_BYTES, aligned_block_elems
 
 DTYPES = ["<f4", "<f8", "<i2", "<u2", "<f2", "|u1", "|b1", "<i8", ">f4", ">i2"]
 
@@ -601,7 +601,7 @@ def test_reading_a_checkpoint_registers_only_the_lz4_filter(tmp_path):
         f.create_dataset("a", data=a, chunks=(16, 32), **hdf5plugin.LZ4())
     code = f"""if True:
         import sys, h5py, hashlib
-        import ckptfs.source.h5store
+        import ckptfs.readers.cerebras.h5store
         assert "hdf5plugin" not in sys.modules
         with h5py.File({str(path)!r}, "r") as f:
             print(hashlib.sha256(f["a"][...].tobytes()).hexdigest(), "hdf5plugin" in sys.modules)

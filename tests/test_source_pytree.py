@@ -8,9 +8,9 @@ import pytest
 import torch.utils._pytree as pytree
 from hypothesis import given, settings, strategies as st
 
-from ckptfs.source.catalog import ValueLeaf
-from ckptfs.source.materialize import node_to_python
-from ckptfs.source.pytree import SpecError, build_tree, leaf_keys, parse_treespec
+from ckptfs.catalog.model import ValueLeaf
+from ckptfs.catalog.materialize import node_to_python
+from ckptfs.catalog.pytree import SpecError, build_tree, leaf_keys, parse_treespec
 
 _keys = st.one_of(st.text(min_size=1, max_size=4), st.integers(-3, 50))
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from ckptfs.source.catalog import OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
-from ckptfs.source import open_checkpoint
-from ckptfs.source.materialize import Opaque, Unreadable, to_torch
+from ckptfs.catalog.model import OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
+from ckptfs.readers import open_checkpoint
+from ckptfs.catalog.materialize import Opaque, Unreadable, to_torch
 from conftest import FIXTURES as FIX
 
 EDGE = FIX / "cstorch_edge_cases"

@@ -11,12 +11,12 @@ import hdf5plugin
 import numpy as np
 import pytest
 
-from ckptfs.cache import BlockCache
+from ckptfs.tensor.cache import BlockCache
 from ckptfs.commands.info import summarize
 from ckptfs.errors import TensorReadError
-from ckptfs.source.catalog import TensorLeaf, UnreadableLeaf
-from ckptfs.source import open_checkpoint
-from ckptfs.virtual_tensor import BLOCK_BYTES
+from ckptfs.catalog.model import TensorLeaf, UnreadableLeaf
+from ckptfs.readers import open_checkpoint
+from ckptfs.tensor.base import BLOCK_BYTES
 from conftest import FIXTURES as FIX
 
 
@@ -179,7 +179,7 @@ def test_zero_size_and_0d_tensors(tmp_path):
 def test_open_datasets_are_bounded_and_reopen_identically(monkeypatch):
     """A store keeps at most MAX_OPEN_DATASETS datasets open (HDF5 holds memory for each); a tensor whose dataset
     was closed to make room opens it again and reads the same bytes."""
-    from ckptfs.source import h5store
+    from ckptfs.readers.cerebras import h5store
 
     monkeypatch.setattr(h5store, "MAX_OPEN_DATASETS", 2)
     ck = FIX / "llama" / "cs" / "checkpoint.mdl"

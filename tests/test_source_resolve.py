@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ckptfs.errors import CheckpointError
-from ckptfs.source import open_checkpoint, resolve_checkpoint
+from ckptfs.readers import open_checkpoint, resolve_checkpoint
 from conftest import FIXTURES
 
 SRC = FIXTURES / "cstorch_edge_cases" / "src.mdl"

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from ckptfs.errors import CheckpointError
-from ckptfs.source.catalog import OpaqueLeaf
-from ckptfs.source import open_checkpoint
-from ckptfs.source.legacy_spec import SpecUnpickler, decode_legacy_spec
-from ckptfs.source.materialize import Opaque, to_torch
-from ckptfs.source.pytree import SpecError
+from ckptfs.catalog.model import OpaqueLeaf
+from ckptfs.readers import open_checkpoint
+from ckptfs.readers.cerebras.dill_spec import SpecUnpickler, decode_legacy_spec
+from ckptfs.catalog.materialize import Opaque, to_torch
+from ckptfs.catalog.pytree import SpecError
 from conftest import FIXTURES as FIX, run_ckptfs
 
 ROOT = Path(__file__).parent.parent
@@ -107,8 +107,8 @@ def test_legacy_spec_decodes_without_torch_or_dill(tmp_path):
         "    def find_spec(self, name, path=None, target=None):\n"
         "        if name.split('.')[0] in ('torch', 'dill'): raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "from ckptfs.source.legacy_spec import decode_legacy_spec\n"
-        "from ckptfs.source.pytree import leaf_keys\n"
+        "from ckptfs.readers.cerebras.dill_spec import decode_legacy_spec\n"
+        "from ckptfs.catalog.pytree import leaf_keys\n"
         f"f = h5py.File({str(FIX / 'legacy_emulated' / 'legacy04.mdl')!r}, 'r')\n"
         "print(len(leaf_keys(decode_legacy_spec(f.attrs['__spec__']))))\n"
     )

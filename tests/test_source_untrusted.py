@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from ckptfs.errors import SourceChangedError, TensorReadError
-from ckptfs.source.catalog import TensorLeaf, UnreadableLeaf
-from ckptfs.source import open_checkpoint
-from ckptfs.source.confine import Confinement, RefusedReference
+from ckptfs.catalog.model import TensorLeaf, UnreadableLeaf
+from ckptfs.readers import open_checkpoint
+from ckptfs.guard.confine import Confinement, RefusedReference
 from conftest import run_ckptfs
 from untrusted_help import (ALLOWED_WITH_OUTSIDE, EDGE, FIXTURES, HOSTILE_KEYS, MARK, REFERENCE_KEYS, SECRET,
                             craft_hostile_metadata, craft_references, secret_files)
@@ -211,8 +211,8 @@ def test_external_file_modified_after_opening(tmp_path):
 def test_a_tensor_that_yields_no_bytes_fails_instead_of_spinning():
     from ckptfs.dtypes import FLOAT32
     from ckptfs.layouts.npy import NpyLayout
-    from ckptfs.layouts.torchzip import TorchZipLayout
-    from ckptfs.virtual_tensor import VirtualTensor
+    from ckptfs.layouts.torchzip.layout import TorchZipLayout
+    from ckptfs.tensor.base import VirtualTensor
 
     class NoBytes(VirtualTensor):  # announces 4 KiB but produces nothing (what a bad shape once did)
         def read(self, box):

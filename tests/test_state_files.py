@@ -15,8 +15,8 @@ import pytest
 
 import ckptfs
 from ckptfs import env as ckptfs_env
-from ckptfs.source.catalog import catalog_index
-from ckptfs.source import open_checkpoint
+from ckptfs.catalog.model import catalog_index
+from ckptfs.readers import open_checkpoint
 from conftest import FIXTURES, real_env as _real_env, run_ckptfs
 
 LLAMA = FIXTURES / "llama" / "cs"
@@ -113,7 +113,7 @@ def test_an_index_edited_by_hand_is_not_served(tmp_path, cache, how):
 
 
 def test_an_index_owned_by_someone_else_or_readable_by_others_is_not_used(tmp_path, cache):
-    from ckptfs.source import open as open_mod
+    from ckptfs.readers import open as open_mod
 
     mdl = copy_llama(tmp_path / "ck")
     open_checkpoint(mdl).close()

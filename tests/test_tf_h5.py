@@ -14,10 +14,10 @@ import pytest
 
 import ckptfs
 from ckptfs.errors import CheckpointError
-from ckptfs.source import open_checkpoint
-from ckptfs.source import tf_h5
-from ckptfs.source.catalog import TF_H5, TensorLeaf
-from ckptfs.source.stored_tensors import H5DatasetTensor
+from ckptfs.readers import open_checkpoint
+from ckptfs.readers.cerebras import tf_h5
+from ckptfs.catalog.model import TF_H5, TensorLeaf
+from ckptfs.readers.cerebras.dataset_tensor import H5DatasetTensor
 from conftest import needs_fuse, run_ckptfs
 from fusehelp import mounted
 from tfsrchelp import CASES, case_dir, check_tensors_folder, manifest, prefix, reference

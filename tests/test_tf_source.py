@@ -19,8 +19,8 @@ import pytest
 
 import ckptfs
 from ckptfs.errors import CheckpointError, TensorReadError
-from ckptfs.source import open_checkpoint, resolve_checkpoint
-from ckptfs.source.catalog import TF_SAVER, TensorLeaf, UnreadableLeaf
+from ckptfs.readers import open_checkpoint, resolve_checkpoint
+from ckptfs.catalog.model import TF_SAVER, TensorLeaf, UnreadableLeaf
 from ckptfs.tfbundle import encode_header, encode_index, parse_index, write_table
 from conftest import needs_fuse, real_env, run_ckptfs
 from fusehelp import mounted

@@ -30,7 +30,7 @@ BF16 = FIXTURES / "bf16_llama/cs/checkpoint.mdl"
 
 def source_bytes(ckpt) -> dict:
     """``{key: (TF dtype name, shape, sha256 of the C-order bytes)}`` of every source tensor TF can hold."""
-    from ckptfs.source import open_checkpoint
+    from ckptfs.readers import open_checkpoint
 
     src = open_checkpoint(ckpt)
     try:
@@ -161,8 +161,8 @@ def test_bad_tf_options_refused_with_one_line(tmp_path, args, said):
 def test_tf_files_hold_the_source_tensors(ckpt):
     """The view's conformance over fixtures: one entry per source tensor TF can hold, its dtype and shape, its
     bytes equal to what cstorch.load gives, its CRC the masked CRC-32C of those bytes."""
-    from ckptfs.source import open_checkpoint
-    from ckptfs.source.stored_tensors import FullTensor
+    from ckptfs.readers import open_checkpoint
+    from ckptfs.tensor.regions import FullTensor
 
     tree = ckptfs.open(ckpt, views="tf")
     source = open_checkpoint(ckpt)

@@ -19,7 +19,7 @@ from ckptfs.dtypes import BY_NAME, DType
 from ckptfs.errors import CkptfsError
 from ckptfs.layouts.tfsaver import TFSaverLayout
 from ckptfs.tfbundle import decode_slice_key, parse_index
-from ckptfs.virtual_tensor import ArrayTensor
+from ckptfs.tensor.base import ArrayTensor
 
 TF = FIXTURES / "tf"
 
@@ -180,7 +180,7 @@ class _Counting(ArrayTensor):
 
 
 def test_crcs_are_computed_once_and_persisted(tmp_path):
-    from ckptfs.layouts.crc import CrcStore
+    from ckptfs.layouts.torchzip.crc_store import CrcStore
 
     tensors = [(f"w{i}", _Counting(np.arange(i + 1, dtype=np.float32))) for i in range(5)]
     store = CrcStore(tmp_path)

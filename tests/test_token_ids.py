@@ -1,13 +1,13 @@
 """Special token ids in config.json and generation_config.json (issue 15): params first, then the transformers
-config class's defaults (ckptfs/mapping/hf_defaults.py, checked here against the installed transformers); only
+config class's defaults (ckptfs/mapping/params/hf_defaults.py, checked here against the installed transformers); only
 models that generate get a generation_config.json."""
 from __future__ import annotations
 
 import pytest
 
-from ckptfs.mapping.config import convert_config
-from ckptfs.mapping.hf_defaults import CLASS_TOKEN_IDS, NO_CLASS_TOKEN_IDS, TOKEN_ID_KEYS, generates
-from ckptfs.mapping.registry import default_registry
+from ckptfs.mapping.params.to_hf_config import convert_config
+from ckptfs.mapping.params.hf_defaults import CLASS_TOKEN_IDS, NO_CLASS_TOKEN_IDS, TOKEN_ID_KEYS, generates
+from ckptfs.mapping.lang.families import default_registry
 from test_mapping_config import hf_config, params_of
 
 

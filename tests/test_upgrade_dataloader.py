@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from ckptfs.errors import ConfigError
-from ckptfs.source.catalog import Checkpoint, Container, TensorLeaf, ValueLeaf
-from ckptfs.virtual_tensor import ArrayTensor
-from ckptfs.upgrade import tree as T, upgrade_checkpoint
+from ckptfs.catalog.model import Checkpoint, Container, TensorLeaf, ValueLeaf
+from ckptfs.tensor.base import ArrayTensor
+from ckptfs.upgrade import state_tree as T, upgrade_checkpoint
 from ckptfs.upgrade.dataloader import convert_data_iter_dir
 from ckptfs.views.base import MountOptions
 

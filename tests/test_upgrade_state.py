@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from ckptfs.dtypes import INT64
-from ckptfs.source.catalog import Checkpoint, Container, TensorLeaf, ValueLeaf
-from ckptfs.virtual_tensor import ArrayTensor
+from ckptfs.catalog.model import Checkpoint, Container, TensorLeaf, ValueLeaf
+from ckptfs.tensor.base import ArrayTensor
 from ckptfs.upgrade import hops, upgrade_checkpoint
-from ckptfs.upgrade import tree as T
+from ckptfs.upgrade import state_tree as T
 from ckptfs.upgrade.state_rules import EMBEDDING_REFACTOR_2_1, StateEdit, upgrade_state
 
 

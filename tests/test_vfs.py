@@ -8,7 +8,7 @@ import stat
 import pytest
 
 from ckptfs.errors import CheckpointError, CkptfsError, TensorReadError
-from ckptfs.options import MountOptions
+from ckptfs.views.options import MountOptions
 from ckptfs.tree.assemble import SourceInfo, assemble_tree, build_tree, outcome_from, run_builder
 from ckptfs.tree.base import VirtualPathError
 from ckptfs.tree.virtual import VirtualTree
@@ -184,7 +184,7 @@ def test_run_builder_turns_every_failure_into_a_missing_view():
 
 
 def test_an_unknown_view_name_is_refused_before_anything_is_built():
-    from ckptfs.options import from_kwargs
+    from ckptfs.views.options import from_kwargs
 
     with pytest.raises(ValueError, match="nope"):
         from_kwargs(views="hf,nope")

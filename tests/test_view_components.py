@@ -65,8 +65,8 @@ def test_each_component_is_a_complete_model_folder(case, model, folders, root_mo
 
 
 def test_single_component_tree_is_unchanged():
-    from ckptfs.mapping.convert import to_hf
-    from ckptfs.source import open_checkpoint
+    from ckptfs.mapping.to_hf import to_hf
+    from ckptfs.readers import open_checkpoint
 
     with open_checkpoint(FIXTURES / "gpt2" / "cs" / "checkpoint.mdl") as ck:
         hf = to_hf(ck)

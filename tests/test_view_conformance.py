@@ -121,7 +121,7 @@ NPY_CASES += [p for p in sorted(EDGE.glob("*.mdl")) if p.with_suffix(".ref.pt").
 def _ref_by_tensor(node, ref, out: dict) -> dict:
     """``{id(source tensor): the ref.pt tensor at the same place}``, walking the checkpoint's tree and ref.pt
     together (so a key cstorch stores under another name, e.g. a defaultdict's, still finds its tensor)."""
-    from ckptfs.source.catalog import Container, TensorLeaf
+    from ckptfs.catalog.model import Container, TensorLeaf
 
     if isinstance(node, Container):
         keys = node.keys if node.keys is not None else range(len(node.children))
@@ -135,8 +135,8 @@ def _ref_by_tensor(node, ref, out: dict) -> dict:
 
 @pytest.mark.parametrize("ckpt", NPY_CASES, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_npy_files_equal_cstorch_load(ckpt):
-    from ckptfs.source import open_checkpoint
-    from ckptfs.source.stored_tensors import FullTensor
+    from ckptfs.readers import open_checkpoint
+    from ckptfs.tensor.regions import FullTensor
 
     tree = ckptfs.open(ckpt, views="tensors")
     source = open_checkpoint(ckpt)

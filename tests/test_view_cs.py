@@ -14,11 +14,11 @@ import yaml
 from conftest import read_all
 from cshelp import (FIXTURES, RampTensor, copy_view_file_in_subprocess, h5_bytes_file, link_groups, renamed_legacy_copy,
                     tree_sig, write_out)
-from ckptfs.layouts.hdf5 import Hdf5Layout
-from ckptfs.layouts.hdf5_entries import TensorEntry
-from ckptfs.source import open_checkpoint
-from ckptfs.source.catalog import Container
-from ckptfs.upgrade import tree as T
+from ckptfs.layouts.hdf5.layout import Hdf5Layout
+from ckptfs.layouts.hdf5.entries import TensorEntry
+from ckptfs.readers import open_checkpoint
+from ckptfs.catalog.model import Container
+from ckptfs.upgrade import state_tree as T
 from ckptfs.views import cs
 from ckptfs.views.base import MountOptions, ViewContext
 

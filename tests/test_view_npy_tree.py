@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import ckptfs
-from ckptfs.views.npy_tree import NAME_MAX, escape_component, plan_paths
+from ckptfs.views.tensors import NAME_MAX, escape_component, plan_paths
 from untrusted_help import craft_names
 
 
@@ -39,7 +39,7 @@ def test_crafted_names_all_reachable_with_notes(tmp_path):
     ckpt = craft_names(tmp_path / "ck")
     tree = ckptfs.open(ckpt, views="tensors")
     try:
-        from ckptfs.source import open_checkpoint
+        from ckptfs.readers import open_checkpoint
 
         served = {tree.lookup(p).file.name: p for p in tree.file_paths() if p.startswith("tensors/")}
         with open_checkpoint(ckpt) as c:

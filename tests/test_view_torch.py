@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from cshelp import FIXTURES, RampTensor, copy_view_file_in_subprocess, write_out
-from ckptfs.layouts.hdf5 import Hdf5Layout
-from ckptfs.layouts.hdf5_entries import TensorEntry
-from ckptfs.source import open_checkpoint
-from ckptfs.source.catalog import Container, TensorLeaf
-from ckptfs.source.materialize import Opaque, Unreadable, to_torch
+from ckptfs.layouts.hdf5.layout import Hdf5Layout
+from ckptfs.layouts.hdf5.entries import TensorEntry
+from ckptfs.readers import open_checkpoint
+from ckptfs.catalog.model import Container, TensorLeaf
+from ckptfs.catalog.materialize import Opaque, Unreadable, to_torch
 from ckptfs.views import torch as tview
 from ckptfs.views.base import MountOptions, ViewContext
 

@@ -81,8 +81,8 @@ def check_h5saver_file(path, case: str) -> None:
 
 def tensors_paths(ref: dict) -> dict:
     """``{variable: path under tensors/}`` by the tensors view's rules for TF names (scopes as folders, a name that
-    is also a scope gets ``@``; ckptfs/views/npy_tree.py), for the numeric variables of ``ref``."""
-    from ckptfs.views.npy_tree import plan_paths
+    is also a scope gets ``@``; ckptfs/views/tensors.py), for the numeric variables of ``ref``."""
+    from ckptfs.views.tensors import plan_paths
 
     keys = [(k, ".bf16.npy" if dt == "bfloat16" else ".npy") for k, (dt, arr) in ref.items() if arr is not None]
     return plan_paths(keys, sep="/")[0]

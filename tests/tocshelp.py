@@ -9,11 +9,11 @@ import io
 from functools import lru_cache
 
 from casehelp import CASES, case_facts, case_model
-from ckptfs.layouts.hdf5 import Hdf5Layout
-from ckptfs.layouts.hdf5_entries import TensorEntry
-from ckptfs.mapping.tocs import to_cs
-from ckptfs.source.catalog import Container
-from ckptfs.source.hf_folder import open_hf_model
+from ckptfs.layouts.hdf5.layout import Hdf5Layout
+from ckptfs.layouts.hdf5.entries import TensorEntry
+from ckptfs.mapping.to_cs import to_cs
+from ckptfs.catalog.model import Container
+from ckptfs.readers.hf.folder import open_hf_model
 from conftest import FIXTURES
 
 

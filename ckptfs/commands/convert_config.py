@@ -23,12 +23,12 @@ import os
 import sys
 from pathlib import Path
 
-from .. import options as mount_options
+from ..views import options as mount_options
 from ..errors import UsageError
-from ..outfiles import OutputDir, OutputError, write_file
+from ..state.outfiles import OutputDir, OutputError, write_file
 
 
-#: what ``--dtype`` accepts: ``ckptfs.mapping.params_config.DTYPES``, spelled out here because building the CLI's
+#: what ``--dtype`` accepts: ``ckptfs.mapping.params.convert_config.DTYPES``, spelled out here because building the CLI's
 #: parser (every ``ckptfs`` command, ``mount`` included) must not import the mapping core; a test checks they agree
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -68,7 +68,7 @@ def _report(lines: list, head: str) -> None:
 def is_hf_config(path: Path) -> bool:
     """A Hugging Face config (``*.json``) or model folder, or a Hub repository id in the local cache (a path that
     does not exist, spelled ``ORG/NAME``), rather than Cerebras params."""
-    from ..source.hub_cache import looks_like_repo_id
+    from ..readers.hf.hub_cache import looks_like_repo_id
 
     return path.is_dir() or path.suffix.lower() == ".json" or (not os.path.lexists(path) and
                                                               looks_like_repo_id(str(path)))
@@ -80,15 +80,15 @@ def hf_source(args) -> Path:
     src = Path(args.params)
     if src.is_dir() or os.path.lexists(src):
         return src
-    from ..source.hub_cache import resolve_repo_id
+    from ..readers.hf.hub_cache import resolve_repo_id
 
     return resolve_repo_id(args.params, getattr(args, "revision", None))  # a config alone will do: no weights needed
 
 
 def run_hf(args) -> int:
     """HF config(s) -> the params YAML a mount serves, and what it cannot carry."""
-    from ..mapping.tocs import hf_to_params
-    from ..source.hf_folder import read_hf_configs
+    from ..mapping.to_cs import hf_to_params
+    from ..readers.hf.folder import read_hf_configs
     from ..views.cs import params_yaml
 
     src = hf_source(args)
@@ -114,7 +114,7 @@ def run_hf(args) -> int:
 
 
 def run(args) -> int:
-    from ..mapping.params_config import params_to_hf_configs
+    from ..mapping.params.convert_config import params_to_hf_configs
 
     params = Path(args.params)
     if is_hf_config(params):
@@ -145,7 +145,7 @@ def _write(configs: dict, output) -> None:
         return
     out = Path(output)
     try:
-        if single:  # written as ckptfs.outfiles writes: no link followed, nothing but a regular file replaced
+        if single:  # written as ckptfs.state.outfiles writes: no link followed, nothing but a regular file replaced
             folder, name = (out, "config.json") if out.is_dir() else (out.parent, out.name)
             with OutputDir(folder, create=False) as d:
                 write_file(d, name, config_text(next(iter(configs.values()))).encode())

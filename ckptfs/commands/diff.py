@@ -4,7 +4,7 @@ what must be read (Cerebras' ``cszoo checkpoint diff`` loads both).
 A and B are checkpoint files, model_dirs (their latest checkpoint), or a run's checkpoint named as a run mount
 names it: ``MODEL_DIR/checkpoint_2000``, ``MODEL_DIR/latest``; each may be local or in a bucket (``s3://``: an
 object, a prefix in Cerebras' S3 layout, a run), as ``source.kind`` takes every checkpoint argument. Every key is added, removed, equal, or changed in
-kind, shape, dtype or value (``ckptfs.source.compare``: chunks stored alike are compared as stored, the others
+kind, shape, dtype or value (``ckptfs.commands.compare``: chunks stored alike are compared as stored, the others
 decoded block by block). ``--view hf`` (or cs, torch, tensors) compares instead the files two mounts would serve
 (``diff_trees``), e.g. to check that an upgrade changed nothing. Memory stays within ``--cache-size``.
 
@@ -23,7 +23,7 @@ import math
 import sys
 from pathlib import Path
 
-from .. import options as mount_options
+from ..views import options as mount_options
 from ..errors import CheckpointError, UsageError
 from ..units import parse_size
 
@@ -93,9 +93,9 @@ def resolve_argument(text: str, options=None):
     """The checkpoint an argument names (see the module docstring): a local file (a ``Path``) or a checkpoint in a
     bucket (an ``S3Location``); ``CheckpointError`` naming it (one line: what was found, what would work) if none.
     A model_dir, local or in a bucket, means its latest complete checkpoint."""
-    from ..options import MountOptions, s3_settings
-    from ..source.kind import classify
-    from ..source.rundir import RunScanner
+    from ..views.options import MountOptions, s3_settings
+    from ..readers.kind import classify
+    from ..readers.run.scan import RunScanner
 
     options = options or MountOptions()
     src = classify(text, settings=s3_settings(options), allow_external=options.allow_external).require()
@@ -103,7 +103,7 @@ def resolve_argument(text: str, options=None):
         raise CheckpointError(text, "a Hugging Face model, not a Cerebras checkpoint: diff its files against a "
                                     "mount's with --view hf, or mount it and diff its checkpoint.mdl")
     if src.kind == "tf checkpoint":  # its prefix or folder: the .index file of the checkpoint it names
-        from ..source.resolve import resolve_checkpoint
+        from ..readers.run.resolve import resolve_checkpoint
 
         return resolve_checkpoint(src.path)
     if not src.is_run:
@@ -257,8 +257,8 @@ class _Progress:
 
 
 def _diff_checkpoints(a: Path, b: Path, args, options, show, bar: _Progress) -> tuple:
-    from ..source import open_checkpoint
-    from ..source.compare import Budget, compared_bytes, diff_checkpoints
+    from ..readers import open_checkpoint
+    from .compare import Budget, compared_bytes, diff_checkpoints
 
     if any(getattr(args, n, None) is not None for n in VIEW_OPTIONS):
         raise UsageError(None, "options that shape a view's files (--config, --model, --max-shard-size…) need --view")
@@ -275,10 +275,10 @@ def _diff_checkpoints(a: Path, b: Path, args, options, show, bar: _Progress) -> 
 def _diff_views(a: Path, b: Path, args, options, show, bar: _Progress) -> tuple:
     from dataclasses import replace
 
-    from ..source.compare import Budget
+    from .compare import Budget
 
     from ..tree.assemble import build_tree
-    from .diff_trees import diff_trees, view_files
+    from .diff_views import diff_trees, view_files
 
     if args.tolerance:
         raise UsageError(None, "--tolerance compares tensor values: it does not apply to the bytes of --view")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from .. import options as mount_options
+from ..views import options as mount_options
 from ckptfs.commands import CKPT_HELP
 from ..tree.base import Tree
 from .export import resolve_file

@@ -3,7 +3,7 @@
 
 The bytes come from the same tree the mount serves (same view options), streamed in 8 MiB blocks.
 DEST ``-`` is stdout; an existing directory receives the file under its own name. A file is written to
-``DEST.tmp`` and renamed at the end, so a failed export leaves no partial DEST behind (``ckptfs.outfiles``: the
+``DEST.tmp`` and renamed at the end, so a failed export leaves no partial DEST behind (``ckptfs.state.outfiles``: the
 temporary file is created without following a link, and DEST is replaced only if it is a regular file). A progress
 bar (tqdm or rich, ``ckptfs.progress``) is shown when stderr is a terminal.
 """
@@ -15,10 +15,10 @@ import sys
 from pathlib import Path
 
 from ..errors import CkptfsError, UsageError
-from ..outfiles import OutputDir
+from ..state.outfiles import OutputDir
 from ..tree.base import Tree, VirtualPathError, split_path
 from .export_tree import export_tree, read_failed
-from .. import options as mount_options
+from ..views import options as mount_options
 from ckptfs.commands import CKPT_FORMS, CKPT_HELP
 
 BLOCK = 8 << 20

@@ -7,7 +7,7 @@ even one that restores its mtime, changes its ctime) and the same digest of samp
 else is written again — a zeroed file of the right size and mtime, the files of an export with other options
 (``--zip-crc zero``, another ``--config``).
 
-Records are ckptfs's own state files (``ckptfs.statefiles``): one per output folder in ``exports/`` under the cache
+Records are ckptfs's own state files (``ckptfs.state.files``): one per output folder in ``exports/`` under the cache
 directory, trusted only when the user's own and sealed; without a usable cache directory nothing is kept and a
 re-run writes every file again.
 """
@@ -19,7 +19,7 @@ import re
 import threading
 import time
 
-from ..statefiles import StateDir
+from ..state.files import StateDir
 
 FOLDER = "exports"
 KIND = "export-record"

@@ -3,7 +3,7 @@
 The result is what ``cp -r MOUNT/. OUTDIR`` gives, file for file and byte for byte, without FUSE. Files are cut into
 blocks that a thread pool decodes in parallel; each block is written at its offset into ``<file>.part``, which is
 renamed to its name once complete (after an fsync), with the mount's modification time. Folders and files are made
-through ``ckptfs.outfiles`` (no link followed below OUTDIR, no FIFO opened, nothing but a regular file replaced). A
+through ``ckptfs.state.outfiles`` (no link followed below OUTDIR, no FIFO opened, nothing but a regular file replaced). A
 re-run keeps a file only when the record of an earlier export (``export_record``) says it finished that very file
 from the same content, and redoes the rest; leftover ``.part`` files are rewritten from the start.
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CkptfsError
-from ..outfiles import OutputDir, OutputError
+from ..state.outfiles import OutputDir, OutputError
 from ..progress import progress_bar
 from ..tree.base import Tree
 from .export_record import ExportRecord, content_key
@@ -151,7 +151,7 @@ def export_tree(tree: Tree, outdir, *, threads: int | None = None, progress: boo
     """Write every file of ``tree`` under ``outdir`` (see the module docstring); returns what was done.
     ``cache_root``: where export records live (default: ckptfs's cache directory)."""
     if cache_root is None:
-        from ..statedirs import cache_dir
+        from ..state.dirs import cache_dir
 
         cache_root = cache_dir()
     with OutputDir(outdir) as out:

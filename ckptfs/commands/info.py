@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 from ..errors import CkptfsError
 from ..storage.s3url import is_s3_url
 from ..units import human_size
-from .. import options as mount_options
+from ..views import options as mount_options
 
 if TYPE_CHECKING:  # the source layer (h5py, numpy) is imported when a command runs, not when the CLI is built
-    from ..source.catalog import Checkpoint
+    from ..catalog.model import Checkpoint
 
 
 def add_parser(subparsers):
@@ -82,8 +82,8 @@ def detect(ckpt: Checkpoint) -> FamilyInfo:
         return FamilyInfo(None, None, "mapping core not available")
     config = None
     if is_s3_url(ckpt.path):  # its params are beside it in the bucket
-        from ..source.s3params import params_for
-        from ..statedirs import cache_dir
+        from ..readers.s3.params import params_for
+        from ..state.dirs import cache_dir
 
         config = params_for(ckpt, cache_dir())
     try:
@@ -94,7 +94,7 @@ def detect(ckpt: Checkpoint) -> FamilyInfo:
 
 
 def summarize(ckpt: Checkpoint, family: FamilyInfo | None = None) -> Summary:
-    from ..source.catalog import Container, OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
+    from ..catalog.model import Container, OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
 
     if family is None and getattr(ckpt, "is_tf", False):
         family = FamilyInfo(None, None, TF_FAMILY)
@@ -136,7 +136,7 @@ def summarize(ckpt: Checkpoint, family: FamilyInfo | None = None) -> Summary:
 
 def with_loading(s: Summary) -> Summary:
     """``s`` with the ``from_pretrained`` calls a mount of it answers (when its family maps to Hugging Face)."""
-    from ..views.hf_formats import loading_lines
+    from ..views.hf.formats import loading_lines
 
     if s.family.family:
         s.loading = loading_lines()
@@ -196,7 +196,7 @@ class HFSourceInfo:
 def hf_summary(hc) -> tuple:
     """``(HFSourceInfo, Summary)`` of an ``HFCheckpoint`` (``views.from_hf``): the source, and the checkpoint its
     mount serves, with the model the mapping chose as its family."""
-    from ..views.from_hf import MDL_NAME
+    from ..mapping.hf_checkpoint import MDL_NAME
 
     m = hc.model
     folders = {f: {"format": c.format, "files": list(c.files), "tensors": len(c.tensors),
@@ -221,13 +221,13 @@ def format_hf(src: HFSourceInfo, s: Summary) -> str:
 
 
 def run(args) -> int:
-    from ..source import open_checkpoint
+    from ..readers import open_checkpoint
     from .runinfo import as_json, classify_argument, format_run, scan_run
 
     src = classify_argument(args)
     where = src.path
     if src.is_hf:  # a Hugging Face model: its files, and the checkpoint a mount of it serves
-        from ..views.from_hf import open_hf_checkpoint
+        from ..mapping.hf_checkpoint import open_hf_checkpoint
 
         hc = open_hf_checkpoint(where, mount_options.from_args(args))
         src, s = hf_summary(hc)

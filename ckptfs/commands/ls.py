@@ -9,10 +9,10 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
-from .. import options as mount_options
+from ..views import options as mount_options
 
 if TYPE_CHECKING:  # the source layer (h5py, numpy) is imported when a command runs, not when the CLI is built
-    from ..source.walk import Entry
+    from ..catalog.walk import Entry
 
 
 def add_parser(subparsers):
@@ -34,7 +34,7 @@ def _name(e: Entry, parent_is_seq: bool) -> str:
 
 
 def leaf_detail(leaf) -> str:
-    from ..source.catalog import OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
+    from ..catalog.model import OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
 
     if isinstance(leaf, TensorLeaf):
         t = leaf.tensor
@@ -50,8 +50,8 @@ def leaf_detail(leaf) -> str:
 
 
 def format_lines(ckpt, long: bool = False):
-    from ..source.catalog import Container
-    from ..source.walk import walk
+    from ..catalog.model import Container
+    from ..catalog.walk import walk
 
     seq_depths: dict[int, bool] = {0: isinstance(ckpt.root, Container) and ckpt.root.keys is None}
     if not isinstance(ckpt.root, Container):
@@ -76,7 +76,7 @@ def format_lines(ckpt, long: bool = False):
 
 
 def run(args) -> int:
-    from ..source import open_checkpoint
+    from ..readers import open_checkpoint
     from .runinfo import classify_argument, format_run, scan_run
 
     src = classify_argument(args)
@@ -85,7 +85,7 @@ def run(args) -> int:
         print(format_run(scan_run(where, args.allow_external or ())))
         return 0
     if src.is_hf:  # a Hugging Face model: the checkpoint its mount serves
-        from ..views.from_hf import open_hf_checkpoint
+        from ..mapping.hf_checkpoint import open_hf_checkpoint
 
         hc = open_hf_checkpoint(where, mount_options.from_args(args))
         for line in format_lines(hc.checkpoint, args.long):

@@ -20,7 +20,7 @@ def add_parser(subparsers):
 
 
 def run(args) -> int:
-    from ..mapping.registry import list_models
+    from ..mapping.lang.families import list_models
 
     models = list_models()
     if args.name:

@@ -1,13 +1,13 @@
 """``ckptfs mount CKPT MOUNTPOINT``: serve a checkpoint's converted files as a read-only FUSE directory.
 
-The options that decide what the tree contains are declared in ``ckptfs.options`` (shared with ``ckptfs export``
+The options that decide what the tree contains are declared in ``ckptfs.views.options`` (shared with ``ckptfs export``
 and the Python API); ``--foreground`` and ``--allow-other`` concern only the server.
 """
 from __future__ import annotations
 
 import argparse
 
-from .. import options as mount_options
+from ..views import options as mount_options
 from ckptfs.commands import CKPT_FORMS, CKPT_HELP
 
 
@@ -24,16 +24,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="serve in this process until unmounted or interrupted (logs on stderr)")
     p.add_argument("--allow-other", action="store_true",
                    help="let other users read the mount (needs user_allow_other in /etc/fuse.conf)")
-    # internal: the write end of the status pipe of a background start (ckptfs.mountproc.start_background)
+    # internal: the write end of the status pipe of a background start (ckptfs.fuse.mount.start_background)
     p.add_argument("--status-fd", type=int, default=None, help=argparse.SUPPRESS)
     # internal: the read end of the pipe a background start sends the options through (not on the command line,
-    # which every user can read: ckptfs.mountproc.public_argv)
+    # which every user can read: ckptfs.fuse.mount.public_argv)
     p.add_argument("--options-fd", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
 
 def run(args) -> int:
-    from ..mountproc import build_tree, mount
+    from ..fuse.mount import build_tree, mount
 
     if args.options_fd is not None:
         args = _with_private_options(args)
@@ -52,7 +52,7 @@ def _with_private_options(args):
     """``args`` with the options read from the options pipe (``--options-fd``) parsed as if given on the command
     line."""
     from ckptfs.cli import build_parser
-    from ckptfs.mountproc import receive_options
+    from ckptfs.fuse.mount import receive_options
 
     extra = receive_options(args.options_fd)
     argv = ["mount", args.ckpt, args.mountpoint, "--foreground", *extra]

@@ -1,11 +1,11 @@
 """How ``ckptfs ls MODEL_DIR`` and ``ckptfs info MODEL_DIR`` show a training run: every checkpoint file with its
-step, size, time, completeness, and which one is the latest (``ckptfs.source.rundir``). Not a command itself."""
+step, size, time, completeness, and which one is the latest (``ckptfs.readers.run.scan``). Not a command itself."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from datetime import datetime
 
-from ..source.rundir import RunListing, RunScanner
+from ..readers.run.scan import RunListing, RunScanner
 from ..units import human_size
 
 
@@ -25,7 +25,7 @@ class RunRow:
 def classify_argument(args):
     """What the command's CKPT is (``source.kind``: with ``--endpoint-url``, ``--profile``, ``--revision``); the
     one-line ``CheckpointError`` when it is nothing ckptfs reads."""
-    from ..source.kind import classify
+    from ..readers.kind import classify
     from ..storage.s3url import S3Settings
 
     return classify(args.ckpt, settings=S3Settings(getattr(args, "endpoint_url", None), getattr(args, "profile", None)),

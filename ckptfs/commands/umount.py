@@ -12,7 +12,7 @@ def add_parser(subparsers):
 
 
 def run(args) -> int:
-    from ..mountproc import unmount
+    from ..fuse.mount import unmount
 
     done = unmount(args.mountpoint)
     print(f"ckptfs: {done} {args.mountpoint}")

@@ -17,15 +17,15 @@ from urllib.parse import quote
 import h5py
 from h5py._hl.base import array_for_new_object
 
-from ckptfs.cache import BlockCache
+from ckptfs.tensor.cache import BlockCache
 from ckptfs.errors import CheckpointError
-from ckptfs.layouts.hdf5 import _Body
-from ckptfs.layouts.hdf5_buffers import SkeletonBuffer, SparseBuffer, new_buffer
-from ckptfs.layouts.hdf5_entries import h5_storage_dtype
-from ckptfs.layouts.hdf5_skeleton import Skeleton, check_disjoint
+from ckptfs.layouts.hdf5.layout import _Body
+from ckptfs.layouts.hdf5.buffers import SkeletonBuffer, SparseBuffer, new_buffer
+from ckptfs.layouts.hdf5.entries import h5_storage_dtype
+from ckptfs.layouts.hdf5.skeleton import Skeleton, check_disjoint
 from ckptfs.layouts.pieces import PiecedFile
-from ckptfs.source.h5store import release_hdf5_free_lists
-from ckptfs.virtual_tensor import VirtualTensor
+from ckptfs.readers.cerebras.h5store import release_hdf5_free_lists
+from ckptfs.tensor.base import VirtualTensor
 
 #: the ``__H5_TYPE__`` of a numpy array in H5Saver's files
 NUMPY_H5_TYPE = "NumpyArrayH5Type"

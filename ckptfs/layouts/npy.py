@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import struct
 
-from ..cache import BlockCache
+from ..tensor.cache import BlockCache
 from ..dtypes import DType
-from ..virtual_tensor import VirtualTensor
+from ..tensor.base import VirtualTensor
 from .pieces import Literal, PiecedFile, TensorBytes
 
 MAGIC = b"\x93NUMPY"

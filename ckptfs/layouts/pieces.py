@@ -44,11 +44,11 @@ from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from ..cache import BlockCache
+from ..tensor.cache import BlockCache
 from ..errors import TensorReadError
 from ..storage.base import waited_reads
-from ..virtual_file import VirtualFile
-from ..virtual_tensor import VirtualTensor, trace_element, unravel
+from .file import VirtualFile
+from ..tensor.base import VirtualTensor, trace_element, unravel
 
 
 # -- pieces -----------------------------------------------------------------------------------------------------

@@ -19,9 +19,9 @@ from array import array
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..cache import BlockCache
+from ..tensor.cache import BlockCache
 from ..errors import CkptfsError
-from ..virtual_tensor import VirtualTensor
+from ..tensor.base import VirtualTensor
 from .pieces import Literal, PiecedFile, TensorRun, packed
 
 #: safetensors 0.8 dtype codes, ascending: the writer sorts tensors by this rank, descending

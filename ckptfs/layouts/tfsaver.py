@@ -23,14 +23,14 @@ from array import array
 from dataclasses import dataclass
 from typing import Sequence
 
-from ckptfs.cache import BlockCache
+from ckptfs.tensor.cache import BlockCache
 from ckptfs.errors import CkptfsError, TensorReadError
 from ckptfs.layouts.pieces import Computed, Literal, PiecedFile, TensorRun, packed
 from ckptfs.tfbundle import (DT, BundleEntry, BundleHeader, checkpoint_state, crc32c, data_file_name, encode_index,
                              encode_slice_key, mask)
 from ckptfs.tfbundle.sharding import max_shard_size_shards, prefix_groups
-from ckptfs.virtual_file import VirtualFile
-from ckptfs.virtual_tensor import VirtualTensor
+from ckptfs.layouts.file import VirtualFile
+from ckptfs.tensor.base import VirtualTensor
 
 __all__ = ["TFSaverLayout", "Record", "BoxBytes", "tf_dtype", "TF_DTYPES"]
 

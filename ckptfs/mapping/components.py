@@ -14,11 +14,11 @@ import dataclasses
 from collections.abc import Mapping
 
 from ..errors import ConfigError, MappingError
-from .config import config_functions, convert_config, evaluate_config_expr
+from .params.to_hf_config import config_functions, convert_config, evaluate_config_expr
 from .detect import cs_model_tensors
 from .hfmodel import HFModel, Scoped, map_model
-from .registry import Registry
-from .spec import ComponentSpec, FamilySpec, ModelVariant, merge_config
+from .lang.families import Registry
+from .lang.spec import ComponentSpec, FamilySpec, ModelVariant, merge_config
 
 
 def dotted(path: tuple) -> str:

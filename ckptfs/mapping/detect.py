@@ -13,13 +13,13 @@ from pathlib import Path
 
 from ..errors import CkptfsError, ConfigError
 from typing import TYPE_CHECKING
-from .config import ConfigScope, config_functions, format_message
-from .expr import ExprError, MissingName, evaluate
-from .params import CSParams, find_params
-from .registry import Registry, default_registry
+from .params.to_hf_config import ConfigScope, config_functions, format_message
+from .lang.expr import ExprError, MissingName, evaluate
+from .params.find import CSParams, find_params
+from .lang.families import Registry, default_registry
 
 if TYPE_CHECKING:  # the source layer (h5py, numpy) is imported when a checkpoint is read, not with the CLI parser
-    from ..source.catalog import Checkpoint
+    from ..catalog.model import Checkpoint
 
 
 @dataclass
@@ -33,7 +33,7 @@ class FamilyDetection:
 
 def cs_model_tensors(checkpoint: Checkpoint) -> dict:
     """CS model tensors: the checkpoint's tensor leaves under top-level ``model``, keys without ``model.``."""
-    from ..source.catalog import TensorLeaf
+    from ..catalog.model import TensorLeaf
 
     out = {}
     for key, leaf in checkpoint.leaves.items():
@@ -45,7 +45,7 @@ def cs_model_tensors(checkpoint: Checkpoint) -> dict:
 def unreadable_model_tensors(checkpoint: Checkpoint) -> dict:
     """``{key: reason}`` of the leaves under top-level ``model`` that ckptfs cannot read (a refused reference, bad
     metadata, a TorchScript graph…): HF weights made without them would silently lack a trained tensor."""
-    from ..source.catalog import UnreadableLeaf
+    from ..catalog.model import UnreadableLeaf
 
     return {k: leaf.reason for k, leaf in checkpoint.leaves.items()
             if k.startswith("model.") and isinstance(leaf, UnreadableLeaf)}

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import MappingError
-from . import floats
-from .config import ConfigResult, config_functions
-from .rules import RuleEngine
-from .spec import FamilySpec, ModelVariant
+from ..tensor import floats
+from .params.to_hf_config import ConfigResult, config_functions
+from .forward import RuleEngine
+from .lang.spec import FamilySpec, ModelVariant
 
 
 @dataclass
@@ -37,7 +37,7 @@ class HFModel:
     # content being JSON (a dict) or a safetensors file's [(name, tensor)]
     extra_folders: dict = field(default_factory=dict)
     chosen: str = ""  # why this model replaced the one the params or --model named (README.txt), "" if none did
-    # config.json's token ids: where each came from ({key: ckptfs.mapping.config.TOKEN_ID_SOURCES key})
+    # config.json's token ids: where each came from ({key: ckptfs.mapping.params.to_hf_config.TOKEN_ID_SOURCES key})
     token_id_sources: dict = field(default_factory=dict)
 
     def folders(self) -> dict:

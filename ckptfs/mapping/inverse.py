@@ -25,12 +25,12 @@ import itertools
 from dataclasses import dataclass, field
 
 from ..errors import CkptfsError, ConfigError, MappingError
-from ..virtual_tensor import VirtualTensor
-from . import ops
-from .expr import Scope, parse
-from .pattern import KeyPattern, PatternError, alternatives, fields, fill, substitute
-from .rules import TENSOR_FUNCTIONS, evaluate_rule
-from .spec import FamilySpec, ModelVariant, TensorRule
+from ..tensor.base import VirtualTensor
+from ..tensor import ops
+from .lang.expr import Scope, parse
+from .lang.pattern import KeyPattern, PatternError, alternatives, fields, fill, substitute
+from .forward import TENSOR_FUNCTIONS, evaluate_rule
+from .lang.spec import FamilySpec, ModelVariant, TensorRule
 from .transforms import collect_inverses
 
 

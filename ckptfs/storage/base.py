@@ -12,7 +12,7 @@ Two kinds of thing, each one declared here and implemented once per backend (``l
   version, each one stat'ed, opened as a ``Blob`` or read as a small text (a ``latest`` pointer).
 
 A backend that waits for a device or the network on a read (a read straight from the disk, a GET) says so with
-``count_waited_read()``: the read-ahead (``ckptfs.readahead``) runs a second worker while blocks wait
+``count_waited_read()``: the read-ahead (``ckptfs.tensor.readahead``) runs a second worker while blocks wait
 (``waited_reads``, the hook it is given). A read the backend knows was served from memory says so with
 ``count_memory_read()``: while blocks come from memory alone, nothing is computed ahead (``memory_reads``).
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from ..cache import BlockCache
+from ..tensor.cache import BlockCache
 from ..errors import CheckpointError, CkptfsError
-from ..layouts.crc import CrcStore
-from ..options import MountOptions, check_options, content_options, s3_settings
-from ..statedirs import cache_dir
+from ..layouts.torchzip.crc_store import CrcStore
+from ..views.options import MountOptions, check_options, content_options, s3_settings
+from ..state.dirs import cache_dir
 from ..storage.s3url import is_s3_url
 from ..units import human_size
 from ..views.base import README_NAME, BytesFile, ViewContext, ViewResult
@@ -121,7 +121,7 @@ def family_of(outcomes: list) -> str | None:
 
 def _publishing(outcomes: list) -> list:
     """README.txt's lines on what to publish, when the hf view serves the repository folder (``views/hf_dir.py``)."""
-    from ..views.hf_dir import HUB_FOLDER, publishing_lines  # here: the mount command starts without it (yaml…)
+    from ..views.hf.arrange import HUB_FOLDER, publishing_lines  # here: the mount command starts without it (yaml…)
 
     paths = [p for o in outcomes if o.present for p in o.files]
     if not any(p.startswith(HUB_FOLDER + "/") for p in paths):
@@ -132,7 +132,7 @@ def _publishing(outcomes: list) -> list:
 def _loading(outcomes: list) -> list:
     """README.txt's ``load:`` lines, when the hf view serves a format in a sub-folder of its own (``bin/``): which
     ``from_pretrained`` call reads which files (``use_safetensors=False`` on the root finds no ``.bin``)."""
-    from ..views import hf_formats
+    from ..views.hf import formats as hf_formats
 
     paths = {p for o in outcomes if o.present for p in o.files}
     sub = [f for f in hf_formats.FORMATS if f.folder]
@@ -206,7 +206,7 @@ def classify_source(ckpt_path, options: MountOptions, required: bool = True):
     """What ``ckpt_path`` is (``source.kind``), with the mount options' S3 settings and ``--revision``; a
     ``CheckpointError`` (one line: what was found, what would work) when it is nothing ckptfs reads (unless not
     ``required``: then its ``NOTHING`` kind)."""
-    from ..source.kind import SourceKind, classify
+    from ..readers.kind import SourceKind, classify
 
     if isinstance(ckpt_path, SourceKind):
         src = ckpt_path
@@ -220,11 +220,11 @@ def open_source(ckpt_path, options: MountOptions):
     """Resolve a checkpoint path (a .mdl or a model_dir, local or ``s3://``; or its ``SourceKind``) and open it:
     ``(resolved_path, checkpoint, options)``. For a checkpoint in S3 without ``--config``, the options name the
     params file found beside it in the bucket, fetched into the cache folder (``source.s3params``)."""
-    from ..source import open_checkpoint, resolve_checkpoint  # h5py: not imported before a tree is built
+    from ..readers import open_checkpoint, resolve_checkpoint  # h5py: not imported before a tree is built
 
     src = classify_source(ckpt_path, options)
     if src.in_bucket:
-        from ..source.s3open import open_s3_checkpoint
+        from ..readers.s3.open import open_s3_checkpoint
 
         ckpt = open_s3_checkpoint(src.target, allow_partial=options.allow_partial)
         if options.config is None:
@@ -246,7 +246,7 @@ OPENED_KINDS = ("hdf5", "run", "tf checkpoint", "legacy torch")  # source.kind's
 def _with_s3_params(ckpt, options: MountOptions) -> MountOptions:
     """``options`` naming the local copy of the params file beside the S3 checkpoint ``ckpt`` (unchanged when there
     is none)."""
-    from ..source.s3params import params_for
+    from ..readers.s3.params import params_for
 
     local = params_for(ckpt, cache_dir())
     return options if local is None else replace(options, config=local)
@@ -266,10 +266,10 @@ def _file_identity(path) -> str | None:
 def content_identity(path, options: MountOptions, version: str | None = None) -> str | None:
     """Names what the generated files are computed from: the checkpoint file (or, for a checkpoint in S3, its
     location and stored ``version``), the params YAML files a local one may be converted with (when no ``--config``
-    names one), and every option declared as changing content (``ckptfs.options``: params YAML, model, trainer
+    names one), and every option declared as changing content (``ckptfs.views.options``: params YAML, model, trainer
     index…) that is not at its default; a file counts by its full identity (``_file_identity``). Keys persisted
     caches (zip CRCs); None if the checkpoint cannot be stat'ed."""
-    from ..mapping.params import candidate_files
+    from ..mapping.params.find import candidate_files
 
     ident = f"{path}@{version}" if version is not None else _file_identity(path)
     if ident is None:
@@ -326,7 +326,7 @@ def build_tree(ckpt_path, options: MountOptions | None = None, *, cache: BlockCa
         identity = None
         mtime_ns = None
     elif (src := classify_source(ckpt_path, options)).is_hf:  # a Hugging Face model: served as a Cerebras checkpoint
-        from .hf import build_hf_tree
+        from .hf_source import build_hf_tree
 
         return build_hf_tree(src.path, options, cache=cache, fork_builds=fork_builds)
     else:

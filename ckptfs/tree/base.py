@@ -1,6 +1,6 @@
 """The tree interface: what every frontend serves (the FUSE adapter, ``ckptfs export``, the Python API), declared once.
 
-A ``Tree`` is a read-only directory tree of virtual files (``ckptfs.virtual_file``). Two implement it: a
+A ``Tree`` is a read-only directory tree of virtual files (``ckptfs.layouts.file``). Two implement it: a
 checkpoint's immutable ``VirtualTree`` (``tree/virtual.py``) and a training run's live ``RunTree`` (``tree/run.py``);
 a new kind of tree (a bucket of runs…) implements the abstract methods below and every frontend serves it.
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Iterator, Protocol
 
 from ..errors import CkptfsError
-from ..virtual_file import fill
+from ..layouts.file import fill
 
 FILE_MODE = stat_mod.S_IFREG | 0o444
 DIR_MODE = stat_mod.S_IFDIR | 0o555

@@ -7,7 +7,7 @@ block cache the rest, so a mount of an S3 checkpoint stays within the same bound
 """
 from __future__ import annotations
 
-from ..cache import BlockCache
+from ..tensor.cache import BlockCache
 from ..storage.s3url import is_s3_url
 
 #: the part of ``--cache-size`` that parts fetched from object storage may hold (measured: docs/measurements.md,

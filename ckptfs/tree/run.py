@@ -4,7 +4,7 @@ README.txt, following the model_dir while training writes into it.
 Root of a run mount::
 
     README.txt                  what the run holds now: its checkpoints, which one is latest, what is hidden and why
-    latest -> checkpoint_3000   a relative symlink to the latest checkpoint's folder (``ckptfs.source.rundir``)
+    latest -> checkpoint_3000   a relative symlink to the latest checkpoint's folder (``ckptfs.readers.run.scan``)
     checkpoint_1000/            one folder per complete checkpoint file, named after it (``checkpoint_<step>.mdl``):
     checkpoint_3000/            exactly the tree ``ckptfs mount <that file>`` shows (``tree/assemble.py``)
 
@@ -47,8 +47,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import CheckpointError, CkptfsError
-from ..options import MountOptions, s3_settings
-from ..source.rundir import RunCheckpoint, RunListing, RunScanner
+from ..views.options import MountOptions, s3_settings
+from ..readers.run.scan import RunCheckpoint, RunListing, RunScanner
 from ..storage.locate import locate
 from ..storage.s3url import is_s3_url
 from ..views.base import README_NAME, BytesFile

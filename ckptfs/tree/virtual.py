@@ -15,9 +15,9 @@ from bisect import bisect_left
 from operator import itemgetter
 from typing import Any, Iterable, Iterator, Mapping
 
-from ..cache import BlockCache
+from ..tensor.cache import BlockCache
 from ..errors import CkptfsError
-from ..virtual_file import VirtualFile
+from ..layouts.file import VirtualFile
 from .base import DIR_MODE, FILE_MODE, NAME_MAX, Attr, Tree, VirtualPathError, split_path
 
 log = logging.getLogger("ckptfs.tree")

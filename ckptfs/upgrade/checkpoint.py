@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CkptfsError
-from ..source.catalog import Container
+from ..catalog.model import Container
 from ..storage.locate import local_folder
-from . import releases, tree as T
+from . import releases, state_tree as T
 from .dataloader import PROCESSOR_STYLE, convert_data_iter_dir, data_processor
 from .params_rules import ParamsEdit, upgrade_params
 from .params_source import ParamsDoc, find_params_doc

@@ -1,6 +1,6 @@
 """The whole Cerebras params document of a checkpoint, found the way the mapping core finds its model section.
 
-Order (``ckptfs.mapping.params.candidate_files``): ``--config``; ``<stem>.yaml``, ``params*.yaml``,
+Order (``ckptfs.mapping.params.find.candidate_files``): ``--config``; ``<stem>.yaml``, ``params*.yaml``,
 ``train/params_train.yaml`` (here and in the parent folder), ``configs/*.yaml`` next to the checkpoint;
 else the ``params`` of the newest ``__metadata__`` entry stored in the checkpoint. Unlike the mapping
 core this keeps every section (runconfig, optimizer, train_input, trainer…), which the upgrade needs.
@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..mapping.params import candidate_files, node_value
-from ..mapping.safe_yaml import load_params_yaml
+from ..mapping.params.find import candidate_files, node_value
+from ..guard.safe_yaml import load_params_yaml
 
 
 @dataclass

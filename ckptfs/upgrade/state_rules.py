@@ -29,8 +29,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..source.catalog import Container, ValueLeaf
-from . import tree as T
+from ..catalog.model import Container, ValueLeaf
+from . import state_tree as T
 
 
 @dataclass(frozen=True)

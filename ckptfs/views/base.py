@@ -1,6 +1,6 @@
 """What every view (hf, cs, torch, tensors) receives and returns.
 
-A view turns one opened checkpoint into virtual files (``ckptfs.virtual_file.VirtualFile``): relative paths
+A view turns one opened checkpoint into virtual files (``ckptfs.layouts.file.VirtualFile``): relative paths
 (``/``-separated) mapped to files with an exact ``size`` and ``readinto(offset, out)``. Layouts (safetensors, torch
 zip, npy, hdf5) are such files; ``BytesFile`` wraps small generated texts, ``DeferredFile`` a layout built on first
 use.
@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..cache import BlockCache
-from ..options import MountOptions
-from ..virtual_file import VirtualFile
+from ..tensor.cache import BlockCache
+from .options import MountOptions
+from ..layouts.file import VirtualFile
 
 #: the file at the root of every mount that says what was mounted (views must not put a file there)
 README_NAME = "README.txt"
@@ -94,11 +94,11 @@ class ViewContext:
     ``<name>/`` is taken as is.
     """
 
-    checkpoint: Any  # ckptfs.source.catalog.Checkpoint (from ckptfs.source.open_checkpoint)
+    checkpoint: Any  # ckptfs.catalog.model.Checkpoint (from ckptfs.readers.open_checkpoint)
     ckpt_path: Path  # the resolved .mdl file
     stem: str  # ckpt_path's name without suffix ("checkpoint" for checkpoint.mdl)
     options: MountOptions
-    crc_store: Any = None  # ckptfs.layouts.crc.CrcStore persisting zip CRCs across mounts (None: not persisted)
+    crc_store: Any = None  # ckptfs.layouts.torchzip.crc_store.CrcStore persisting zip CRCs across mounts (None: not persisted)
     identity: str | None = None  # the checkpoint file (realpath, size, mtime, inode) + content-shaping options
     cache: BlockCache | None = None  # the mount's block cache, handed to every layout (default: one sized by options)
     # the mount server, still single-threaded: expensive layouts may start building in a forked process (cs view)

@@ -2,7 +2,7 @@
 
 Files (relative to ``cs/``):
 
-* ``<stem>.mdl`` — a format-0.5 checkpoint (``ckptfs.layouts.hdf5``) holding the complete source
+* ``<stem>.mdl`` — a format-0.5 checkpoint (``ckptfs.layouts.hdf5.layout``) holding the complete source
   state (model, optimizer, schedulers, global_step, dataloader, ``__metadata__``…) with the release
   rules of ``ckptfs.upgrade`` applied. Tensors keep their dtype and their data is read from the
   source only when those bytes are read; constant-fill tensors stay metadata-only
@@ -16,14 +16,14 @@ from __future__ import annotations
 import yaml
 
 from ..errors import CkptfsError
-from ..layouts.hdf5 import Hdf5Layout
-from ..layouts.hdf5_entries import BytesEntry, FullEntry, NoneEntry, ScalarEntry, StringEntry, TensorEntry
-from ..source.catalog import Container, OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
+from ..layouts.hdf5.layout import Hdf5Layout
+from ..layouts.hdf5.entries import BytesEntry, FullEntry, NoneEntry, ScalarEntry, StringEntry, TensorEntry
+from ..catalog.model import Container, OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
 from ..upgrade import upgrade_checkpoint
 from .base import BytesFile, DeferredFile, ViewResult
 
 try:  # the source's constant-fill tensor (DeferredFullTensor); absent in older trees
-    from ..source.stored_tensors import FullTensor
+    from ..tensor.regions import FullTensor
 except ImportError:  # pragma: no cover
     FullTensor = ()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ckptfs.errors import CheckpointError
 from ckptfs.layouts.h5saver import H5SaverLayout, why_not_h5saver
-from ckptfs.source.catalog import TensorLeaf, UnreadableLeaf
+from ckptfs.catalog.model import TensorLeaf, UnreadableLeaf
 from ckptfs.views.base import DeferredFile, ViewResult
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from ..errors import CkptfsError
-from ..source.catalog import Container, OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
+from ..catalog.model import Container, OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
 from .base import ViewResult
 
 
@@ -77,7 +77,7 @@ def to_object(node, notes: list, key: str = ""):
 
 
 def build(ctx) -> ViewResult:
-    from ..layouts.torchzip import TorchZipLayout
+    from ..layouts.torchzip.layout import TorchZipLayout
 
     ckpt = ctx.checkpoint
     result = ViewResult()

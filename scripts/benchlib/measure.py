@@ -488,7 +488,7 @@ def metadata_scale(ctx: Ctx, ck: Ckpt) -> dict:
         m = ctx.mount(ck, "70b-warm")
         warm.append(m.start())
         m.stop()
-    # mounting it again: one cache directory, whose catalog index (ckptfs.source.catalog_index) the first mount writes
+    # mounting it again: one cache directory, whose catalog index (ckptfs.readers.cerebras.catalog_cache) the first mount writes
     shared = ctx.workdir / "ckptfs-cache" / "70b-remount"
     m = ctx.mount(ck, "70b-index", cache_dir=shared)
     m.start()

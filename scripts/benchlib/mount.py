@@ -1,7 +1,7 @@
 """Run ``python -m ckptfs mount`` / ``umount`` as a user would, and watch the background server process.
 
 The server is the pid ``ckptfs mount`` prints; failing that, it is found from ``/proc``: the process whose command line
-is a ``ckptfs mount`` of the (unique) mount point once the command has returned (``ckptfs.mountproc.start_background``
+is a ``ckptfs mount`` of the (unique) mount point once the command has returned (``ckptfs.fuse.mount.start_background``
 forks the command itself, or starts ``python -m ckptfs mount … MNT --foreground``). Its peak RSS
 (``VmHWM``) is read just before unmounting, and ``/proc/<pid>/io`` on demand.
 """

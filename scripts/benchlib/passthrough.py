@@ -1,5 +1,5 @@
 """A trivial read-only passthrough FUSE filesystem over one directory, on the same binding and options as ckptfs
-(mfusepy on libfuse 3 through ``ckptfs.fusefs.fuse_class``: reads filled into libfuse's buffer, one loop thread,
+(mfusepy on libfuse 3 through ``ckptfs.fuse.operations.fuse_class``: reads filled into libfuse's buffer, one loop thread,
 kernel cache, the same read-ahead, malloc pinned). Its ``cp`` throughput is the ceiling the ckptfs server's first
 read of a file can reach with this binding on this machine (the bench's "passthrough ceiling" line).
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from ckptfs.fusefs import READ_AHEAD_KB, fuse_class, load_mfusepy, mount_target, pin_malloc, raise_read_ahead  # noqa: E402
+from ckptfs.fuse.operations import READ_AHEAD_KB, fuse_class, load_mfusepy, mount_target, pin_malloc, raise_read_ahead  # noqa: E402
 
 
 class Passthrough:

@@ -122,7 +122,7 @@ def mount_breakdown(ckpt: str, params: str) -> dict:
     t0 = time.perf_counter()
     import ckptfs.cli  # noqa: F401
     import ckptfs.commands.mount  # noqa: F401
-    import ckptfs.mountproc  # noqa: F401
+    import ckptfs.fuse.mount  # noqa: F401
     from ckptfs.tree.assemble import build_tree
     from ckptfs.views.base import MountOptions
 
@@ -188,7 +188,7 @@ def tf_save(ckpt: str, out: str, prefix: str = "model.ckpt") -> dict:
     import tensorflow as tf
 
     from ckptfs.layouts.tfsaver import tf_dtype
-    from ckptfs.source import open_checkpoint
+    from ckptfs.readers import open_checkpoint
 
     t0 = time.perf_counter()
     src = open_checkpoint(ckpt)

@@ -1,7 +1,7 @@
 """Named tensor transforms that families need beyond the generic operations (one small module per family).
 
 Each module here defines ``FUNCTIONS: dict[str, callable]``: names usable in mapping YAML ``op`` expressions,
-built on ``ckptfs.mapping.ops``; and ``INVERSES`` for the HF -> CS direction (``mapping/inverse.py``): for a
+built on ``ckptfs.tensor.ops``; and ``INVERSES`` for the HF -> CS direction (``mapping/inverse.py``): for a
 function ``f(t1, t2, …, *values, **kwargs)`` of CS tensors, ``INVERSES['f'](y, *values, **kwargs)`` gives back
 ``[t1, t2, …]`` from f's output ``y``. Modules are collected at import; a name defined twice is an error, so two
 families can never silently change each other's transform.

@@ -6,7 +6,7 @@ CS q, k, v: block ``b`` = rows ``b`` quarter of q, then of v, then of k.
 """
 from __future__ import annotations
 
-from ...virtual_tensor import VirtualTensor
+from ...tensor.base import VirtualTensor
 from .gpt_neox import deinterleave_blocks, interleave_blocks
 
 # HF CodeGenAttention hard-codes this block count

@@ -10,8 +10,8 @@ source rows it covers.
 from __future__ import annotations
 
 from ...errors import MappingError
-from ...virtual_tensor import VirtualTensor
-from .. import ops
+from ...tensor.base import VirtualTensor
+from ...tensor import ops
 
 
 def fuse_qkv_groups(q: VirtualTensor, k: VirtualTensor, v: VirtualTensor, groups: int,

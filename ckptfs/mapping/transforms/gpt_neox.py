@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from ...errors import MappingError
-from ...virtual_tensor import VirtualTensor
-from .. import ops
+from ...tensor.base import VirtualTensor
+from ...tensor import ops
 
 
 def interleave_blocks(tensors: Sequence[VirtualTensor], blocks: int) -> VirtualTensor:

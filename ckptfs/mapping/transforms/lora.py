@@ -8,8 +8,8 @@ per-module ones.
 from __future__ import annotations
 
 from ...errors import MappingError
-from ...virtual_tensor import VirtualTensor
-from .. import ops
+from ...tensor.base import VirtualTensor
+from ...tensor import ops
 
 
 def block_diag(*ts: VirtualTensor) -> VirtualTensor:

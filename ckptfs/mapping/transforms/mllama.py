@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import MappingError
-from ...virtual_tensor import Box, VirtualTensor
+from ...tensor.base import Box, VirtualTensor
 
 
 class PatchLinearAsConv(VirtualTensor):

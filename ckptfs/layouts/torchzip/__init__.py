@@ -1,0 +1,1 @@
+"""The ``torch.save`` zip layout, its byte-exact pickle writer and the zip CRC store."""

@@ -1,0 +1,211 @@
+"""Opening a checkpoint in S3: what an ``s3://bucket/key`` location is, and its catalog.
+
+``classify`` tells the three things a location can be apart by what is there, at the cost of one HEAD and one
+listing at most:
+
+* an **object** (``HEAD`` finds it): an HDF5 ``.mdl`` stored whole (a local run copied into a bucket). h5py reads
+  it through ``RangedFile`` — its metadata by range, a few blocks — and its tensors are served by ``BlobH5Store``;
+  the object is never fetched whole;
+* a **checkpoint in Cerebras' S3 layout**: a prefix holding ``__METADATA__`` (``s3layout``);
+* a **run** (a model_dir): a prefix holding ``checkpoint_<step>.mdl`` objects or prefixes.
+
+Every read names the ETag the object had when it was listed, so a checkpoint replaced during a mount fails the reads
+that need it (``SourceChangedError``) rather than mixing versions. A checkpoint in S3 never refers to anything
+outside itself: external references are refused (``NoExternalFiles``).
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import h5py
+
+from ...errors import CheckpointError, StorageError, TensorReadError
+from ...storage.rangedfile import RangedFile
+from ...storage.s3client import ObjectInfo, client_for
+from ...storage.s3object import S3Object
+from ...storage.s3url import S3Location, parse_s3_url
+from ...catalog.model import Checkpoint
+from ...guard.confine import RefusedReference
+from ..cerebras.h5store import CHUNK_CACHE_BYTES, CHUNK_CACHE_SLOTS, HDF5_SIGNATURE, H5Store, what_bytes_are
+from ..cerebras.catalog import read_hdf5_catalog
+from ..legacy_torch.reader import HEAD_BYTES, is_legacy_torch, open_legacy_torch_blob
+from ..run.resolve import checkpoint_name
+from ..run.scan import RunScanner, parse_name
+from .layout import METADATA, open_layout
+
+from ckptfs.readers.cerebras.h5errors import open_problem
+
+OBJECT, LAYOUT, RUN = "object", "layout", "run"
+
+
+@dataclass
+class S3Target:
+    """What a location holds: ``kind`` (OBJECT, LAYOUT or RUN), the object (OBJECT) or the prefix's objects by name
+    (LAYOUT), and the checkpoint entries of a run (RUN: names of ``checkpoint_*`` objects and prefixes)."""
+
+    kind: str
+    location: S3Location
+    info: ObjectInfo | None = None
+    objects: dict | None = None
+    requests: int = 0
+
+
+def as_location(path) -> S3Location:
+    if isinstance(path, S3Location):
+        return path
+    try:
+        return parse_s3_url(str(path))
+    except ValueError as e:
+        raise CheckpointError(path, str(e)) from None
+
+
+def classify(path) -> S3Target:
+    """What ``path`` (an ``s3://`` location) is; ``CheckpointError`` when it is nothing ckptfs reads, or the
+    endpoint refuses (one line: missing bucket, access denied, credentials, unreachable)."""
+    loc = as_location(path)
+    client = client_for(loc.settings)
+    try:
+        requests, denied = 0, None
+        if loc.key:
+            requests += 1
+            try:
+                info = client.head(loc.bucket, loc.key)
+            except StorageError as e:  # a HEAD's 403 has no body to say why: the listing below will
+                if e.kind != "denied":
+                    raise
+                info, denied = None, e
+            if info is not None:
+                return S3Target(OBJECT, loc, info=info, requests=requests)
+        listing = client.list(loc.bucket, loc.prefix, delimiter="/")
+        if denied is not None and not listing.objects and not listing.prefixes:
+            raise denied
+        requests += listing.requests
+        direct = {o.key[len(loc.prefix):]: o for o in listing.objects}
+        subs = [p[len(loc.prefix):].rstrip("/") for p in listing.prefixes]
+        if METADATA in direct:
+            if listing.prefixes:  # keys with '/' in their names: list the prefix whole
+                whole = client.list(loc.bucket, loc.prefix, delimiter=None)
+                requests += whole.requests
+                direct = {o.key[len(loc.prefix):]: o for o in whole.objects}
+            return S3Target(LAYOUT, loc, objects=direct, requests=requests)
+        if any(_is_checkpoint_name(n) for n in list(direct) + subs):
+            return S3Target(RUN, loc, requests=requests)
+        if direct or subs:
+            if checkpoint_name(loc.name) is not None:  # tensor objects without __METADATA__: a save in progress
+                return S3Target(LAYOUT, loc, objects=direct, requests=requests)
+            raise CheckpointError(loc, "neither a checkpoint (an object, or a prefix holding __METADATA__) nor a "
+                                       "run (a prefix holding checkpoint_<step>.mdl)")
+        client.check_bucket(loc.bucket)
+    except StorageError as e:
+        raise CheckpointError(e.path, e.problem) from None
+    raise CheckpointError(loc, "no such object or prefix")
+
+
+def _is_checkpoint_name(name: str) -> bool:
+    return parse_name(name) is not None
+
+
+def open_s3_checkpoint(path, *, allow_partial: bool = False) -> Checkpoint:
+    """The catalog of the checkpoint at an ``s3://`` location (a run means its latest checkpoint); ``path`` may be
+    the ``S3Target`` a classification already found (nothing is listed again)."""
+    target = path if isinstance(path, S3Target) else classify(path)
+    if target.kind == RUN:
+        listing = RunScanner(target.location).scan()
+        if listing.latest is None:
+            raise CheckpointError(target.location, f"a run with no complete checkpoint ({listing.latest_reason})")
+        target = classify(listing.latest.path)
+    client = client_for(target.location.settings)
+    if target.kind == LAYOUT:
+        return open_layout(client, target.location, target.objects, allow_partial=allow_partial)
+    blob = S3Object(client, target.location.bucket, target.location.key, target.info.size, target.info.etag,
+                    target.info.mtime_ns)
+    try:
+        legacy = is_legacy_torch(blob.read(0, HEAD_BYTES))
+    except StorageError as e:
+        raise CheckpointError(e.path, e.problem) from None
+    if legacy:  # a legacy-mode checkpoint: a torch.save zip of the state
+        return open_legacy_torch_blob(target.location, blob)
+    return open_hdf5_object(target.location, blob, allow_partial=allow_partial)
+
+
+def open_hdf5_object(location: S3Location, blob: S3Object, *, allow_partial: bool = False) -> Checkpoint:
+    """The catalog of an HDF5 checkpoint stored as one object, read by ranges."""
+    store = BlobH5Store(location, blob)
+    try:
+        head = blob.read(0, 16) if blob.size else b""
+        why = what_bytes_are(head, blob.size, lambda off: blob.read(off, 8) == HDF5_SIGNATURE)
+        if why:
+            raise CheckpointError(location, why)
+        f = store.file("the checkpoint")
+    except StorageError as e:
+        store.close()
+        raise CheckpointError(e.path, e.problem) from None
+    except TensorReadError as e:
+        store.close()
+        raise CheckpointError(location, e.problem.removeprefix("the checkpoint: ")) from None
+    except CheckpointError:
+        store.close()
+        raise
+    ckpt = read_hdf5_catalog(location, f, store, NoExternalFiles(location), allow_partial=allow_partial)
+    ckpt.version, ckpt.mtime_ns = f"{blob.size}:{blob.etag}", blob.mtime_ns
+    return ckpt
+
+
+class BlobH5Store(H5Store):
+    """The HDF5 file of one object (``blob``), opened by h5py through a ``RangedFile``. Its version is the object's
+    ETag, which every read names: nothing to compare afterwards (``verify`` has nothing to do)."""
+
+    def __init__(self, location: S3Location, blob: S3Object):
+        # not H5Store.__init__: it resolves local paths
+        self.path = self.checkpoint_path = self.watch_path = location
+        self.referenced_as = None
+        self.identity = blob.version
+        self.confinement = None
+        self.blob = blob
+        self.ranged = RangedFile(blob)  # kept across handles: its blocks stay warm
+        self._file = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._open = OrderedDict()
+        self._open_lock = threading.Lock()
+
+    def _open_file(self, what: str) -> h5py.File:
+        self.ranged.seek(0)
+        try:
+            return h5py.File(self.ranged, "r", rdcc_nslots=CHUNK_CACHE_SLOTS, rdcc_nbytes=CHUNK_CACHE_BYTES)
+        except (OSError, ValueError) as e:
+            raise TensorReadError(self.checkpoint_path, f"{what}: {open_problem(e, 'object')}") from None
+
+    def verify(self, what: str) -> None:
+        """Nothing to do: every ranged read of the object names its ETag (``If-Match``)."""
+
+    def _open_identity(self):
+        return self.identity
+
+
+class NoExternalFiles:
+    """The files a checkpoint in S3 may refer to: none (every reference is refused with a reason)."""
+
+    def __init__(self, location: S3Location):
+        self.checkpoint_path = location
+        self.confinement = None
+
+    def _refuse(self, ref: str):
+        raise RefusedReference(f"reference {ref!r} not followed: a checkpoint in S3 is read from its own objects only")
+
+    def resolve(self, ref: str):
+        self._refuse(ref)
+
+    def h5(self, ref: str):
+        self._refuse(ref)
+
+    def identity(self, path):
+        return None
+
+    def release(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
