@@ -11,7 +11,12 @@ import sys
 
 from .errors import CkptfsError
 
-COMMANDS = ["info", "ls", "models", "mount", "umount", "export", "convert_config", "explain", "diff"]
+#: each command's module, by the name its parser is stored under (full names: the layer test reads them as imports)
+COMMANDS = {
+    "info": "ckptfs.commands.info", "ls": "ckptfs.commands.ls", "models": "ckptfs.commands.models",
+    "mount": "ckptfs.commands.mount", "umount": "ckptfs.commands.umount", "export": "ckptfs.commands.export",
+    "convert_config": "ckptfs.commands.convert_config", "explain": "ckptfs.commands.explain",
+    "diff": "ckptfs.commands.diff"}
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -24,7 +29,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in [only] if only else COMMANDS:
-        mod = importlib.import_module(f".commands.{name}", __package__)
+        mod = importlib.import_module(COMMANDS[name])
         sp = mod.add_parser(sub)
         sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         sp.set_defaults(_run=mod.run)

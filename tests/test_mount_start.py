@@ -38,7 +38,7 @@ def test_the_cli_starts_a_mount_without_importing_what_a_tree_needs():
     code = """if True:
         import sys, tempfile
         from ckptfs.cli import build_parser
-        from ckptfs import options
+        from ckptfs.views import options
         from ckptfs.fuse.mount import check_mountpoint
         args = build_parser().parse_args(["mount", "x.mdl", "mnt"])
         o = options.from_args(args)

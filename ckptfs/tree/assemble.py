@@ -9,6 +9,7 @@ synthetic files: tests/fusehelp.py); the checkpoint is then not opened.
 from __future__ import annotations
 
 import json
+import importlib
 import logging
 import os
 from dataclasses import dataclass, field, replace
@@ -81,10 +82,11 @@ def outcome_from(name: str, result) -> ViewOutcome:
 
 
 def run_builder(view, ctx: ViewContext) -> ViewOutcome:
-    """Run a registered view's builder (``ckptfs.views.registry.View``); failures make the view missing."""
-    name, build = view.name, view.build
+    """Run a registered view's builder (``ckptfs.views.registry.View``: its module's ``build``, imported here);
+    failures make the view missing."""
+    name = view.name
     try:
-        result = build(ctx)
+        result = importlib.import_module(view.module).build(ctx)
     except CkptfsError as e:
         log.debug("view %s failed", name, exc_info=True)
         result = e

@@ -1,27 +1,28 @@
 """The registered views: one record each (name, folder in the mount, builder). ``--views`` names come from here,
 ``tree/assemble.py`` runs these builders, and tests/test_view_conformance.py requires a conformance check over
-fixtures for every record. This module imports nothing of the views themselves: the options (``--views``) read it
-without importing what building a view needs.
+fixtures for every record. This module imports nothing: the options (``--views``) read it without importing what
+building a view needs.
 
-Adding a view: write ``ckptfs/views/<name>.py`` with ``build(ctx: ViewContext) -> ViewResult`` (files relative to
-its folder), add its ``View`` to ``VIEWS`` below (``default=False``: only when ``--views`` names it), and add its check to tests/test_view_conformance.py.
+Adding a view: write a module of ``ckptfs/views/`` with ``build(ctx: ViewContext) -> ViewResult`` (files relative
+to its folder), add its ``View`` to ``VIEWS`` below with the module's full name (the layer test reads these names as
+imports of ``tree/assemble.py``, which imports them; ``kinds``: the checkpoints it is made for by default), and add
+its check to tests/test_view_conformance.py.
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
-from typing import Callable
 
 
 @dataclass(frozen=True)
 class View:
     """A view of a checkpoint: its ``--views`` name, where its files go (``""`` = the mount's root, else
-    ``"<name>/"``), and the function that builds its files (``build(ctx: ViewContext) -> ViewResult``, both of
-    ``views/base.py``)."""
+    ``"<name>/"``), and the module whose ``build(ctx: ViewContext) -> ViewResult`` (both of ``views/base.py``)
+    builds its files. Only names: listing the views (``--views``, the CLI's option defaults) imports nothing that
+    building them needs (h5py, numpy), and the module that runs the builders (``tree/assemble.py``) imports them."""
 
     name: str
     folder: str
-    build: Callable
+    module: str  # the full name of the module whose ``build(ctx)`` makes the view's files, imported when it runs
     about: str = ""
     #: the kinds of checkpoint (``source.catalog.Checkpoint.kind``) it is built for when ``--views`` is not given;
     #: another kind gets it only when ``--views`` names it
@@ -35,34 +36,22 @@ class View:
         return "cerebras" in self.kinds
 
 
-def _builder(module: str) -> Callable:
-    """``ckptfs.views.<module>.build``, imported on the first call: listing the views (``--views``, the CLI's option
-    defaults) must not import what building them needs (h5py, numpy), so a background mount starts its server
-    without paying for those imports twice."""
-
-    def build(ctx):
-        return importlib.import_module(f"{__package__}.{module}").build(ctx)
-
-    build.__qualname__ = f"{module}.build"
-    return build
-
-
-#: the checkpoint kinds (``source.catalog``) of TensorFlow variables: a TensorFlow-era H5 file, a TF saver checkpoint
+#: the checkpoint kinds (``catalog.model``) of TensorFlow variables: a TensorFlow-era H5 file, a TF saver checkpoint
 TF_KINDS = ("tf-h5", "tf-saver")
 _NO_HF = ("not applicable: TensorFlow variable names (bert/encoder/…) follow no Model Zoo naming, so no Hugging Face "
           "mapping reads them")
 
 VIEWS: tuple = (
-    View("hf", "", _builder("hf"), "Hugging Face model directory (config.json, safetensors and .bin weights)",
+    View("hf", "", "ckptfs.views.hf.view", "Hugging Face model directory (config.json, safetensors and .bin weights)",
          not_for=tuple((k, _NO_HF) for k in TF_KINDS)),
-    View("cs", "cs/", _builder("cs"), "the checkpoint upgraded to Cerebras 2.10 (.mdl and params .yaml)"),
-    View("torch", "torch/", _builder("torch"), "the whole state as torch.save files"),
-    View("tensors", "tensors/", _builder("npy_tree"), "every source tensor as a .npy file",
+    View("cs", "cs/", "ckptfs.views.cs", "the checkpoint upgraded to Cerebras 2.10 (.mdl and params .yaml)"),
+    View("torch", "torch/", "ckptfs.views.torch", "the whole state as torch.save files"),
+    View("tensors", "tensors/", "ckptfs.views.tensors", "every source tensor as a .npy file",
          kinds=("cerebras", *TF_KINDS)),
-    View("tf", "tf/", _builder("tf"), "every tensor in a TensorFlow saver checkpoint (.index, .data, checkpoint)",
+    View("tf", "tf/", "ckptfs.views.tf", "every tensor in a TensorFlow saver checkpoint (.index, .data, checkpoint)",
          kinds=TF_KINDS),
-    View("h5", "h5/", _builder("h5saver"), "a TensorFlow checkpoint as the Cerebras H5 file tensorflow-to-h5 writes "
-                                         "(the appliance's H5Saver layout)", kinds=("tf-saver",)),
+    View("h5", "h5/", "ckptfs.views.h5saver", "a TensorFlow checkpoint as the Cerebras H5 file tensorflow-to-h5 "
+                                              "writes (the appliance's H5Saver layout)", kinds=("tf-saver",)),
 )
 
 

@@ -70,11 +70,13 @@ def code_digest() -> str:
     global _code_digest
     if _code_digest is None:
         h = hashlib.sha256(str(INDEX_FORMAT).encode())
-        here = Path(__file__).resolve().parent
+        pkg = Path(__file__).resolve().parents[2]  # ckptfs/
         try:
-            sources = sorted([*here.glob("*.py"), here.parent / "dtypes.py", here.parent / "virtual_tensor.py"])
+            sources = sorted([*(pkg / "readers" / "cerebras").glob("*.py"), *(pkg / "readers").glob("*.py"),
+                              *(pkg / "catalog").glob("*.py"), pkg / "dtypes.py", pkg / "tensor" / "base.py",
+                              pkg / "tensor" / "regions.py"])
             for p in sources:
-                h.update(p.name.encode() + b"\0" + p.read_bytes())
+                h.update(str(p.relative_to(pkg)).encode() + b"\0" + p.read_bytes())
             _code_digest = h.hexdigest()[:32] if len(sources) > 3 else ""
         except OSError:
             _code_digest = ""
