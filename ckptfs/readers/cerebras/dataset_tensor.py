@@ -97,7 +97,7 @@ class H5DatasetTensor(VirtualTensor):
         if why:
             raise self._fail(why)
         self._chunks = None if info.chunks is None else shared_shape(info.chunks)
-        return d, (lz4chunks.plan(d) if self.ndim else None)
+        return d, (lz4chunks.plan(d, open_file=self.store.chunk_file) if self.ndim else None)
 
     def _chunk_reader(self, d):
         """The LZ4 chunk reader for dataset object ``d`` (None: plain h5py reads): the one planned when the dataset
@@ -105,7 +105,7 @@ class H5DatasetTensor(VirtualTensor):
         o = self._open
         if o is not None and o[0] is d:
             return o[1]
-        return lz4chunks.plan(d) if self.ndim else None
+        return lz4chunks.plan(d, open_file=self.store.chunk_file) if self.ndim else None
 
     def chunk_shape(self):
         """The dataset's chunk shape: cache blocks are whole chunk rows (``VirtualTensor.block_elems``), so that

@@ -21,6 +21,7 @@ from ckptfs.readers.cerebras.h5errors import open_problem
 from ...errors import CheckpointError, TensorReadError
 from ...storage.local import FileIdentity
 from ...guard.confine import Confinement, RefusedReference, non_regular_kind
+from . import lz4chunks
 from .lz4filter import register_lz4
 from ...guard.watch import check_unchanged
 
@@ -202,6 +203,11 @@ class H5Store:
         self._closed = False
         self._open: OrderedDict = OrderedDict()  # id(tensor) -> tensor with an open dataset, least recently read first
         self._open_lock = threading.Lock()
+
+    def chunk_file(self, dset, coords: tuple, offset: int, size: int):
+        """Where the LZ4 chunk reader fetches this file's stored chunks from (an ``OpenChunkFile``): a ``LocalFile``
+        on a plain local file, or None (chunks then come through HDF5)."""
+        return lz4chunks.local_chunk_files.open(dset, coords, offset, size)
 
     def file(self, what: str) -> h5py.File:
         """The open file; ``what`` names the tensor for the error message."""

@@ -170,6 +170,7 @@ class BlobH5Store(H5Store):
         self._closed = False
         self._open = OrderedDict()
         self._open_lock = threading.Lock()
+        self._chunks_checked: bool | None = None  # whether chunk addresses are offsets in the object (chunk_file)
 
     def _open_file(self, what: str) -> h5py.File:
         self.ranged.seek(0)
@@ -177,6 +178,22 @@ class BlobH5Store(H5Store):
             return h5py.File(self.ranged, "r", rdcc_nslots=CHUNK_CACHE_SLOTS, rdcc_nbytes=CHUNK_CACHE_BYTES)
         except (OSError, ValueError) as e:
             raise TensorReadError(self.checkpoint_path, f"{what}: {open_problem(e, 'object')}") from None
+
+    def chunk_file(self, dset, coords: tuple, offset: int, size: int):
+        """The object itself: its stored chunks are fetched with the blob's concurrent ranged reads (``read_spans``),
+        like a local file's, once one chunk read both ways (through HDF5 and by range) shows that HDF5's chunk
+        addresses are offsets in the object."""
+        checked = self._chunks_checked
+        if checked is None:
+            with self._lock:
+                if self._chunks_checked is None:
+                    try:
+                        _, want = dset.id.read_direct_chunk(coords)
+                        self._chunks_checked = self.blob.read(offset, size) == bytes(want)
+                    except (OSError, ValueError, RuntimeError, TypeError, KeyError):
+                        self._chunks_checked = False
+                checked = self._chunks_checked
+        return self.blob if checked else None
 
     def verify(self, what: str) -> None:
         """Nothing to do: every ranged read of the object names its ETag (``If-Match``)."""
