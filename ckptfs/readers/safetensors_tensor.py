@@ -1,7 +1,6 @@
 """A tensor that is one entry of a ``.safetensors`` file: a file region checked against the file's header."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from ckptfs.dtypes import DType
@@ -36,7 +35,7 @@ class SafetensorsTensor(FileRegionTensor):
             return self.offset
         from .safetensors_ref import read_safetensors_header
 
-        os.close(self.open())  # confined, regular, the expected version
+        self.blob()  # confined, regular, the expected version
         try:
             entry = read_safetensors_header(self.path).get(self.name)
         except RefusedReference as e:

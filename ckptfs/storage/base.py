@@ -20,6 +20,8 @@ Adding a backend is one module in this package implementing both classes (docs/a
 """
 from __future__ import annotations
 
+import errno
+import mmap
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -55,6 +57,11 @@ def count_memory_read() -> None:
 def memory_reads() -> int:
     """How many reads the calling thread made that were known to be served from memory (``count_memory_read``)."""
     return getattr(_this_thread, "memory", 0)
+
+
+def page_aligned(n: int) -> mmap.mmap:
+    """A scratch buffer for ``read_spans`` whose start is page-aligned (a span read straight from the disk needs one)."""
+    return mmap.mmap(-1, max(n, 1))
 
 
 class Blob(ABC):
@@ -100,6 +107,18 @@ class Blob(ABC):
             starts.append(at)
             at += end - lo
         return buf, starts, cached
+
+    def read(self, offset: int, n: int) -> bytes:
+        """``n`` bytes from ``offset`` as ``bytes``, fewer only at the end of the blob (for metadata: headers, a zip
+        directory); ``OSError`` when the blob ends before its size says."""
+        n = max(0, min(n, self.size - offset))
+        if n == 0:
+            return b""
+        try:
+            buf, starts, _ = self.read_spans([(offset, offset + n)], page_aligned, hint=False)
+        except ShortRead as e:
+            raise OSError(errno.EIO, f"{self.name} ends {n - e.got} bytes early") from None
+        return bytes(memoryview(buf)[starts[0]:starts[0] + n])
 
     def read_scattered(self, spans: Iterable, scratch: Callable[[int], object]) -> tuple:
         """``read_spans`` for small ranges far apart (a peek's rows in each chunk of a row of chunks): a backend may

@@ -154,9 +154,11 @@ class FileIdentity:
 class LocalFile(Blob):
     """Read-only descriptors on one local file (a buffered one and, when allowed, an ``O_DIRECT`` one)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, fd: int | None = None):
+        """``path`` opened for reading, or ``fd`` (a descriptor on it the caller opened under its own rules, such as
+        a confined open: this object owns it from now on)."""
         self.name = os.fsdecode(path)
-        self.file = open(path, "rb", buffering=0)  # noqa: SIM115 (lives as long as its readers)
+        self.file = open(path if fd is None else fd, "rb", buffering=0)  # noqa: SIM115 (lives as long as its readers)
         self.fd = self.file.fileno()
         self.direct_fd: int | None = None  # the O_DIRECT descriptor while direct reads are used
         self._owned_fd: int | None = None  # the O_DIRECT descriptor, closed with this object

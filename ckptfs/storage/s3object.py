@@ -415,7 +415,7 @@ class S3Object(Blob):
         return waited
 
     def read(self, offset: int, n: int) -> bytes:
-        """``n`` bytes from ``offset`` (fewer at the end of the object)."""
+        """``n`` bytes from ``offset`` (fewer at the end of the object), through the part cache."""
         buf = bytearray(max(0, min(n, self.size - offset)))
         self.read_into(memoryview(buf), offset, len(buf))
         return bytes(buf)

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
+import threading
 from pathlib import Path
 
 import numpy as np
 
 from ckptfs.dtypes import BFLOAT16, DType
-from ckptfs.errors import SourceChangedError, TensorReadError
+from ckptfs.errors import SourceChangedError, TensorReadError, one_line
 from ckptfs.guard.confine import Confinement, RefusedReference, open_regular
-from ckptfs.errors import one_line
-from ckptfs.storage.local import FileIdentity
+from ckptfs.storage.base import ShortRead, page_aligned
+from ckptfs.storage.local import FileIdentity, LocalFile
 from ckptfs.tensor.base import Box, VirtualTensor, box_shape
 
 
@@ -98,18 +98,55 @@ def box_runs(shape, box) -> list[tuple[int, int]]:
     return runs
 
 
+class RegionFile:
+    """One plain file that region tensors read from, opened on the first read (its reference confined, a regular file,
+    the version the catalog saw) and then kept open as a ``LocalFile`` shared by those tensors: storage is the one
+    door to its bytes, and a read does not pay an open per block."""
+
+    __slots__ = ("path", "confinement", "_blob", "_lock")
+
+    def __init__(self, path: Path, confinement: Confinement | None = None):
+        self.path = Path(path)
+        self.confinement = confinement
+        self._blob: LocalFile | None = None
+        self._lock = threading.Lock()
+
+    def blob(self) -> LocalFile:
+        """The open file (``RefusedReference``, ``FileNotFoundError`` or ``OSError`` when it cannot be opened)."""
+        b = self._blob
+        if b is None:
+            with self._lock:
+                if self._blob is None:
+                    if self.confinement is not None:
+                        self.confinement.recheck(self.path)
+                    self._blob = LocalFile(self.path, fd=open_regular(self.path))
+                b = self._blob
+        return b
+
+    def __reduce__(self):  # a copy opens the file again, on its own first read
+        return RegionFile, (self.path, self.confinement)
+
+    def close(self) -> None:
+        with self._lock:
+            b, self._blob = self._blob, None
+        if b is not None:
+            b.close()
+
+
 class FileRegionTensor(VirtualTensor):
     """Raw little-endian C-order elements of a plain file starting at ``offset``.
 
-    ``path`` is where a confined reference led (``confine``); every read re-checks it against ``confinement``,
-    opens it as a regular file only, and compares the file with ``identity`` (its version when the catalog was
-    built; None when it did not exist then) before and after reading, so bytes never mix two versions."""
+    ``path`` is where a confined reference led (``confine``); the file is opened once, confined and as a regular file
+    only (``RegionFile``: pass one ``file`` to the tensors of one file to share it), and every read compares the file
+    with ``identity`` (its version when the catalog was built; None when it did not exist then) before and after
+    reading, so bytes never mix two versions."""
 
-    __slots__ = ("path", "offset", "key", "checkpoint_path", "referenced_as", "what", "identity", "confinement")
+    __slots__ = ("path", "offset", "key", "checkpoint_path", "referenced_as", "what", "identity", "confinement",
+                 "file")
 
     def __init__(self, path: Path, offset: int, shape, dtype: DType, key: str, checkpoint_path: Path,
                  referenced_as: str | None = None, what: str = "file", *, identity: FileIdentity | None = None,
-                 confinement: Confinement | None = None):
+                 confinement: Confinement | None = None, file: RegionFile | None = None):
         super().__init__(shape, dtype)
         self.path = path if isinstance(path, Path) else Path(path)  # shared, not copied: a model's tensors
         self.offset = int(offset)  # share a few paths
@@ -119,6 +156,7 @@ class FileRegionTensor(VirtualTensor):
         self.what = what
         self.identity = identity
         self.confinement = confinement
+        self.file = file if file is not None else RegionFile(self.path, confinement)
 
     def describe(self) -> str:
         return f"{self.what} {self.path.name} @{self.offset} {_shape_str(self.shape)} {self.dtype.name}"
@@ -142,26 +180,27 @@ class FileRegionTensor(VirtualTensor):
                                                            f"changed since it was opened ({why}); remount to serve "
                                                            "the new version")
 
-    def open(self) -> int:
-        """A descriptor on the file, confined, regular and of the expected version."""
+    def _now(self, blob: LocalFile) -> FileIdentity | None:
+        try:
+            return blob.current_version()
+        except FileNotFoundError:
+            return None
+
+    def blob(self) -> LocalFile:
+        """The file (``RegionFile``), of the expected version."""
         if not self.path.exists():
             raise self._missing()
         try:
-            if self.confinement is not None:
-                self.confinement.recheck(self.path)
-            fd = open_regular(self.path)
+            b = self.file.blob()
         except RefusedReference as e:
             raise self._fail(f"external reference refused: {e.problem}") from None
         except FileNotFoundError:
             raise self._missing() from None
         except OSError as e:
             raise self._fail(e) from e
-        try:
-            self._changed(FileIdentity.of_stat(os.fstat(fd)))
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        self._changed(b.version)
+        self._changed(self._now(b))
+        return b
 
     def data_offset(self) -> int:
         """Absolute offset of the first element in the file."""
@@ -176,21 +215,18 @@ class FileRegionTensor(VirtualTensor):
         if not runs:
             return out.reshape(shape)
         base = self.data_offset()
-        buf = memoryview(out.view(np.uint8))
-        pos = 0
-        fd = self.open()
+        b = self.blob()
+        spans = [(base + start * item, base + (start + n) * item) for start, n in runs]
         try:
-            for start, n in runs:
-                nb = n * item
-                at = base + start * item
-                while nb:  # every pass makes progress or fails
-                    got = os.preadv(fd, [buf[pos:pos + nb]], at)
-                    if got <= 0:
-                        raise self._fail(f"external {self.what} {self.path.name} is truncated")
-                    pos, nb, at = pos + got, nb - got, at + got
-            self._changed(FileIdentity.of_stat(os.fstat(fd)))
+            got, starts, _ = b.read_spans(spans, page_aligned, hint=False)
+            self._changed(self._now(b))
+        except ShortRead:
+            raise self._fail(f"external {self.what} {self.path.name} is truncated") from None
         except OSError as e:
             raise self._fail(e) from e
-        finally:
-            os.close(fd)
+        flat = memoryview(out.view(np.uint8))
+        mv, pos = memoryview(got), 0
+        for (lo, end), at in zip(spans, starts):
+            flat[pos:pos + end - lo] = mv[at:at + end - lo]
+            pos += end - lo
         return out.reshape(shape)

@@ -28,13 +28,24 @@ from pathlib import Path
 
 from ...errors import CheckpointError
 from ...guard.confine import Confinement, RefusedReference, open_regular
-from .names import (BIN_INDEX, BIN_SINGLE, CONFIG, SAFE_INDEX, SAFE_SINGLE, UNREAD_WEIGHTS, HubSnapshot,
-    component_folders, hub_blobs, hub_repo_snapshot, hub_snapshot_of)
 from ...guard.safepickle import PickleRefused
-from ..safetensors_ref import read_safetensors_header
-from ...tensor.regions import FileRegionTensor
-from .torch_bin import TorchZipError, read_torch_zip
 from ...guard.watch import FileIdentity
+from ...tensor.regions import FileRegionTensor, RegionFile
+from ..safetensors_ref import read_safetensors_header
+from .names import (
+    BIN_INDEX,
+    BIN_SINGLE,
+    CONFIG,
+    SAFE_INDEX,
+    SAFE_SINGLE,
+    UNREAD_WEIGHTS,
+    HubSnapshot,
+    component_folders,
+    hub_blobs,
+    hub_repo_snapshot,
+    hub_snapshot_of,
+)
+from .torch_bin import TorchZipError, read_torch_zip
 
 MAX_CONFIG_BYTES = 4 << 20
 #: an index names each tensor once (~60 bytes each): 16 MiB is far more than any genuine model's
@@ -156,8 +167,9 @@ def _safetensors_tensors(reader: _Reader, comp_dir: Path, shard: str, key_prefix
     except (OSError, ValueError) as e:
         raise CheckpointError(path, str(e)) from None
     reader.count(path, len(header))
+    file = RegionFile(real, reader.confinement)  # opened on the first read, shared by the file's tensors
     return {name: FileRegionTensor(real, e.offset, e.shape, e.dtype, key_prefix + name, root, None,
-                                   "safetensors file", identity=ident, confinement=reader.confinement)
+                                   "safetensors file", identity=ident, confinement=reader.confinement, file=file)
             for name, e in header.items()}
 
 

@@ -10,17 +10,16 @@ The legacy (before torch 1.6) non-zip format is refused in one line.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from ...tensor.base import Box, box_shape
-from ...guard.confine import Confinement, open_regular
+from ...guard.confine import Confinement
 from ...guard.safepickle import PickleRefused, TorchStorage, TorchTensor, loads_torch, tensor_extent, torch_storage
-from ...tensor.regions import FileRegionTensor
-from ...guard.watch import FileIdentity
+from ...storage.base import Blob
+from ...tensor.regions import FileRegionTensor, RegionFile
 from . import zipdir
 
 #: the largest ``data.pkl`` read (a 100,000-tensor state dict pickles to ~10 MB)
@@ -39,14 +38,9 @@ class TorchZipTensors:
     notes: list = field(default_factory=list)
 
 
-def _pread(fd: int, n: int, offset: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:  # every pass makes progress or stops
-        got = os.pread(fd, n - len(out), offset + len(out))
-        if not got:
-            break
-        out += got
-    return bytes(out)
+def _read(blob: Blob, n: int, offset: int) -> bytes:
+    """``n`` bytes of ``blob`` from ``offset`` (fewer at its end), through the storage layer."""
+    return blob.read(offset, n)
 
 
 def contiguous(shape: tuple, stride: tuple) -> bool:
@@ -81,19 +75,17 @@ class StridedRegionTensor(FileRegionTensor):
         out = np.empty(shape, dtype=self.dtype.storage)
         if out.size == 0:
             return out
-        fd = self.open()
+        b = self.blob()
         try:
-            self._fill(fd, box, out)
-            self._changed(FileIdentity.of_stat(os.fstat(fd)))
+            self._fill(b, box, out)
+            self._changed(self._now(b))
         except OSError as e:
             raise self._fail(e) from e
-        finally:
-            os.close(fd)
         return out
 
-    def _fill(self, fd: int, box: Box, out: np.ndarray) -> None:
+    def _fill(self, blob: Blob, box: Box, out: np.ndarray) -> None:
         def read(offset: int, n: int) -> bytes:
-            raw = _pread(fd, n, offset)
+            raw = _read(blob, n, offset)
             if len(raw) != n:
                 raise self._fail(f"{self.what} {self.path.name} is truncated")
             return raw
@@ -249,13 +241,14 @@ def read_torch_zip(real: Path, *, key_prefix: str = "", root: Path, confinement:
     """The tensors of the ``torch.save`` zip at ``real`` (a confined, resolved path): ``{name: VirtualTensor}``
     reading the file by byte range on demand (nothing read beyond the directory and ``data.pkl`` here).
     ``TorchZipError`` / ``PickleRefused`` / ``OSError`` with one line otherwise."""
-    fd = open_regular(real)
+    file = RegionFile(real, confinement)  # opened once, kept for the archive's tensors
+    blob = file.blob()
     try:
-        st = os.fstat(fd)
-        identity = FileIdentity.of_stat(st)
-        state, storages = read_archive(lambda offset, n: _pread(fd, n, offset), st.st_size)
-    finally:
-        os.close(fd)
+        identity = blob.version
+        state, storages = read_archive(lambda offset, n: _read(blob, n, offset), blob.size)
+    except BaseException:
+        file.close()
+        raise
     if not isinstance(state, dict):
         raise TorchZipError(f"holds a {type(state).__name__}, not a state dict")
     out = TorchZipTensors({})
@@ -266,15 +259,15 @@ def read_torch_zip(real: Path, *, key_prefix: str = "", root: Path, confinement:
             out.notes.append(f"{real.name}: entry {name!r} is a {type(desc).__name__}, not a tensor: left out")
             continue
         out.tensors[name] = _tensor(desc, storages[desc.storage.key][1], real, f"{key_prefix}{name}", root,
-                                    identity, confinement, what)
+                                    identity, confinement, what, file)
     return out
 
 
 def _tensor(d: TorchTensor, member: Member, real: Path, key: str, root: Path, identity, confinement,
-            what: str):
+            what: str, file: RegionFile):
     check_view(d, member, key)
     item = d.dtype.itemsize
-    common = dict(identity=identity, confinement=confinement)
+    common = dict(identity=identity, confinement=confinement, file=file)
     if contiguous(d.shape, d.stride):
         return FileRegionTensor(real, member.offset + d.offset * item, d.shape, d.dtype, key, root, None, what,
                                 **common)

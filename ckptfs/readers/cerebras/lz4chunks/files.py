@@ -57,7 +57,7 @@ class LocalChunkFiles:
                     rf = LocalFile(os.fsdecode(fid.name))
                     mine = os.fstat(rf.fd)
                     _, want = dset.id.read_direct_chunk(coords)
-                    if (mine.st_dev, mine.st_ino) == key[1:] and os.pread(rf.fd, size, offset) == bytes(want):
+                    if (mine.st_dev, mine.st_ino) == key[1:] and rf.read(offset, size) == bytes(want):
                         self._files[key] = rf
                         return rf
                 self._refused.add(key)
