@@ -1,0 +1,302 @@
+"""The storage contract: one set of tests every ``Blob`` passes (as zarr's ``StoreTests``), whatever holds its bytes —
+a local file, an S3 object over the real local endpoint, an S3 object over the in-memory endpoint (``faults.FakeS3``),
+an in-memory blob, and a blob that delays every read (``faults.FaultyBlob``). A new backend adds one factory to
+``BACKENDS``; what it must do is written here once.
+
+Then the faults, without a server: errors, short reads and bodies, latency, and an object replaced mid-read, each met
+the way the layers above rely on (an error naming the blob, ``ShortRead``, concurrency, ``SourceChangedError``; never
+bytes of two versions).
+"""
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+
+import pytest
+
+from ckptfs.errors import CkptfsError, SourceChangedError, StorageError
+from ckptfs.storage.base import Blob, ShortRead
+from ckptfs.storage.local import LocalFile
+from ckptfs.storage.memory import MemoryBlob
+
+from faults import FakeS3, FaultyBlob, s3_object
+
+DATA = random.Random(7).randbytes(3 * (8 << 20) + 12345)  # more than three S3 parts: parts and merging are used
+SECRET = "ckptfs-test-secret-never-printed"
+
+
+class Opened:
+    """A blob of a backend over ``data``, and how to store other bytes under its name (a writer replacing it)."""
+
+    def __init__(self, blob: Blob, replace):
+        self.blob, self.replace = blob, replace
+
+
+def local(tmp_path, data) -> Opened:
+    p = tmp_path / "blob.bin"
+    p.write_bytes(data)
+
+    def replace(new):
+        q = tmp_path / "blob.new"
+        q.write_bytes(new)
+        os.replace(q, p)
+
+    return Opened(LocalFile(str(p)), replace)
+
+
+def memory(tmp_path, data) -> Opened:
+    b = MemoryBlob(data, "memory:blob")
+    return Opened(b, b.replace)
+
+
+def fake_s3(tmp_path, data) -> Opened:
+    fake = FakeS3({("b", "k/blob.bin"): data})
+    return Opened(s3_object(fake, "b", "k/blob.bin"), lambda new: fake.objects.__setitem__(("b", "k/blob.bin"), new))
+
+
+def delayed(tmp_path, data) -> Opened:
+    inner = memory(tmp_path, data)
+    return Opened(FaultyBlob(inner.blob, latency=0.001), inner.replace)
+
+
+@pytest.fixture(scope="module")
+def endpoint(tmp_path_factory):
+    from s3help import LocalS3
+
+    srv = LocalS3(tmp_path_factory.mktemp("s3"))
+    yield srv
+    srv.stop()
+
+
+def real_s3(tmp_path, data, endpoint) -> Opened:
+    from ckptfs.storage.s3client import S3Client
+    from ckptfs.storage.s3object import S3Object
+    from ckptfs.storage.s3url import S3Settings
+
+    c = endpoint.client()
+    try:
+        c.create_bucket(Bucket="contract")
+    except c.exceptions.BucketAlreadyOwnedByYou:
+        pass
+    key = f"{tmp_path.name}/blob.bin"
+    c.put_object(Bucket="contract", Key=key, Body=data)
+    for k, v in endpoint.env().items():
+        os.environ[k] = v
+    client = S3Client(S3Settings(endpoint_url=endpoint.url))
+    info = client.head("contract", key)
+    return Opened(S3Object(client, "contract", key, info.size, info.etag, info.mtime_ns),
+                  lambda new: c.put_object(Bucket="contract", Key=key, Body=new))
+
+
+BACKENDS = {"local": local, "memory": memory, "fake_s3": fake_s3, "delayed": delayed, "s3": real_s3}
+
+
+@pytest.fixture(params=sorted(BACKENDS))
+def opened(request, tmp_path, monkeypatch):
+    from ckptfs.storage import s3object
+
+    s3object._pool.reset()
+    for k in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(k)
+    make = BACKENDS[request.param]
+    o = make(tmp_path, DATA, request.getfixturevalue("endpoint")) if request.param == "s3" else make(tmp_path, DATA)
+    yield o
+    o.blob.close()
+    s3object._pool.reset()
+
+
+def test_size_name_and_version(opened):
+    b = opened.blob
+    assert b.size == len(DATA)
+    assert isinstance(b.name, str) and b.name and SECRET not in b.name
+    assert b.current_version() == b.version
+
+
+@pytest.mark.parametrize("offset,need", [(0, 1), (0, 4096), (1, 100_000), (5 << 20, 9 << 20), (len(DATA) - 10, 10)])
+def test_read_into_gives_the_bytes(opened, offset, need):
+    buf = bytearray(need)
+    got, _ = opened.blob.read_into(memoryview(buf), offset, need)
+    assert got == need and bytes(buf) == DATA[offset:offset + need]
+
+
+def test_a_read_past_the_end_gives_what_there_is(opened):
+    b = opened.blob
+    buf = bytearray(100)
+    got, _ = b.read_into(memoryview(buf), len(DATA) - 30, 30)
+    assert got == 30 and bytes(buf[:30]) == DATA[-30:]
+    assert b.read(len(DATA) - 30, 100) == DATA[-30:]
+    assert b.read(len(DATA), 10) == b""
+
+
+def test_read_spans_places_every_span(opened):
+    spans = [(9 << 20, (9 << 20) + 5000), (0, 16), (100, 4196), (8 << 20, (8 << 20) + (1 << 20)), (17, 33),
+             (len(DATA) - 7, len(DATA)), (3 << 20, (3 << 20) + (6 << 20))]
+    buf, starts, cached = opened.blob.read_spans(spans, bytearray)
+    mv = memoryview(buf)
+    assert len(starts) == len(spans) and isinstance(cached, bool)
+    for (lo, end), at in zip(spans, starts):
+        assert bytes(mv[at:at + end - lo]) == DATA[lo:end]
+
+
+def test_read_scattered_places_every_span(opened):
+    spans = [(k * 1_000_003, k * 1_000_003 + 256) for k in range(20)]
+    buf, starts, _ = opened.blob.read_scattered(spans, bytearray)
+    for (lo, end), at in zip(spans, starts):
+        assert bytes(memoryview(buf)[at:at + end - lo]) == DATA[lo:end]
+
+
+def test_a_span_past_the_end_is_a_short_read(opened):
+    with pytest.raises(ShortRead) as e:
+        opened.blob.read_spans([(0, 10), (len(DATA) - 5, len(DATA) + 5)], bytearray)
+    assert e.value.k == 1 and e.value.got == 5
+
+
+def test_will_need_never_waits_nor_fails(opened):
+    t0 = time.monotonic()
+    opened.blob.will_need(0)
+    opened.blob.will_need(len(DATA) - 100, 1 << 30)
+    opened.blob.will_need(len(DATA) + 100, 10)
+    assert time.monotonic() - t0 < 1.0
+    assert opened.blob.read(0, 64) == DATA[:64]
+
+
+def test_concurrent_reads_each_get_their_bytes(opened):
+    errors = []
+
+    def reader(seed):
+        rnd = random.Random(seed)
+        try:
+            for _ in range(20):
+                lo = rnd.randrange(0, len(DATA) - 1)
+                n = rnd.choice([16, 4096, 70_000, 1 << 20])
+                assert opened.blob.read(lo, n) == DATA[lo:lo + n]
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader, args=(s,)) for s in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+def test_a_replaced_blob_reports_another_version(opened):
+    b = opened.blob
+    v = b.version
+    opened.replace(DATA[::-1])
+    try:
+        now = b.current_version()
+    except OSError:
+        return  # gone counts as changed
+    assert now != v
+
+
+def test_close_can_be_called_twice(opened):
+    opened.blob.close()
+    opened.blob.close()
+
+
+def test_a_local_file_read_after_close_fails(tmp_path):
+    o = local(tmp_path, DATA[:1000])
+    o.blob.close()
+    with pytest.raises((OSError, ValueError)):
+        o.blob.read(0, 10)
+
+
+def test_the_contract_covers_every_backend_module():
+    """A new storage module (a backend) must be added to ``BACKENDS`` (or be one of the modules that are not
+    backends): the contract is what makes it one."""
+    from pathlib import Path
+
+    import ckptfs.storage as pkg
+
+    modules = {p.stem for p in Path(pkg.__file__).parent.glob("*.py")}
+    not_blobs = {"__init__", "base", "locate", "rangedfile", "s3client", "s3folder", "s3url"}
+    blobs = {"local": "local", "memory": "memory", "s3object": "s3"}
+    assert modules - not_blobs == set(blobs), modules - not_blobs - set(blobs)
+    assert set(blobs.values()) <= set(BACKENDS)
+
+
+# -- faults, without a server ---------------------------------------------------------------------------------------
+
+def test_a_failing_read_raises_and_the_next_one_works():
+    b = FaultyBlob(MemoryBlob(DATA), fail_on={1})
+    with pytest.raises(OSError):
+        b.read(0, 10)
+    assert b.read(0, 10) == DATA[:10]
+
+
+def test_a_short_read_is_a_short_read_not_fewer_bytes():
+    b = FaultyBlob(MemoryBlob(DATA), short_on={1})
+    with pytest.raises(ShortRead):
+        b.read_spans([(0, 1000)], bytearray)
+
+
+def test_an_s3_body_cut_short_is_asked_for_again():
+    from ckptfs.storage import s3object
+
+    s3object._pool.reset()
+    fake = FakeS3({("b", "k"): DATA[:200_000]}, cut={2})
+    o = s3_object(fake, "b", "k")  # request 1: HEAD
+    assert o.read(1000, 50_000) == DATA[1000:51_000]
+    assert fake.count("GetObject") == 2  # the cut answer, then the whole one
+
+
+def test_an_s3_body_always_cut_short_is_an_error_naming_the_object():
+    from ckptfs.storage import s3object
+
+    s3object._pool.reset()
+    fake = FakeS3({("b", "k"): DATA[:200_000]}, cut=set(range(2, 50)))
+    o = s3_object(fake, "b", "k")
+    with pytest.raises(StorageError) as e:
+        o.read(1000, 50_000)
+    assert "s3://b/k" in str(e.value)
+
+
+def test_an_s3_object_replaced_mid_read_fails_instead_of_mixing_versions():
+    from ckptfs.storage import s3object
+
+    s3object._pool.reset()
+    new = bytes(len(DATA))
+    fake = FakeS3({("b", "k"): DATA}, replace_after=(2, "b", "k", new))
+    o = s3_object(fake, "b", "k")
+    with pytest.raises(SourceChangedError):
+        o.read_spans([(0, 100), (20 << 20, (20 << 20) + 100)], bytearray)
+
+
+def test_an_endpoint_that_ignores_if_match_is_caught_by_the_etag():
+    from ckptfs.storage import s3object
+
+    s3object._pool.reset()
+    fake = FakeS3({("b", "k"): DATA[:100_000]}, ignore_if_match=True)
+    o = s3_object(fake, "b", "k")
+    fake.objects[("b", "k")] = bytes(100_000)
+    with pytest.raises(SourceChangedError):
+        o.read(0, 10_000)
+
+
+def test_s3_errors_are_one_line_naming_the_object():
+    from ckptfs.storage import s3object
+
+    s3object._pool.reset()
+    for code in ("AccessDenied", "InternalError", "NoSuchKey"):
+        fake = FakeS3({("b", "k"): DATA[:100_000]}, errors={n: code for n in range(2, 30)})
+        o = s3_object(fake, "b", "k")
+        with pytest.raises(CkptfsError) as e:
+            o.read(0, 10_000)
+        assert "s3://b/k" in str(e.value) and "\n" not in str(e.value), (code, str(e.value))
+
+
+def test_parts_of_a_large_read_are_fetched_concurrently():
+    """A read over three parts has their three requests in flight at once (each answered after 0.3 s)."""
+    from ckptfs.storage import s3object
+
+    s3object._pool.reset()
+    fake = FakeS3({("b", "k"): DATA})
+    o = s3_object(fake, "b", "k")
+    fake.latency = 0.3
+    assert o.read(0, 3 * (8 << 20)) == DATA[:3 * (8 << 20)]
+    assert fake.count("GetObject") >= 3 and fake.most_in_flight >= 3
