@@ -175,9 +175,10 @@ def test_last_mib_reads_only_last_tensor():
     assert ts[0].calls == 0 and ts[2].calls == 0 and 0 < ts[1].elems <= 4 << 20
 
 
-@pytest.mark.skipif(os.environ.get("CKPTFS_BIG_TESTS") != "1", reason="set CKPTFS_BIG_TESTS=1 (needs ~5 GiB RAM and disk)")
+@pytest.mark.slow
 def test_real_4gib_torch_save_identical(tmp_path):
-    """A real > 4 GiB torch.save against the layout (zip64 sizes and offsets, exact CRCs)."""
+    """A real > 4 GiB torch.save against the layout (zip64 sizes and offsets, exact CRCs). Needs ~5 GiB of memory
+    and of disk, and runs in CI with the rest (the machine has 24 GiB)."""
     import torch
     import torch.utils.serialization
 

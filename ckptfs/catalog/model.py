@@ -9,11 +9,15 @@ per parameter), so their classes have slots and no ``__dict__``.
 """
 from __future__ import annotations
 
+import logging
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
 from ..tensor.base import VirtualTensor
+
+log = logging.getLogger(__name__)
 
 
 #: the kinds of checkpoint a catalog is read from (``Checkpoint.kind``): a Cerebras (PyTorch-era) checkpoint, a
@@ -123,8 +127,8 @@ class Checkpoint:
         for c in self._closers:
             try:
                 c()
-            except Exception:
-                pass
+            except Exception as e:  # noqa: BLE001 - one closer failing must not keep the others open
+                log.warning("closing %s: %s: %s", self.path, type(e).__name__, e)
         self._closers.clear()
 
     def __enter__(self):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
-from .model import Checkpoint, Container, Leaf
+from .model import Checkpoint, Container
 
 
 @dataclass(frozen=True)
@@ -39,8 +39,3 @@ def walk(checkpoint: Checkpoint) -> Iterator[Entry]:
             yield Entry(max(depth, 0), name, node, k, links.get(k))
 
     yield from rec(checkpoint.root, -1, None)
-
-
-def leaf_positions(checkpoint: Checkpoint) -> list[tuple[str, Leaf]]:
-    """``(flat key, leaf)`` for every leaf position, in order (aliases included)."""
-    return [(e.flat_key, e.node) for e in walk(checkpoint) if not isinstance(e.node, Container)]

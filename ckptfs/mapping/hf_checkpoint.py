@@ -15,13 +15,14 @@ from typing import Any, Callable
 from ..errors import CheckpointError, CkptfsError
 from ..catalog.model import Checkpoint, Container, TensorLeaf
 from ..readers.hf.folder import HFFolder, open_hf_model
+from ..upgrade.releases import CURRENT_VERSION
 
 #: what a mounted HF model's files are called: what a Model Zoo run's --checkpoint_path and --params point at
 MDL_NAME = "checkpoint.mdl"
 PARAMS_NAME = "params.yaml"
 #: the format and release of the checkpoint served (what cstorch 2.10's save writes)
 FORMAT_VERSION = 0.5
-RELEASE = "2.10.0"
+RELEASE = CURRENT_VERSION  # the release whose converter output this checkpoint is
 
 
 

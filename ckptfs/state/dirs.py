@@ -25,9 +25,5 @@ def cache_dir() -> Path:
     return Path(chosen) if chosen else Path(env.xdg_cache_home()) / "ckptfs"
 
 
-def crc_dir() -> Path:
-    return cache_dir() / "crc"
-
-
 def log_dir() -> Path:
     return cache_dir() / "logs"

@@ -111,7 +111,8 @@ def family_of(outcomes: list) -> str | None:
             continue
         try:
             cfg = json.loads(vf.read(0, vf.size))
-        except Exception:
+        except (CkptfsError, ValueError) as e:  # the config could not be made or is not JSON: no family named
+            log.debug("view %s: no family from its config.json: %s", o.name, e)
             return None
         fam = cfg.get("model_type")
         archs = cfg.get("architectures") or []

@@ -41,17 +41,6 @@ def get(node, key, default=None):
     return default
 
 
-def get_path(node, *keys, default=None):
-    for k in keys:
-        if is_dict(node) and k in node.keys:
-            node = node.children[node.keys.index(k)]
-        elif is_seq(node) and isinstance(k, int) and 0 <= k < len(node.children):
-            node = node.children[k]
-        else:
-            return default
-    return node
-
-
 def put(node: Container, key, child, *, after=None) -> None:
     """Set ``node[key] = child``: replaced in place, else inserted after ``after`` (or appended)."""
     if key in node.keys:

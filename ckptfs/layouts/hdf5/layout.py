@@ -30,6 +30,7 @@ from array import array
 from ...tensor.cache import BlockCache
 from ...errors import CheckpointError, TensorReadError
 from ...tensor.base import VirtualTensor
+from ...upgrade.releases import CURRENT_VERSION
 from . import fork as hdf5_fork, spec_attr as hdf5_spec
 from .buffers import SkeletonBuffer, SparseBuffer, new_buffer
 from .entries import RTFX_CODES, TensorEntry, resolve_entries
@@ -39,7 +40,7 @@ from ..pieces import PiecedFile, TensorBytes
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 0.5
-CSTORCH_VERSION = "2.10.0"
+CSTORCH_VERSION = CURRENT_VERSION  # what the served .mdl says wrote it
 
 
 class _Body:

@@ -73,11 +73,6 @@ def parse(text: str) -> ast.Expression:
     return tree
 
 
-def names_used(text: str) -> set:
-    """Every bare name an expression mentions (functions included)."""
-    return {n.id for n in ast.walk(parse(text)) if isinstance(n, ast.Name)}
-
-
 class Scope:
     """Where names resolve: ``lookup(name)`` returns a value or raises MissingName.
 

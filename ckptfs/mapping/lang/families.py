@@ -467,7 +467,3 @@ def default_registry() -> LazyRegistry:
 def list_models() -> list:
     """Every supported model name: ``[ModelInfo(name, family, hf_class, notes)]``."""
     return default_registry().models()
-
-
-def family_for_model(name: str) -> FamilySpec | None:
-    return default_registry().for_model(name)
