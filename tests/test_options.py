@@ -109,16 +109,16 @@ def test_cache_dir_is_resolved_in_one_place(tmp_path, monkeypatch):
     assert default_crc_dir() == tmp_path / "x" / "ckptfs" / "crc"
 
 
-def test_the_environment_is_read_in_one_module_and_documented_in_the_readme():
+def test_the_environment_is_read_in_one_module_and_documented():
     """Only ckptfs/env.py reads environment variables (a copy handed to a child process is not a read), and the
-    README's table lists every variable it names."""
+    reference's table (docs/reference.md) lists every variable it names."""
     from ckptfs import env
 
     readers = [p.relative_to(ROOT).as_posix() for p in (ROOT / "ckptfs").rglob("*.py")
                if re.search(r"os\.environ\s*[.\[]|os\.getenv|os\.environ\.get", p.read_text())]
     assert sorted(set(readers)) == ["ckptfs/env.py"]
     names = {v for k, v in vars(env).items() if k.isupper() and isinstance(v, str)}
-    table = (ROOT / "README.md").read_text().split("## Environment variables", 1)[1].split("\n## ", 1)[0]
+    table = (ROOT / "docs" / "reference.md").read_text().split("## Environment variables", 1)[1].split("\n## ", 1)[0]
     assert names and {n for n in names if f"`{n}`" not in table} == set()
 
 

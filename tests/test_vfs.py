@@ -171,16 +171,20 @@ def _ctx():
 
 
 def test_run_builder_turns_every_failure_into_a_missing_view():
-    def raising(exc):
-        return View("cs", "cs/", lambda ctx: (_ for _ in ()).throw(exc))
+    cs = View("cs", "cs/", "ckptfs.views.cs")
 
-    assert run_builder(raising(CheckpointError("/p", "broken thing")), _ctx()).missing == "/p: broken thing"
-    o = run_builder(raising(ZeroDivisionError("oops")), _ctx())
+    def raising(exc):
+        return lambda ctx: (_ for _ in ()).throw(exc)
+
+    assert run_builder(cs, _ctx(), raising(CheckpointError("/p", "broken thing"))).missing == "/p: broken thing"
+    o = run_builder(cs, _ctx(), raising(ZeroDivisionError("oops")))
     assert not o.present and "ZeroDivisionError" in o.missing and "oops" in o.missing
-    o = run_builder(View("cs", "cs/", lambda ctx: ViewResult(files={"a/../b": BytesFile("x")})), _ctx())
+    o = run_builder(cs, _ctx(), lambda ctx: ViewResult(files={"a/../b": BytesFile("x")}))
     assert "invalid file list" in o.missing
-    o = run_builder(View("cs", "cs/", lambda ctx: {"x": BytesFile("x")}), _ctx())
+    o = run_builder(cs, _ctx(), lambda ctx: {"x": BytesFile("x")})
     assert "builder returned dict" in o.missing
+    o = run_builder(View("cs", "cs/", "ckptfs.views.no_such_view"), _ctx())
+    assert not o.present and "ModuleNotFoundError" in o.missing
 
 
 def test_an_unknown_view_name_is_refused_before_anything_is_built():

@@ -81,12 +81,12 @@ def outcome_from(name: str, result) -> ViewOutcome:
     return ViewOutcome(name, files, result.missing, [str(n) for n in (result.notes or [])])
 
 
-def run_builder(view, ctx: ViewContext) -> ViewOutcome:
-    """Run a registered view's builder (``ckptfs.views.registry.View``: its module's ``build``, imported here);
-    failures make the view missing."""
+def run_builder(view, ctx: ViewContext, build: Callable | None = None) -> ViewOutcome:
+    """Run a registered view's builder (``ckptfs.views.registry.View``: its module's ``build``, imported here, or
+    ``build``); failures make the view missing."""
     name = view.name
     try:
-        result = importlib.import_module(view.module).build(ctx)
+        result = (build or importlib.import_module(view.module).build)(ctx)
     except CkptfsError as e:
         log.debug("view %s failed", name, exc_info=True)
         result = e
