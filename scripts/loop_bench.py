@@ -6,7 +6,7 @@ not stall the mount").
 
 Each setting is environment variables for the server, e.g. ``single=CKPTFS_FUSE_THREADS=0
 multi=CKPTFS_FUSE_THREADS=1``, or ``before=PYTHONPATH=/tmp/base after=PYTHONPATH=.`` to compare two checkouts.
-``--s3`` serves the checkpoint from the tests' local S3 endpoint (``tests/s3help.py``) in Cerebras' S3 layout, one
+``--s3`` serves the checkpoint from the tests' local S3 endpoint (``tests/helpers/s3.py``) in Cerebras' S3 layout, one
 object per tensor (``--zstd``: each object zstd-compressed, as ``S3Writer`` writes it when asked); ``params.yaml``
 beside the ``.mdl`` is put beside it in the bucket. Prints each run and the medians (MB/s, server CPU-s per GiB).
 """
@@ -103,7 +103,7 @@ def main(argv: list) -> None:
     s3 = None
     if s3_mode:
         sys.path.insert(0, str(ROOT / "tests"))
-        from s3help import LocalS3
+        from helpers.s3 import LocalS3
 
         s3 = LocalS3(Path(tempfile.mkdtemp(prefix="loop-bench-s3-")))
         ckpt = s3_upload(s3, Path(ckpt).resolve(), zstd)

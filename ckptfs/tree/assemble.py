@@ -4,7 +4,7 @@ It opens the checkpoint, creates the tree's own block cache (``options.cache_siz
 registered view named in ``options.views`` (``ckptfs.views.registry``; a view whose builder raises is *missing* with
 a reason, the others still mount), places each view's files in its folder and writes a root ``README.txt`` saying
 what was mounted. ``views=`` replaces the registered builders by one function giving every view's result (a test's
-synthetic files: tests/fusehelp.py); the checkpoint is then not opened.
+synthetic files: tests/helpers/fuse.py); the checkpoint is then not opened.
 """
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """The registered views: one record each (name, folder in the mount, builder). ``--views`` names come from here,
-``tree/assemble.py`` runs these builders, and tests/test_view_conformance.py requires a conformance check over
+``tree/assemble.py`` runs these builders, and tests/views/test_view_conformance.py requires a conformance check over
 fixtures for every record. This module imports nothing: the options (``--views``) read it without importing what
 building a view needs.
 
 Adding a view: write a module of ``ckptfs/views/`` with ``build(ctx: ViewContext) -> ViewResult`` (files relative
 to its folder), add its ``View`` to ``VIEWS`` below with the module's full name (the layer test reads these names as
 imports of ``tree/assemble.py``, which imports them; ``kinds``: the checkpoints it is made for by default), and add
-its check to tests/test_view_conformance.py.
+its check to tests/views/test_view_conformance.py.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ The layout copies what ``cstorch.save`` writes for a converter-made llama checkp
   guess; bf16 tensors stored as int16 bit patterns; each dataset also carries the leaf metadata as attributes.
 
 For the same dimensions as the fixture, ``__spec__`` and every ``__metadata__`` string come out byte-identical to
-the fixture's (tests/test_bench_generator.py checks this).
+the fixture's (tests/project/test_bench_generator.py checks this).
 
 ``allocate=False`` declares the datasets (shape, dtype, chunks, LZ4 filter, attributes) but never writes them:
 HDF5 allocates chunks on first write, so the file holds only metadata and reads return the fill value. That is

@@ -1,5 +1,5 @@
 """The S3 lines of the benchmark (issue #29): a generated checkpoint in Cerebras' S3 layout on a local
-S3-compatible endpoint (moto's server, the tests' ``tests/s3server.py``, started here on 127.0.0.1), read through
+S3-compatible endpoint (moto's server, the tests' ``tests/helpers/s3server.py``, started here on 127.0.0.1), read through
 ckptfs and against the same endpoint's other readers.
 
 * ``cp`` of every safetensors shard from a fresh S3-sourced mount to /dev/null, against downloading the same
@@ -33,7 +33,7 @@ BUCKET = "bench"
 def _local_s3():
     if str(TESTS) not in sys.path:
         sys.path.insert(0, str(TESTS))
-    from s3help import LocalS3  # the tests' endpoint: moto in a process of its own, counting requests
+    from helpers.s3 import LocalS3  # the tests' endpoint: moto in a process of its own, counting requests
 
     return LocalS3
 

@@ -21,7 +21,7 @@ from ckptfs.storage.base import Blob, ShortRead
 from ckptfs.storage.local import LocalFile
 from ckptfs.storage.memory import MemoryBlob
 
-from faults import FakeS3, FaultyBlob, s3_object
+from helpers.faults import FakeS3, FaultyBlob, s3_object
 
 DATA = random.Random(7).randbytes(3 * (8 << 20) + 12345)  # more than three S3 parts: parts and merging are used
 SECRET = "ckptfs-test-secret-never-printed"
@@ -63,7 +63,7 @@ def delayed(tmp_path, data) -> Opened:
 
 @pytest.fixture(scope="module")
 def endpoint(tmp_path_factory):
-    from s3help import LocalS3
+    from helpers.s3 import LocalS3
 
     srv = LocalS3(tmp_path_factory.mktemp("s3"))
     yield srv

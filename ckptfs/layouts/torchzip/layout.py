@@ -6,7 +6,7 @@ local header, its payload or tensor bytes, its data descriptor; then the central
 touches only the tensor byte ranges that overlap it. The output equals ``torch.save(obj)`` byte for byte
 (each leaf becoming a distinct tensor over one storage per distinct ``VirtualTensor``), except the
 40 digits of ``.data/serialization_id`` (and, with CRCs, that record's CRC); torch's own writer is the reference
-(``tests/test_layout_torchzip.py`` compares byte for byte).
+(``tests/layouts/test_layout_torchzip.py`` compares byte for byte).
 
 CRCs: ``crc="zero"`` is torch's ``compute_crc32=False`` layout. ``crc="exact"`` writes real CRC-32
 values: a tensor record's CRC is accumulated while its bytes are read in order (a sequential copy

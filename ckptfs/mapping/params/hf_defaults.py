@@ -3,7 +3,7 @@
 ``generate()`` stops at ``eos_token_id`` and pads with ``pad_token_id``; a config.json without them makes the
 converted model generate differently from the original (which carried its class defaults). The table holds, per
 HF ``model_type`` a mapping writes, the ids that ``transformers.CONFIG_MAPPING[model_type]()`` sets (transformers
-5.23; ``tests/test_token_ids.py`` checks it against the installed transformers). A ``model_type`` whose class sets
+5.23; ``tests/views/test_token_ids.py`` checks it against the installed transformers). A ``model_type`` whose class sets
 none, or that is not part of transformers (remote code), has no entry: nothing is filled in for it.
 
 It is a table, not an import of transformers, so that the generated files do not depend on whether (or which)

@@ -1,0 +1,305 @@
+"""The benchmark's checkpoint generator (scripts/benchlib/gen.py) writes files in the real cstorch 0.5 layout that
+h5py, ckptfs's source reader and ``ckptfs info`` accept. Tiny sizes only; no timing assertions."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import h5py
+import hdf5plugin  # noqa: F401
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+from benchlib import gen, noread  # noqa: E402
+from helpers import run_ckptfs  # noqa: E402
+
+FIXTURE_DIMS = gen.LlamaDims(hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, vocab=128, max_positions=64, tied=True)
+TINY = gen.LlamaDims(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=96)
+
+
+def _attr_type(obj, name):
+    a = obj.attrs.get_id(name)
+    return a.dtype, a.shape, a.get_type().get_class()
+
+
+def test_matches_real_fixture_layout(tmp_path, fixtures):
+    """Same dims as the llama fixture → identical attributes, metadata strings, chunking, filters and params YAML."""
+    out = tmp_path / "checkpoint.mdl"
+    gen.write_checkpoint(out, FIXTURE_DIMS, "fp32")
+    ref_dir = fixtures / "llama" / "cs"
+    with h5py.File(out, "r") as a, h5py.File(ref_dir / "checkpoint.mdl", "r") as b:
+        assert sorted(a.attrs) == sorted(b.attrs)
+        for name in b.attrs:
+            assert a.attrs[name] == b.attrs[name], name
+            assert _attr_type(a, name) == _attr_type(b, name), name
+        assert sorted(a) == sorted(b)
+        for key in b:
+            da, db = a[key], b[key]
+            assert (da.shape, da.dtype, da.chunks, da._filters) == (db.shape, db.dtype, db.chunks, db._filters), key
+            assert sorted(da.attrs) == sorted(db.attrs)
+            for n in db.attrs:
+                assert np.array_equal(da.attrs[n], db.attrs[n]), (key, n)
+                assert _attr_type(da, n) == _attr_type(db, n), (key, n)
+    assert gen.write_params(tmp_path / "params.yaml", FIXTURE_DIMS).read_text() == (ref_dir / "params.yaml").read_text()
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_data_round_trips_through_h5py_and_source_reader(tmp_path, dtype):
+    from ckptfs.readers import open_checkpoint
+
+    out = tmp_path / "checkpoint_0.mdl"
+    info = gen.write_checkpoint(out, TINY, dtype, seed=7)
+    keys = ["model." + k for k, _ in gen.cs_tensors(TINY)]
+    assert info["keys"] == len(keys) == 9 * TINY.layers + 4
+    assert not list(tmp_path.glob("*.tmp"))
+    rng = np.random.default_rng(7)
+    with h5py.File(out, "r") as f:
+        assert f.attrs["__version__"] == 0.5 and bool(f.attrs["__SUCCESS__"])
+        for key, (_, shape) in zip(keys, gen.cs_tensors(TINY)):
+            want = gen.random_tensor(rng, shape, dtype, norm=len(shape) == 1)
+            got = f[key][()]
+            assert got.dtype == (np.int16 if dtype == "bf16" else np.float32)
+            assert np.array_equal(got, want), key
+            meta = json.loads(f.attrs[key + ".__metadata__"])
+            assert meta["__objects__"] == [key]
+            assert meta[key + ".__metadata__"]["shapes"] == [list(shape)]
+    with open_checkpoint(out) as ck:
+        assert ck.format_version == 0.5 and ck.success and ck.release == "2.10.0"
+        tensors = ck.tensors()
+        assert list(tensors) == keys
+        emb = tensors["model.embedding_layer.word_embeddings.weight"].tensor
+        assert tuple(emb.shape) == (TINY.vocab, TINY.hidden)
+        assert emb.dtype.name == ("bfloat16" if dtype == "bf16" else "float32")
+
+
+def test_unallocated_checkpoint_is_metadata_only(tmp_path):
+    from ckptfs.readers import open_checkpoint
+
+    dims = gen.LlamaDims(hidden=1024, layers=3, heads=8, kv_heads=2, ffn=2816, vocab=32000)
+    out = tmp_path / "big.mdl"
+    info = gen.write_checkpoint(out, dims, "bf16", allocate=False)
+    assert info["tensor_bytes"] == dims.params() * 2 > 50 * info["disk_bytes"]
+    with h5py.File(out, "r") as f:
+        d = f["model.lm_head.weight"]
+        assert d.id.get_storage_size() == 0 and d.chunks is not None and "32004" in d._filters
+        assert not d[:2, :3].any()  # fill value
+    with open_checkpoint(out) as ck:
+        assert len(ck.tensors()) == info["keys"]
+
+
+def test_ckptfs_info_accepts_generated_checkpoint(tmp_path):
+    out = tmp_path / "checkpoint_0.mdl"
+    gen.write_checkpoint(out, TINY, "bf16")
+    gen.write_params(tmp_path / "params.yaml", TINY)
+    r = run_ckptfs("info", out, cwd=REPO, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+
+
+@pytest.mark.parametrize("target", ["8MB", "100MB", "768MB", "1.5GiB"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_dims_for_size_is_close(target, dtype):
+    from ckptfs.units import parse_size
+
+    n = parse_size(target)
+    d = gen.dims_for_size(n, dtype)
+    assert d.layers >= 4 and d.hidden % d.heads == 0 and d.heads % d.kv_heads == 0
+    assert abs(d.params() * (2 if dtype == "bf16" else 4) / n - 1) < 0.3
+
+
+def test_noread_classification():
+    ranges = [(100, 2100), (5000, 9000)]
+    r = noread.classify([(0, 100), (2100, 512), (90, 40), (5000, 4000), (4000, 6000)], ranges)
+    assert r == {"preads": 5, "data_reads": 2, "data_read_bytes": 10000, "partial_overlaps": 1}
+    trace = (f"12 pread64(3</x/c.mdl>, \"\"..., 4000, 5000) = 4000\n"
+             f"12 pread64(4</x/other>, \"\"..., 10, 0) = 10\n12 read(3</x/c.mdl>, \"\"..., 8) = 8\n")
+    assert noread.parse_trace(trace, "/x/c.mdl") == ([(5000, 4000)], 1)
+
+
+def test_report_marks_unmeasured_items_as_errors():
+    from benchlib import report
+
+    lines = report.target_lines({}, {"bf16.raw": "StepError: boom"}, ["bf16"], 256 << 20)
+    assert lines and all(x.result == "ERROR" for x in lines)
+    assert "boom" in lines[0].measured
+    assert "RESULT" in report.table(lines).splitlines()[0]
+
+
+def test_report_reproduces_a_real_run():
+    """The measurements of the README's bench run give back exactly the lines that run printed, the ceilings beside
+    the cp, from_pretrained and first-read lines and the fresh-memory line included (fails when a line's wording,
+    verdict or source changes without the README's run being redone)."""
+    from benchlib import report
+
+    run = json.loads((REPO / "tests" / "bench_report_684d6d7.json").read_text())
+    lines = report.target_lines(run["results"], run["errors"], run["args"]["dtypes"], run["args"]["cache_bytes"])
+    assert report.as_json(lines) == run["targets"]
+    text = report.table(lines)
+    assert "passthrough ceiling 1.04x" in text and "882 MB/s, cold, nothing converted" in text
+    assert "start 3.25 / 0.06" in text and "1: 170, 2: 230" in text  # the export's --threads sweep
+    assert "0.58x (515 vs 882 MB/s)" in text  # cp safetensors against the passthrough's cold cp, bf16
+    assert "641 MB/s = 0.85x raw h5py" in text  # the disk's own ceiling, bf16
+    assert sum(x.result == "PASS" for x in lines) == 11
+
+
+def test_report_of_a_run_before_the_disk_line_has_none():
+    """A report from before the disk's ceiling was measured gives back exactly the lines that run printed: no disk
+    line, no error for it."""
+    from benchlib import report
+
+    run = json.loads((REPO / "tests" / "bench_report_e8e8f5a.json").read_text())
+    lines = report.target_lines(run["results"], run["errors"], run["args"]["dtypes"], run["args"]["cache_bytes"])
+    assert report.as_json(lines) == run["targets"]
+    assert not any("disk's ceiling" in x.target for x in lines)
+
+
+def test_report_ceilings_follow_the_measurements():
+    """The ceiling lines are computed from the passthrough's own runs, not copied: halving its cp time doubles the
+    reported ceiling."""
+    from benchlib import report
+
+    run = json.loads((REPO / "tests" / "bench_report_684d6d7.json").read_text())
+    res = run["results"]
+    before = res["bf16"]["cp_passthrough"]["mb_s"]
+    res["bf16"]["cp_passthrough"]["mb_s"] = 2 * before
+    res["bf16"]["from_pretrained"]["passthrough_ratio"] = 0.5
+    lines = {x.target: x for x in report.target_lines(res, run["errors"], ["bf16"], run["args"]["cache_bytes"])}
+    ceiling = lines["bf16: cp, trivial passthrough of the local copy (ceiling)"].measured
+    assert f"({2 * before:.0f} MB/s," in ceiling and f"{before:.0f} MB/s" not in ceiling
+    assert "passthrough ceiling 0.50x" in lines["bf16: from_pretrained mount / local"].measured
+
+
+def test_report_shows_the_mount_again_beside_the_first_mount():
+    """The 70B mount target is judged on first mounts (an empty cache directory); mounting again with the catalog
+    index of the first is its own INFO line, shown when measured."""
+    from benchlib import report
+
+    run = json.loads((REPO / "tests" / "bench_report_e8e8f5a.json").read_text())
+    res = run["results"]
+    again = res["70b"].pop("remount")
+    names = [x.target for x in report.target_lines(res, run["errors"], ["bf16"], run["args"]["cache_bytes"])]
+    assert "70B: mount again (catalog index), cold cache" not in names and "70B: mount, warm page cache" in names
+    res["70b"]["remount"] = again
+    lines = {x.target: x for x in report.target_lines(res, run["errors"], ["bf16"], run["args"]["cache_bytes"])}
+    line = lines["70B: mount again (catalog index), cold cache"]
+    assert line.measured == f"{again['median_s']:.2f} s" and line.result == "INFO"
+    first = lines["70B: mount (ckptfs mount wall, cold cache)"]
+    assert first.result == "FAIL" and first.measured == f"{res['70b']['mount']['median_s']:.2f} s"
+
+def test_report_puts_the_machines_floor_beside_the_70b_lines():
+    """The 70B mount and ``ls -lR`` lines show the floors measured beside them (a cold Python importing numpy and
+    h5py, the passthrough's cold mount, its ``ls -lR`` of the same tree shape), computed from those runs; a run from
+    before they were measured shows the lines as it printed them."""
+    from benchlib import report
+
+    run = json.loads((REPO / "tests" / "bench_report_e8e8f5a.json").read_text())
+    res = run["results"]
+    res["70b"]["cold_start_floor"] = {"python_numpy_h5py": {"median_s": 0.386}, "passthrough_mount": {"median_s": 0.19}}
+    res["70b"]["ls_lR_passthrough"] = {"median_s": 0.613}
+    lines = {x.target: x for x in report.target_lines(res, run["errors"], ["bf16"], run["args"]["cache_bytes"])}
+    mount = lines["70B: mount (ckptfs mount wall, cold cache)"]
+    assert mount.measured == (f"{res['70b']['mount']['median_s']:.2f} s (floor, cold: python + numpy + h5py 0.39 s; "
+                              "passthrough mount 0.19 s)")
+    ls = lines[f"70B: ls -lR ({res['70b']['ls_lR']['files']} files)"]
+    assert ls.measured == f"{res['70b']['ls_lR']['median_s']:.2f} s (passthrough ceiling 0.61 s)"
+    assert ls.result == ("PASS" if res["70b"]["ls_lR"]["median_s"] <= report.LS_70B_TARGET_S else "FAIL")
+
+
+def test_report_reproduces_the_run_with_the_70b_floors():
+    """The README's sixth run (the 70B lines with the machine's floor beside them) gives back exactly the lines it
+    printed."""
+    from benchlib import report
+
+    run = json.loads((REPO / "tests" / "bench_report_cf0c97c.json").read_text())
+    lines = report.target_lines(run["results"], run["errors"], run["args"]["dtypes"], run["args"]["cache_bytes"])
+    assert report.as_json(lines) == run["targets"]
+    text = report.table(lines)
+    assert "1.31 s (floor, cold: python + numpy + h5py 0.35 s; passthrough mount 0.21 s)" in text
+    assert "0.86 s (passthrough ceiling 0.61 s)" in text
+    assert sum(x.result == "PASS" for x in lines) == 13
+
+
+def test_mirror_tree_copies_the_shape_without_data(tmp_path):
+    """The passthrough's ``ls -lR`` serves a copy of the mounted tree's shape: the same folders, files of the same
+    sizes holding no data blocks, links with the same targets."""
+    from benchlib.measure import mirror_tree
+
+    src, dest = tmp_path / "src", tmp_path / "mirror"
+    (src / "a" / "b").mkdir(parents=True)
+    (src / "a" / "b" / "big.bin").write_bytes(b"x" * 100_000)
+    (src / "empty.txt").write_bytes(b"")
+    (src / "link").symlink_to("a/b/big.bin")
+    (src / "dirlink").symlink_to("a")
+    dest.mkdir()
+    (dest / "stale").write_text("left from an earlier run")
+    assert mirror_tree(src, dest) == 2
+    assert sorted(str(p.relative_to(dest)) for p in dest.rglob("*")) == \
+        ["a", "a/b", "a/b/big.bin", "dirlink", "empty.txt", "link"]
+    big = dest / "a" / "b" / "big.bin"
+    assert big.stat().st_size == 100_000 and big.stat().st_blocks == 0
+    assert (dest / "link").readlink() == Path("a/b/big.bin") and (dest / "dirlink").readlink() == Path("a")
+
+
+def test_report_judges_the_exports_peak_rss_against_the_cache_bound():
+    """An export's peak RSS is a line of its own, judged as a mount's (300 MB + --cache-size); a run from before it
+    was measured has no such line."""
+    from benchlib import report
+
+    run = json.loads((REPO / "tests" / "bench_report_684d6d7.json").read_text())
+    res, cache = run["results"], run["args"]["cache_bytes"]
+    name = "bf16: ckptfs export peak RSS (3 runs)"
+    assert name not in [x.target for x in report.target_lines(res, run["errors"], ["bf16"], cache)]
+    limit = report.RSS_BASE_BYTES + cache
+    for peak, verdict in ((limit, "PASS"), (limit + 1, "FAIL")):
+        res["bf16"]["export"]["peak_rss"] = [limit // 2, peak, limit // 3]
+        lines = {x.target: x for x in report.target_lines(res, run["errors"], ["bf16"], cache)}
+        assert lines[name].result == verdict and lines[name].measured == f"{peak / 1e6:.0f} MB"
+
+
+def test_timed_peak_reports_the_commands_own_peak_rss():
+    """``timed_peak`` gives the peak RSS of the command it ran, neither that of the largest child waited for before
+    nor the memory of the process that starts it (a forked child's ``ru_maxrss`` counts its parent's): a child holding
+    200 MB, then one holding nothing, started from this test process (hundreds of MB in a test worker)."""
+    import sys
+
+    from benchlib import sysutil
+
+    hold = "b = bytearray(200_000_000); b[::4096] = b'x' * len(b[::4096])"
+    _, big = sysutil.timed_peak([sys.executable, "-c", hold])
+    _, small = sysutil.timed_peak([sys.executable, "-c", "pass"])
+    assert big >= 200_000_000 and small < 100_000_000, (big, small)
+    with pytest.raises(sysutil.StepError, match="exit 3"):
+        sysutil.timed_peak([sys.executable, "-c", "import sys; sys.exit(3)"])
+
+
+def test_report_puts_the_exports_ceiling_beside_it():
+    """The copy of the .mdl on the output's disk is the export's ceiling: its line gives its speed against raw h5py
+    and the export's share of it, computed from both measurements; runs before it have no such line."""
+    from benchlib import report
+
+    run = json.loads((REPO / "tests" / "bench_report_684d6d7.json").read_text())
+    res, cache = run["results"], run["args"]["cache_bytes"]
+    name = "bf16: export's ceiling: the .mdl copied on the output disk"
+    assert name not in [x.target for x in report.target_lines(res, run["errors"], ["bf16"], cache)]
+    exp, raw = res["bf16"]["export"]["mb_s"], res["bf16"]["raw"]["mb_s"]
+    res["bf16"]["copy_ceiling"] = {"mb_s": 2 * exp, "median_s": 1.0, "runs_s": [1.0]}
+    line = {x.target: x for x in report.target_lines(res, run["errors"], ["bf16"], cache)}[name]
+    assert line.result == "INFO" and f"{2 * exp:.0f} MB/s = {2 * exp / raw:.2f}x raw h5py" in line.measured
+    assert line.measured.endswith("export 0.50x of it")
+
+
+def test_report_reproduces_the_run_with_the_exports_lines():
+    """The README's fourth run (the export's peak RSS and ceiling lines) gives back exactly the lines it printed."""
+    from benchlib import report
+
+    run = json.loads((REPO / "tests" / "bench_report_1e9d6c6.json").read_text())
+    lines = report.target_lines(run["results"], run["errors"], run["args"]["dtypes"], run["args"]["cache_bytes"])
+    assert report.as_json(lines) == run["targets"]
+    text = report.table(lines)
+    assert "322 MB/s = 0.43x raw h5py" in text and "export 0.77x of it" in text
+    assert "516 MB" in text and "452 MB" in text
+    assert sum(x.result == "PASS" for x in lines) == 14
