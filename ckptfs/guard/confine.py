@@ -43,6 +43,15 @@ def non_regular_kind(st: os.stat_result) -> str | None:
     return "not a regular file"
 
 
+def regular_stat(path) -> os.stat_result:
+    """``os.stat`` of a regular file; ``RefusedReference`` for anything else (``OSError`` if it cannot be stat'ed)."""
+    st = os.stat(path)
+    kind = non_regular_kind(st)
+    if kind is not None:
+        raise RefusedReference(f"{path} is {kind}, not a regular file")
+    return st
+
+
 def open_regular(path) -> int:
     """A read-only descriptor on the regular file ``path`` (the last component must not be a symlink); never
     blocks on a FIFO. ``RefusedReference`` for a symlink or a non-regular file, ``OSError`` otherwise."""
