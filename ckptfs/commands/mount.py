@@ -51,14 +51,16 @@ def run(args) -> int:
 def _with_private_options(args):
     """``args`` with the options read from the options pipe (``--options-fd``) parsed as if given on the command
     line."""
-    from ckptfs.cli import build_parser
     from ckptfs.fuse.mount import receive_options
 
     extra = receive_options(args.options_fd)
     argv = ["mount", args.ckpt, args.mountpoint, "--foreground", *extra]
     if args.status_fd is not None:
         argv += ["--status-fd", str(args.status_fd)]
-    full = build_parser("mount").parse_args(argv)
+    parser = argparse.ArgumentParser(prog="ckptfs")  # this command's parser alone (the CLI imports this module)
+    sp = add_parser(parser.add_subparsers(dest="command"))
+    sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    full = parser.parse_args(argv)
     full.build_tree = getattr(args, "build_tree", None)
     full.debug = getattr(full, "debug", False) or getattr(args, "debug", False)
     return full

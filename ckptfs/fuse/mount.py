@@ -28,11 +28,12 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CkptfsError
-from ..views.options import MountOptions, check_options, to_argv
+from ..views.options import MountOptions, absolute, check_options, to_argv
 from ckptfs.fuse.proctitle import interpreter_prefix, show_only
 from ..state.dirs import CACHE_DIR_ENV, cache_dir
 from ..state.files import StateDir
@@ -412,12 +413,12 @@ class ForkedServer:
                 pass
 
 
-def _fork_server(argv: list, log_fd: int, status_w: int, build: TreeBuilder, shown: list) -> ForkedServer:
-    """Run ``ckptfs <argv>`` (the foreground mount) in a forked child set up as ``Popen`` sets up the spawned server
-    (a new session, cwd /, stdin from /dev/null, stdout and stderr to the log, no descriptor but the status pipe's),
-    minus the new interpreter and the imports this process already made. The child never returns here: it exits
-    with the command's exit code once the mount ends (its trees built by ``build``, as in this process). Its command
-    line, the caller's until then (options and all), is rewritten to show only ``shown``."""
+def _fork_server(serve: Callable[[], int], log_fd: int, status_w: int, shown: list) -> ForkedServer:
+    """Run ``serve()`` (the foreground mount, ``_serve_forked``) in a forked child set up as ``Popen`` sets up the
+    spawned server (a new session, cwd /, stdin from /dev/null, stdout and stderr to the log, no descriptor but the
+    status pipe's), minus the new interpreter and the imports this process already made. The child never returns
+    here: it exits with ``serve``'s exit code once the mount ends. Its command line, the caller's until then (options
+    and all), is rewritten to show only ``shown``."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()  # nothing buffered here is written twice
@@ -440,10 +441,7 @@ def _fork_server(argv: list, log_fd: int, status_w: int, build: TreeBuilder, sho
         os.dup2(log_fd, 2)
         os.closerange(3, status_w)  # what the caller had open (its pipes, the status pipe's read end, the log)
         os.closerange(status_w + 1, os.sysconf("SC_OPEN_MAX"))
-        from ..cli import main
-
-        sys.argv = [sys.argv[0], *argv]  # what this process now runs
-        code = main(argv, build_tree=build)
+        code = serve()
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except BaseException:  # noqa: BLE001 - said in the log; the waiting mount reports the exit
@@ -456,6 +454,23 @@ def _fork_server(argv: list, log_fd: int, status_w: int, build: TreeBuilder, sho
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def _serve_forked(ckpt, mountpoint, options: MountOptions, allow_other: bool, debug: bool, status_w: int,
+                  build: TreeBuilder) -> int:
+    """The forked server's work: the foreground mount of what this process was asked to mount (the options as
+    parsed here, nothing parsed again), its error one line in the log and on the status pipe; the exit code."""
+    try:
+        mount(ckpt, mountpoint, options, foreground=True, allow_other=allow_other, debug=debug, status_fd=status_w,
+              build=build)
+        return 0
+    except CkptfsError as e:
+        if debug:
+            raise
+        print(f"ckptfs: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 def start_background(ckpt, mountpoint, options: MountOptions, *, allow_other: bool = False,
@@ -478,7 +493,9 @@ def start_background(ckpt, mountpoint, options: MountOptions, *, allow_other: bo
     try:
         with logf:
             if fork:
-                proc = _fork_server([*args, "--status-fd", str(status_w)], logf.fileno(), status_w, build, shown)
+                where = (_argument(ckpt), os.path.abspath(str(mountpoint)), absolute(options))  # the child works in /
+                proc = _fork_server(lambda: _serve_forked(*where, allow_other, debug, status_w, build), logf.fileno(),
+                                    status_w, shown)
             else:
                 # the options go through a pipe of their own, not the command line (``public_argv``)
                 options_r, options_w = os.pipe()

@@ -23,6 +23,7 @@ from .cerebras.catalog import read_hdf5_catalog
 from .legacy_torch.reader import HEAD_BYTES, is_legacy_torch, open_legacy_torch
 from .run.resolve import resolve_checkpoint
 from ckptfs.readers.tf.locate import is_index_file as is_tf_index
+from ..storage.local import LocalFile
 
 def open_checkpoint(path, *, allow_partial: bool = False, allow_external=()) -> Checkpoint:
     """Open a Cerebras checkpoint (a file, or a model_dir meaning its latest checkpoint).
@@ -68,12 +69,20 @@ def _open_legacy_torch(file_path: Path) -> Checkpoint | None:
     except OSError:
         return None  # opening it as HDF5 says why
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode) or not is_legacy_torch(os.pread(fd, HEAD_BYTES, 0)):
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return None
+        blob = LocalFile(str(file_path), fd=fd)  # owns the descriptor from here
+    except OSError:
+        os.close(fd)
+        return None
+    try:
+        if not is_legacy_torch(blob.read(0, HEAD_BYTES)):
             return None
     except OSError:
         return None
     finally:
-        os.close(fd)
+        blob.close()
     return open_legacy_torch(file_path)
 
 

@@ -327,6 +327,20 @@ def to_argv(options: MountOptions) -> list:
     return [a for o in declared() for a in o.argv(getattr(options, o.name))]
 
 
+def absolute(options: MountOptions) -> MountOptions:
+    """``options`` with every path made absolute (as the server's argv gives them): a server that changes its working
+    folder reads the same files."""
+    changes = {}
+    for o in declared():
+        value = getattr(options, o.name)
+        if not o.kind.path or value is None or value == o.default:
+            continue
+        values = value if o.repeat else (value,)
+        made = tuple(type(v)(os.path.abspath(v)) for v in values)
+        changes[o.name] = made if o.repeat else made[0]
+    return replace(options, **changes) if changes else options
+
+
 def from_kwargs(**kw) -> MountOptions:
     """The Python API's options: field names as keywords; texts parsed as on the command line."""
     known = {o.name: o for o in declared()}

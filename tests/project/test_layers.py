@@ -214,6 +214,7 @@ DYNAMIC_IMPORTERS = {
     "ckptfs.cli": "COMMANDS: each command's full module name",
     "ckptfs.tree.assemble": "the modules views/registry.py names (VIEWS: each view's full module name)",
     "ckptfs.mapping.transforms": "every module of its own folder (pkgutil.iter_modules)",
+    "ckptfs.readers": "_NAMES: open_checkpoint's and resolve_checkpoint's modules, imported on first use",
 }
 
 

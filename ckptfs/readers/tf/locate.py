@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ckptfs.errors import CheckpointError
 from ckptfs.guard.confine import non_regular_kind
+from ...storage.local import LocalFile
 
 #: the name of the state file TF writes beside its checkpoints
 STATE_FILE = "checkpoint"
@@ -82,12 +83,16 @@ def is_index_file(path: Path) -> bool:
     except OSError:
         return False
     try:
-        size = os.fstat(fd).st_size
-        return size >= 48 and os.pread(fd, 8, size - 8) == TABLE_MAGIC
+        blob = LocalFile(str(path), fd=fd)  # owns the descriptor from here
+    except OSError:
+        os.close(fd)
+        return False
+    try:
+        return blob.size >= 48 and blob.read(blob.size - 8, 8) == TABLE_MAGIC
     except OSError:
         return False
     finally:
-        os.close(fd)
+        blob.close()
 
 
 def _state_file(folder: Path) -> Path | None:
@@ -127,9 +132,14 @@ def latest_prefix(folder: Path) -> str:
         if st.st_size > MAX_STATE_BYTES:
             raise CheckpointError(p, f"the TensorFlow 'checkpoint' file holds {st.st_size:,} bytes, more than the "
                                      f"{MAX_STATE_BYTES:,} a list of checkpoint prefixes needs")
-        data = os.pread(fd, MAX_STATE_BYTES, 0)
+        blob, fd = LocalFile(str(p), fd=fd), None  # owns the descriptor from here
+        try:
+            data = blob.read(0, MAX_STATE_BYTES)
+        finally:
+            blob.close()
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
     for line in data.decode("utf-8", "surrogateescape").splitlines():
         m = _FIELD.match(line)
         if m is None:

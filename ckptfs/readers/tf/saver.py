@@ -26,6 +26,7 @@ from ckptfs.readers.tf.tensor import TfBundleTensor, TfShard, TfSlicedTensor, ti
 from ckptfs.catalog.validate import shape_problem
 from ckptfs.storage.local import FileIdentity
 from ckptfs.tfbundle import BundleFormatError, data_file_name, encode_slice_key, parse_index
+from ...storage.local import LocalFile
 
 @dataclass(eq=False)
 class TfFiles:
@@ -56,18 +57,19 @@ def _read_index(index: Path) -> tuple:
         st = os.fstat(fd)
         if st.st_size > MAX_INDEX_BYTES:
             raise CheckpointError(index, f"TensorFlow index of {st.st_size:,} bytes, more than {MAX_INDEX_BYTES:,}")
-        chunks, pos = [], 0
-        while pos < st.st_size:
-            b = os.pread(fd, min(1 << 24, st.st_size - pos), pos)
-            if not b:
-                raise CheckpointError(index, f"shrank while it was read ({pos} of {st.st_size} bytes)")
-            chunks.append(b)
-            pos += len(b)
-        return b"".join(chunks), FileIdentity.of_stat(st)
+        blob, fd = LocalFile(str(index), fd=fd), None  # owns the descriptor from here
+        try:
+            data = blob.read(0, st.st_size)
+        finally:
+            blob.close()
+        if len(data) != st.st_size:
+            raise CheckpointError(index, f"shrank while it was read ({len(data)} of {st.st_size} bytes)")
+        return data, FileIdentity.of_stat(st)
     except OSError as e:
         raise CheckpointError(index, f"cannot read ({e.strerror or e})") from None
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
 
 
 def _shards(index: Path, num_shards: int, confinement: Confinement) -> list:
