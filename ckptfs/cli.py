@@ -9,7 +9,7 @@ import argparse
 import importlib
 import sys
 
-from .errors import CkptfsError
+from .errors import exit_code
 
 #: each command's module, by the name its parser is stored under (full names: the layer test reads them as imports)
 COMMANDS = {
@@ -59,18 +59,7 @@ def main(argv=None, *, build_tree=None) -> int:
     parser = build_parser(_command_named(argv))
     args = parser.parse_args(argv)
     args.build_tree = build_tree  # None: the commands build trees with ckptfs.tree.assemble.build_tree
-    debug = getattr(args, "debug", False)
-    try:
-        return int(args._run(args) or 0)
-    except CkptfsError as e:
-        if debug:
-            raise
-        print(f"ckptfs: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:
-        return 0
+    return exit_code(lambda: args._run(args), getattr(args, "debug", False))
 
 
 if __name__ == "__main__":

@@ -49,3 +49,21 @@ class StorageError(CkptfsError):
 def one_line(text) -> str:
     """Collapse a message to a single line (HDF5 errors can span several)."""
     return " ".join(str(text).split())
+
+
+def exit_code(run, debug: bool = False) -> int:
+    """The exit code of a command: ``run()``'s (0 for None); 2 with the error's one line on stderr for a
+    ``CkptfsError`` (raised as it is with ``debug``); 130 when interrupted; 0 when the reader closed the pipe."""
+    import sys
+
+    try:
+        return int(run() or 0)
+    except CkptfsError as e:
+        if debug:
+            raise
+        print(f"ckptfs: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0

@@ -32,7 +32,7 @@ from typing import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import CkptfsError
+from ..errors import CkptfsError, exit_code
 from ..views.options import MountOptions, absolute, check_options, to_argv
 from ckptfs.fuse.proctitle import interpreter_prefix, show_only
 from ..state.dirs import CACHE_DIR_ENV, cache_dir
@@ -460,17 +460,8 @@ def _serve_forked(ckpt, mountpoint, options: MountOptions, allow_other: bool, de
                   build: TreeBuilder) -> int:
     """The forked server's work: the foreground mount of what this process was asked to mount (the options as
     parsed here, nothing parsed again), its error one line in the log and on the status pipe; the exit code."""
-    try:
-        mount(ckpt, mountpoint, options, foreground=True, allow_other=allow_other, debug=debug, status_fd=status_w,
-              build=build)
-        return 0
-    except CkptfsError as e:
-        if debug:
-            raise
-        print(f"ckptfs: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return exit_code(lambda: mount(ckpt, mountpoint, options, foreground=True, allow_other=allow_other, debug=debug,
+                                   status_fd=status_w, build=build), debug)
 
 
 def start_background(ckpt, mountpoint, options: MountOptions, *, allow_other: bool = False,
