@@ -441,6 +441,7 @@ def _fork_server(serve: Callable[[], int], log_fd: int, status_w: int, shown: li
         os.dup2(log_fd, 2)
         os.closerange(3, status_w)  # what the caller had open (its pipes, the status pipe's read end, the log)
         os.closerange(status_w + 1, os.sysconf("SC_OPEN_MAX"))
+        sys.argv = [sys.argv[0], *shown]  # what this process now runs, as its command line shows it
         code = serve()
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1

@@ -349,7 +349,8 @@ def build_tree(ckpt_path, options: MountOptions | None = None, *, cache: BlockCa
         built.update({n: ViewOutcome(n, missing=why) for n, why in chosen if why is not None})
         outcomes = [built[n] for n, _ in chosen]
         given = ckpt_path if is_s3_url(ckpt_path) else Path(ckpt_path).absolute()
-        resolved = src.is_run or " of the run in " in src.reason  # a run's latest (or named) checkpoint
+        # a run's latest (or named) checkpoint; a TensorFlow checkpoint's folder: the latest its checkpoint file names
+        resolved = src.is_run or " of the run in " in src.reason or (src.kind == "tf checkpoint" and given.is_dir())
         resolved_from = given if resolved and str(given).rstrip("/") != str(path) else None
         info = SourceInfo(path, getattr(ckpt, "format_version", None), getattr(ckpt, "release", None),
                           getattr(ckpt, "success", None),

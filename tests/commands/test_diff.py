@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ckptfs.readers import open_checkpoint
-from ckptfs.catalog.model import stored_tensors as source_tensors
+from ckptfs.readers.cerebras import dataset_tensor as source_tensors
 from ckptfs.catalog.model import TensorLeaf, ValueLeaf
 from ckptfs.commands.compare import c_order_boxes, compare_leaves, compare_tensors, diff_checkpoints
 from ckptfs.tensor.base import ArrayTensor

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import FIXTURES, needs_fuse, real_env
+from helpers import FIXTURES, TESTS, needs_fuse, real_env
 from helpers.fuse import mounted
 from helpers.gguf import CONVERTER
 from helpers.tokens import make_llama_bpe_tokenizer
@@ -36,7 +36,7 @@ def convert(jobs: list) -> list:
     """Run the converter on [(folder, outfile, pre-tokenizer or None)] in one process, offline: None per folder
     converted, else the error it raised."""
     env = real_env(HF_HUB_OFFLINE=1, TRANSFORMERS_OFFLINE=1, CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, str(Path(__file__).with_name("gguf.py")), str(CONVERTER),
+    r = subprocess.run([sys.executable, str(TESTS / "helpers" / "gguf.py"), str(CONVERTER),
                         json.dumps([[str(f), str(o), p] for f, o, p in jobs])],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

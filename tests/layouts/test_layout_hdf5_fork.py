@@ -3,6 +3,7 @@ bytes as a build in the process, a failed child falls back to building here, an 
 fork happens once the process has another thread. Forks run in fresh interpreters (a pytest process has threads)."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import read_all
+from helpers import read_all, real_env
 from ckptfs.layouts.hdf5.layout import Hdf5Layout
 from test_layout_hdf5 import _tree
 
@@ -20,8 +21,10 @@ pytestmark = pytest.mark.slow  # each test a Python process that forks
 
 
 def _run(code: str) -> str:
+    env = real_env()  # tests/ (the helpers) and the repository importable
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent), env["PYTHONPATH"]])  # test_layout_hdf5
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, cwd=TESTS,
-                       timeout=300)
+                       env=env, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout
 
@@ -29,7 +32,7 @@ def _run(code: str) -> str:
 PRELUDE = """
     import gc, os, threading
     from helpers import read_all
-    from ckptfs.layouts import hdf5_fork
+    from ckptfs.layouts.hdf5 import fork as hdf5_fork
     from ckptfs.layouts.hdf5.layout import Hdf5Layout
     from test_layout_hdf5 import _tree
 

@@ -15,7 +15,7 @@ import pytest
 
 import ckptfs
 from ckptfs import env as ckptfs_env
-from ckptfs.catalog.model import catalog_index
+from ckptfs.readers.cerebras import catalog_cache as catalog_index
 from ckptfs.readers import open_checkpoint
 from helpers import FIXTURES, real_env as _real_env, run_ckptfs
 

@@ -11,9 +11,9 @@ import pytest
 
 from ckptfs import env
 from ckptfs.errors import CheckpointError
-from ckptfs.catalog.model import catalog_index
+from ckptfs.readers.cerebras import catalog_cache as catalog_index
 from ckptfs.readers import open_checkpoint
-from ckptfs.catalog.model import open as open_mod
+from ckptfs.readers import open as open_mod
 from ckptfs.catalog.model import Container, Leaf, OpaqueLeaf, TensorLeaf, UnreadableLeaf, ValueLeaf
 from ckptfs.tensor.regions import FullTensor
 from ckptfs.readers.cerebras.dataset_tensor import H5DatasetTensor

@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from ckptfs.catalog.model import safepickle as sp
+from ckptfs.guard import safepickle as sp
 from ckptfs.guard.safepickle import Limits, PickleRefused, loads_plain, loads_torch
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ckptfs.errors import CheckpointError, SourceChangedError
-from ckptfs.catalog.model import torch_bin
+from ckptfs.readers.hf import torch_bin
 from ckptfs.readers.hf.folder import open_hf_model
 from ckptfs.readers.kind import is_hf_folder
 from ckptfs.tensor.base import full_box

@@ -21,7 +21,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers import needs_fuse
+from helpers import TESTS, needs_fuse
 from helpers.fuse import mounted_server
 from helpers.s3 import BUCKET, LocalS3, upload_case
 
@@ -41,7 +41,7 @@ class StallProxy:
 
     def __init__(self, upstream: str, tmp: Path):
         port_file = tmp / "proxy-port"
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("stall_proxy.py")), upstream,
+        self.proc = subprocess.Popen([sys.executable, str(TESTS / "helpers" / "stall_proxy.py"), upstream,
                                       str(port_file)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 30
         while not port_file.exists():
