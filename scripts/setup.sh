@@ -29,6 +29,11 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     # torch first and pinned exactly, so nothing else can pull a CUDA build
     "$VENV/bin/python" -m pip install -q "torch==2.13.0"
     "$VENV/bin/python" -m pip install -q -e ".[test]"
+    # real TensorFlow for the tests of the tf/ view and of TF sources (it reads and writes saver checkpoints); it pins
+    # h5py<3.15, with which the suite's threaded chunk reads crashed: the newest h5py goes back after it (TensorFlow's
+    # saver does not use h5py)
+    "$VENV/bin/python" -m pip install -q "tensorflow-cpu==2.21.0"
+    "$VENV/bin/python" -m pip install -q --upgrade "h5py>=3.15"
     # llama.cpp's HF -> GGUF converter for the tests (tests/test_llama_cpp.py): convert_hf_to_gguf.py, its
     # conversion/ package and gguf-py, taken from the llama-cpp-python source package (CPU only, nothing built)
     # into $VENV/share/llama.cpp; gguf-py is installed from there, so that converter and library match
