@@ -18,6 +18,9 @@ import numpy as np
 from helpers import FIXTURES, ckptfs_argv, real_env, run_ckptfs
 from helpers.rss import measure_ckptfs
 from helpers.untrusted import add_leaves, copy_llama, leaf_metadata, tensor_md
+import pytest
+
+pytestmark = pytest.mark.slow  # processes: the CLI, a server, TensorFlow
 
 HUGE = (1 << 20, 1 << 20)  # 4 TiB of float32
 MAX_GROWTH_MIB = 256

@@ -21,6 +21,8 @@ from ckptfs.layouts.tfsaver import TFSaverLayout
 from ckptfs.tfbundle import decode_slice_key, parse_index
 from ckptfs.tensor.base import ArrayTensor
 
+pytestmark = pytest.mark.slow  # processes: the CLI, a server, TensorFlow
+
 TF = FIXTURES / "tf"
 
 

@@ -20,6 +20,8 @@ from helpers.fuse import mounted_server
 from helpers.rss import measure_ckptfs
 from helpers.untrusted import add_leaves, copy_llama, leaf_metadata, tensor_md
 
+pytestmark = pytest.mark.slow  # processes: the CLI, a server, TensorFlow
+
 BOMB_SHAPE = (512, 512)  # 1 MiB of float32 ...
 BOMB_CHUNKS = (1, 1)  # ... in 262,144 chunks
 MAX_GROWTH_MIB = 256

@@ -19,6 +19,8 @@ from helpers.fuse import force_unmount, is_mounted
 from helpers.hf import hf_env
 from helpers.rss import measure_ckptfs
 
+pytestmark = pytest.mark.slow  # processes: the CLI, a server, TensorFlow
+
 LLAMA = FIXTURES / "llama" / "hf"
 MIXTRAL = FIXTURES / "mixtral" / "hf"
 #: what the largest refusal or bounded conversion may add to a ckptfs command's peak memory

@@ -18,6 +18,8 @@ from helpers import needs_fuse, run_ckptfs
 from helpers.fuse import force_unmount, is_mounted, mounted
 from helpers.hf import as_hub_cache, hf_env, llama_state, save_hf, save_llama
 
+pytestmark = pytest.mark.slow  # processes: the CLI, a server, TensorFlow
+
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
 REV = "a" * 40
 

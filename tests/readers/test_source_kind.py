@@ -29,7 +29,7 @@ from helpers.fuse import is_mounted, mounted
 from helpers.run import model_dir, save
 from helpers.s3 import FIXTURES_S3, LocalS3, upload_case
 
-pytestmark = [pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # processes: the CLI, a server, TensorFlow
 
 LLAMA_MDL = FIXTURES / "llama" / "cs" / "checkpoint.mdl"
 

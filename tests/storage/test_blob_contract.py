@@ -93,7 +93,7 @@ def real_s3(tmp_path, data, endpoint) -> Opened:
 BACKENDS = {"local": local, "memory": memory, "fake_s3": fake_s3, "delayed": delayed, "s3": real_s3}
 
 
-@pytest.fixture(params=sorted(BACKENDS))
+@pytest.fixture(params=[pytest.param(b, marks=pytest.mark.slow) if b == "s3" else b for b in sorted(BACKENDS)])  # s3: a server
 def opened(request, tmp_path, monkeypatch):
     from ckptfs.storage import s3object
 

@@ -24,6 +24,8 @@ from test_view_conformance import NPY_CASES, _ref_by_tensor, _ref_path, _tensor_
 from ckptfs.layouts.tfsaver import tf_dtype
 from ckptfs.tfbundle import DT_NAMES, crc32c, data_file_name, mask, parse_index
 
+pytestmark = pytest.mark.slow  # processes: the CLI, a server, TensorFlow
+
 LLAMA = FIXTURES / "llama/cs/checkpoint.mdl"
 BF16 = FIXTURES / "bf16_llama/cs/checkpoint.mdl"
 

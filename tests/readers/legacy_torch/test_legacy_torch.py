@@ -25,6 +25,8 @@ from helpers import FIXTURES, real_env, run_ckptfs
 from helpers.fuse import mounted
 from test_source_reference import _ref_cases
 
+pytestmark = pytest.mark.slow  # processes: the CLI, a server, TensorFlow
+
 LEGACY = FIXTURES / "legacy_torch" / "llama" / "checkpoint_0.pt"
 LLAMA_MDL = FIXTURES / "llama" / "cs" / "checkpoint.mdl"
 TRAIN_PT = FIXTURES / "train_gpt2" / "ref.pt"

@@ -4,6 +4,9 @@ HDF5's C library — and serves the same bytes as the local file."""
 from __future__ import annotations
 
 from pathlib import Path
+import pytest
+
+pytestmark = pytest.mark.slow  # processes: the CLI, a server, TensorFlow
 
 FIXTURES = Path(__file__).parent.parent.parent / "fixtures"
 

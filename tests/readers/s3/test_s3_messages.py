@@ -14,7 +14,7 @@ from helpers import needs_fuse
 from helpers.fuse import is_mounted, mounted_server
 from helpers.s3 import FaultProxy, LocalS3, upload_case
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # processes: the CLI, a server, TensorFlow
 
 LAYOUT = "s3://ckpts/s3_llama/checkpoint_100.mdl"  # a checkpoint in the S3 layout: a prefix, opened by listing it
 SECRET = "ckptfs-test-secret-never-printed"

@@ -13,6 +13,8 @@ from helpers.rclone import RcloneS3
 
 from ckptfs.storage.etag import if_match, normal_etag, same_etag
 
+pytestmark = pytest.mark.slow  # processes: the CLI, a server, TensorFlow
+
 
 @pytest.mark.parametrize("a,b", [('"d9586e"', "d9586e"), ('W/"d9586e"', '"d9586e"'), (" d9586e ", 'w/"d9586e"'),
                                  ('"abc-3"', "abc-3")])

@@ -11,7 +11,7 @@ from helpers.fuse import mounted
 from helpers.s3 import LocalS3, upload_case
 from helpers.tokens import make_tokenizer, prompts
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # processes: the CLI, a server, TensorFlow
 
 LAYOUT = "s3://ckpts/s3_llama/checkpoint_100.mdl"  # S3 layout: a prefix; tokenizer files beside it
 OBJECT = "s3://ckpts/objrun/checkpoint_1000.mdl"  # an .mdl object; tokenizer files in objrun/tokenizer/

@@ -20,7 +20,7 @@ import pytest
 from helpers.s3fault import FaultProxy, peak_rss
 from helpers.s3 import BUCKET, LocalS3, upload_case
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # processes: the CLI, a server, TensorFlow
 
 MiB = 1 << 20
 #: how much more than over the genuine checkpoint a hostile one may make the process hold at its peak

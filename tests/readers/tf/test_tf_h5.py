@@ -22,6 +22,8 @@ from helpers import needs_fuse, run_ckptfs
 from helpers.fuse import mounted
 from helpers.tf_source import CASES, case_dir, check_tensors_folder, manifest, prefix, reference
 
+pytestmark = pytest.mark.slow  # processes: the CLI, a server, TensorFlow
+
 H5_CASES = [pytest.param(c, id=c) for c in CASES]
 
 

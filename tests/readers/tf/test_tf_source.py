@@ -27,6 +27,8 @@ from helpers.fuse import mounted
 from helpers.tf_source import (CASES, case_dir, check_h5saver_file, check_tensors_folder, copy_case, manifest, prefix,
                        reference)
 
+pytestmark = pytest.mark.slow  # processes: the CLI, a server, TensorFlow
+
 CASE_PARAMS = [pytest.param(c, id=c) for c in CASES]
 #: the cases as their folders (what tests/views/test_view_conformance.py asks of a view's conformance test)
 CASE_DIRS = [pytest.param(str(case_dir(c)), id=c) for c in CASES]
