@@ -123,6 +123,10 @@ class RegionFile:
                 b = self._blob
         return b
 
+    @property
+    def is_open(self) -> bool:
+        return self._blob is not None
+
     def __reduce__(self):  # a copy opens the file again, on its own first read
         return RegionFile, (self.path, self.confinement)
 
@@ -187,8 +191,8 @@ class FileRegionTensor(VirtualTensor):
             return None
 
     def blob(self) -> LocalFile:
-        """The file (``RegionFile``), of the expected version."""
-        if not self.path.exists():
+        """The file (``RegionFile``), of the expected version (one ``stat`` of its path per read once it is open)."""
+        if not self.file.is_open and not self.path.exists():
             raise self._missing()
         try:
             b = self.file.blob()
@@ -198,8 +202,11 @@ class FileRegionTensor(VirtualTensor):
             raise self._missing() from None
         except OSError as e:
             raise self._fail(e) from e
+        now = self._now(b)
+        if now is None:  # gone since it was opened: as a file missing at the first read
+            raise self._missing()
         self._changed(b.version)
-        self._changed(self._now(b))
+        self._changed(now)
         return b
 
     def data_offset(self) -> int:

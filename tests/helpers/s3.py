@@ -188,3 +188,15 @@ class FaultProxy:
         if self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(10)
+
+
+def endpoint_with(tmp: Path, *cases: str):
+    """A ``LocalS3`` in ``tmp`` holding the fixture cases ``cases``, stopped when the generator closes (a module
+    fixture's body: ``yield from endpoint_with(tmp_path_factory.mktemp("s3"), "s3_llama")``)."""
+    srv = LocalS3(tmp)
+    try:
+        for case in cases:
+            upload_case(srv, case)
+        yield srv
+    finally:
+        srv.stop()

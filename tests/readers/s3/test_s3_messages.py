@@ -12,7 +12,7 @@ import pytest
 
 from helpers import needs_fuse
 from helpers.fuse import is_mounted, mounted_server
-from helpers.s3 import FaultProxy, LocalS3, upload_case
+from helpers.s3 import FaultProxy, endpoint_with
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # processes: the CLI, a server, TensorFlow
 
@@ -22,10 +22,7 @@ SECRET = "ckptfs-test-secret-never-printed"
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
-    srv = LocalS3(tmp_path_factory.mktemp("s3"))
-    upload_case(srv, "s3_llama")
-    yield srv
-    srv.stop()
+    yield from endpoint_with(tmp_path_factory.mktemp("s3"), "s3_llama")
 
 
 @pytest.fixture(scope="module")

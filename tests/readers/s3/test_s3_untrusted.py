@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from helpers.s3fault import FaultProxy, peak_rss
-from helpers.s3 import BUCKET, LocalS3, upload_case
+from helpers.s3 import BUCKET, endpoint_with, upload_case
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # processes: the CLI, a server, TensorFlow
 
@@ -29,10 +29,7 @@ SLACK = 160 * MiB
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
-    srv = LocalS3(tmp_path_factory.mktemp("s3"))
-    upload_case(srv, "s3_llama")
-    yield srv
-    srv.stop()
+    yield from endpoint_with(tmp_path_factory.mktemp("s3"), "s3_llama")
 
 
 @pytest.fixture(scope="module")
