@@ -10,7 +10,7 @@ from __future__ import annotations
 from ..errors import StorageError
 from .base import Folder, FolderEntry
 from .s3client import ObjectInfo, client_for
-from .s3object import S3Object
+from .s3object import PartPool, S3Object
 from .s3url import S3Location
 
 
@@ -19,10 +19,12 @@ def _entry(name: str, o: ObjectInfo) -> FolderEntry:
 
 
 class S3Folder(Folder):
-    """The objects of ``location`` taken as a folder (``location.prefix``)."""
+    """The objects of ``location`` taken as a folder (``location.prefix``); the objects it opens read their parts
+    through ``parts`` (its owner's pool; None: each object its own)."""
 
-    def __init__(self, location: S3Location):
+    def __init__(self, location: S3Location, parts: PartPool | None = None):
         self.location = location
+        self.parts = parts
         self.name = str(location)
         self.client = client_for(location.settings)
 
@@ -57,7 +59,7 @@ class S3Folder(Folder):
         if entry is None:
             raise FileNotFoundError(f"{self.location / name}: no such object")
         return S3Object(self.client, self.location.bucket, self.location.child_key(name), entry.size, entry.version,
-                        entry.mtime_ns)
+                        entry.mtime_ns, pool=self.parts)
 
     def read_text(self, name: str, limit: int = 1 << 16) -> str:
         blob = self.open(name)
@@ -67,4 +69,4 @@ class S3Folder(Folder):
             raise OSError(str(e)) from None
 
     def folder(self, name: str) -> "S3Folder":
-        return S3Folder(self.location / name)
+        return S3Folder(self.location / name, self.parts)

@@ -10,9 +10,10 @@ fail with ``SourceChangedError`` instead of returning bytes of another version.
 * **Large reads** (``PART_MIN`` bytes or more: a cache block's chunks, a tensor's data), and every read of an object
   smaller than ``PART_MIN`` (a norm's weights: fetched whole, once), go through *parts*, the
   object cut at multiples of ``PART_BYTES``: the parts a read needs are fetched concurrently (at most ``MAX_IN_FLIGHT``
-  requests at once for the whole process, ``MAX_IN_FLIGHT_PER_OBJECT`` of them for one object: an object that does not
-  answer leaves request threads to the others) and kept in a process-wide cache (least recently used first out) whose
-  budget is a share of ``--cache-size`` (``set_memory``; ``PART_CACHE_BYTES`` unless set). Once reads have continued
+  requests at once for one pool, ``MAX_IN_FLIGHT_PER_OBJECT`` of them for one object: an object that does not
+  answer leaves request threads to the others) and kept in the cache of the object's ``PartPool`` (least recently
+  used first out): the pool of the tree that opened it, whose budget is that tree's share of its ``--cache-size``
+  (``tree.memory``), never another tree's (an object opened alone: its own, of the defaults). Once reads have continued
   each other over a whole part (sequential access: ``cp``, a loader), each also queues the
   next ``READ_AHEAD_PARTS`` parts, so the endpoint is busy while the caller
   converts; a peek, whose few blocks the kernel's and ckptfs's own read-ahead ask for in order, stays within the
@@ -25,15 +26,16 @@ fail with ``SourceChangedError`` instead of returning bytes of another version.
   the last parts the cache lets go of (a window of parts announced ahead must not push out the parts announced
   before it, not read yet). Once one is dropped unread all the same, fetching ahead pauses (``PAUSE_AHEADS``).
 
-Memory: the budget ``set_memory`` gives (parts read, and parts asked for ahead and not read yet), the parts in flight
-for reads waiting (at most ``MAX_IN_FLIGHT`` × ``PART_BYTES``) and ``BODY_STEP`` per answer arriving (an answer is
-copied into its parts' buffers as it arrives), whatever the number of objects. A failed part
+Memory, per pool: its budget (``PartPool.set_memory``: parts read, and parts asked for ahead and not read yet), the
+parts in flight for reads waiting (at most ``MAX_IN_FLIGHT`` × ``PART_BYTES``) and ``BODY_STEP`` per answer arriving
+(an answer is copied into its parts' buffers as it arrives), whatever the number of objects. A failed part
 is dropped from the cache, so a later read asks again.
 """
 from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -52,11 +54,11 @@ MAX_IN_FLIGHT = 8
 #: requests of one object in flight at once; its further requests wait without holding a request thread, so that an
 #: object whose endpoint does not answer (a stalled or hostile key) leaves threads for the other objects' reads
 MAX_IN_FLIGHT_PER_OBJECT = MAX_IN_FLIGHT // 2
-#: parts kept after a read used them (bytes), all objects together, unless ``set_memory`` says otherwise
+#: parts kept after a read used them (bytes), all objects of a pool together, unless its budget says otherwise
 PART_CACHE_BYTES = 32 << 20
 #: parts asked for ahead (``will_need``) are fetched by aligned groups of this many parts, one request each
 FETCH_PARTS = 4
-#: bytes asked for ahead (``will_need``) and not read yet, all objects together, unless ``set_memory`` says otherwise
+#: bytes asked for ahead (``will_need``) and not read yet, all objects of a pool together, unless its budget says so
 AHEAD_BYTES = 96 << 20
 #: once a part fetched ahead is dropped unread (the reader went elsewhere), nothing announced is fetched ahead until
 #: reads have fetched this many times the ahead budget in parts: a loader reading out of file order would otherwise
@@ -66,20 +68,35 @@ PAUSE_AHEADS = 2
 MERGE_GAP = 1 << 20
 
 
-class _Pool:
-    """The process's request threads and part cache (made again in a forked child: threads do not survive fork)."""
+class PartPool:
+    """The request threads and part cache of one owner: a tree (``tree.memory``), a checkpoint opened without one
+    (``readers.s3.open``), or an object opened alone. Its budget is its owner's alone; its threads start on first use
+    and stop on ``close``; in a forked child it is emptied (the parent's threads and answers in flight are not there)."""
 
-    def __init__(self):
+    def __init__(self, budget: int | None = None):
+        self.keep_bytes, self.ahead_limit = PART_CACHE_BYTES, AHEAD_BYTES
+        if budget is not None:
+            self.keep_bytes, self.ahead_limit = _split(budget)
+        self.closed = False
+        self._empty()
+        _live.add(self)
+
+    def _empty(self) -> None:
         self.lock = threading.Lock()
         self.executor: ThreadPoolExecutor | None = None
+        self.request_threads: set = set()  # idents of this pool's request threads
         self.parts: OrderedDict = OrderedDict()  # (object id, part) -> (Future[bytearray], size), oldest use first
         self.bytes = 0
         self.ahead_bytes = 0  # bytes asked for ahead and not arrived yet
         self.unread: set = set()  # parts fetched ahead that no read has used yet (trimmed last)
         self.paused = 0  # bytes of parts reads must fetch before anything is fetched ahead again (``PAUSE_AHEADS``)
-        self.keep_bytes, self.ahead_limit = PART_CACHE_BYTES, AHEAD_BYTES
         self.sent: dict = {}  # object id -> its requests given to the request threads and not finished
         self.waiting: dict = {}  # object id -> deque of its requests waiting for one of those to finish
+
+    @property
+    def budget(self) -> int:
+        """Bytes of parts this pool keeps at most (read, and fetched ahead and not read yet; parts in flight apart)."""
+        return self.keep_bytes + self.ahead_limit
 
     def submit(self, fn, *args) -> Future:
         with self.lock:
@@ -88,10 +105,17 @@ class _Pool:
 
     def _executor(self) -> ThreadPoolExecutor:
         """The request threads, started on first use (called with the lock held)."""
+        if self.closed:
+            raise PoolClosed("the part pool was closed with its tree: no more requests")
         if self.executor is None:
+            threads = self.request_threads  # the initializer holds the set, not the pool (no cycle keeps it alive)
             self.executor = ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="ckptfs-s3",
-                                               initializer=_mark_request_thread)
+                                               initializer=lambda: threads.add(threading.get_ident()))
         return self.executor
+
+    def on_request_thread(self) -> bool:
+        """Whether the calling thread is one of this pool's request threads."""
+        return threading.get_ident() in self.request_threads
 
     def part(self, key, fetch, size: int) -> Future:
         """The future of part ``key`` (``fetch(buffers)`` submitted when it is neither cached nor in flight)."""
@@ -157,7 +181,7 @@ class _Pool:
             if ahead:
                 with self.lock:
                     self.ahead_bytes -= total
-            err = f.exception()
+            err = OSError("the part pool was closed with its tree") if f.cancelled() else f.exception()
             for k, (key, size, fut) in enumerate(zip(keys, sizes, futures)):
                 if err is not None:
                     self.forget(key, fut, size)
@@ -172,7 +196,7 @@ class _Pool:
         def send() -> None:
             try:
                 inner = self.submit(run)
-            except RuntimeError as e:  # the interpreter is shutting down
+            except (PoolClosed, RuntimeError) as e:  # the pool was closed, or the interpreter is shutting down
                 inner = Future()
                 inner.set_exception(e)
             inner.add_done_callback(done)
@@ -208,7 +232,7 @@ class _Pool:
         with self.lock:
             got = self.parts.get(key)
             self.unread.discard(key)
-        if got is None or (not got[0].done() and _on_request_thread()):
+        if got is None or (not got[0].done() and self.on_request_thread()):
             return None
         try:
             return got[0].result()
@@ -247,47 +271,66 @@ class _Pool:
                 over[is_unread] -= size
 
     def set_memory(self, budget: int) -> None:
+        """Bound the parts by ``budget`` bytes: a quarter for parts reads used, the rest for parts fetched ahead and
+        not read yet."""
         with self.lock:
-            self.keep_bytes = budget // 4
-            self.ahead_limit = budget - self.keep_bytes
+            self.keep_bytes, self.ahead_limit = _split(budget)
             self._trim()
+
+    def close(self) -> None:
+        """Let go of every part and stop the request threads (a request running ends on its own: nothing waits for
+        it); requests waiting for a thread fail, and so does any later one (``PoolClosed``)."""
+        with self.lock:
+            self.closed = True
+            ex, self.executor = self.executor, None
+            waiting, self.waiting = self.waiting, {}
+            self.parts.clear()
+            self.unread.clear()
+            self.bytes = 0
+        if ex is not None:
+            ex.shutdown(wait=False, cancel_futures=True)
+        for queue in waiting.values():
+            for send in queue:
+                send()  # fails its parts at once (the pool refuses it)
 
     def reset(self, keep_budgets: bool = False) -> None:
         """Empty (in a forked child, whose threads and answers in flight are the parent's: ``keep_budgets``)."""
-        budgets = self.keep_bytes, self.ahead_limit
-        self.__init__()
-        if keep_budgets:
-            self.keep_bytes, self.ahead_limit = budgets
+        if not keep_budgets:
+            self.keep_bytes, self.ahead_limit = PART_CACHE_BYTES, AHEAD_BYTES
+        self._empty()
 
 
-_thread = threading.local()
+class PoolClosed(OSError):
+    """A request asked of a part pool after its owner closed it."""
 
 
-def _mark_request_thread() -> None:
-    _thread.request = True
+def _split(budget: int) -> tuple:
+    """``(bytes for parts reads used, bytes for parts fetched ahead)`` of a budget: a quarter and the rest."""
+    budget = max(0, int(budget))
+    return budget // 4, budget - budget // 4
 
 
-def _on_request_thread() -> bool:
-    return getattr(_thread, "request", False)
+#: the pools alive now, emptied in a forked child (fork is a process's event; this holds no pool alive)
+_live: "weakref.WeakSet[PartPool]" = weakref.WeakSet()
 
 
-_pool = _Pool()
+def _after_fork() -> None:
+    for pool in list(_live):
+        pool.reset(keep_budgets=True)
+
+
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=lambda: _pool.reset(keep_budgets=True))
-
-
-def set_memory(budget: int) -> None:
-    """Bound the process's parts by ``budget`` bytes (a share of ``--cache-size``): a quarter for parts reads used,
-    the rest for parts fetched ahead and not read yet. Process-wide, like the parts: the last tree opened over object
-    storage sets it."""
-    _pool.set_memory(max(0, int(budget)))
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 class S3Object(Blob):
     """A ranged-read blob over one version (``etag``) of ``s3://bucket/key`` of ``size`` bytes."""
 
-    def __init__(self, client: S3Client, bucket: str, key: str, size: int, etag: str, mtime_ns: int = 0):
+    def __init__(self, client: S3Client, bucket: str, key: str, size: int, etag: str, mtime_ns: int = 0,
+                 pool: PartPool | None = None):
         self.client = client
+        self.pool = pool if pool is not None else PartPool()  # its owner's (a tree's); alone: its own, default budget
+        self._own_pool = pool is None
         self.bucket, self.key = bucket, key
         self._size, self.etag, self.mtime_ns = int(size), normal_etag(etag), int(mtime_ns)
         self._id = (bucket, key, etag)
@@ -334,7 +377,7 @@ class S3Object(Blob):
 
     def _part(self, i: int) -> Future:
         lo, hi = self._part_range(i)
-        return _pool.part((*self._id, i), lambda bufs: self._get(lo, hi, bufs), hi - lo)
+        return self.pool.part((*self._id, i), lambda bufs: self._get(lo, hi, bufs), hi - lo)
 
     def will_need(self, offset: int, length: int | None = None, announced: bool = True) -> None:
         """Queue the parts under ``[offset, offset + length)`` (None: ``READ_AHEAD_PARTS`` parts) that are neither
@@ -348,7 +391,7 @@ class S3Object(Blob):
         first, last = offset // PART_BYTES, (self.size - 1) // PART_BYTES
         for g in range(first // FETCH_PARTS, (min(self.size, offset + length) - 1) // PART_BYTES // FETCH_PARTS + 1):
             parts = range(max(first, g * FETCH_PARTS), min(last, (g + 1) * FETCH_PARTS - 1) + 1)  # not behind
-            if not _pool.ahead([(*self._id, i) for i in parts], [self._part_range(i) for i in parts], self._get,
+            if not self.pool.ahead([(*self._id, i) for i in parts], [self._part_range(i) for i in parts], self._get,
                                announced):
                 return  # enough in flight ahead: a later read announces the rest again
 
@@ -375,7 +418,7 @@ class S3Object(Blob):
         i = _one_part(offset, offset + need)
         if i is None:
             return False
-        data = _pool.cached((*self._id, i))
+        data = self.pool.cached((*self._id, i))
         if data is None:
             return False
         lo = offset - i * PART_BYTES
@@ -391,7 +434,7 @@ class S3Object(Blob):
     def _held(self, lo: int, hi: int) -> bool:
         """Whether one part, fetched or in flight, holds ``[lo, hi)``."""
         i = _one_part(lo, hi)
-        return i is not None and _pool.holds((*self._id, i))
+        return i is not None and self.pool.holds((*self._id, i))
 
     def _from_parts(self, view: memoryview, offset: int, need: int) -> bool:
         """Copy ``[offset, offset + need)`` from the parts under it (fetched now if need be): whether any part had
@@ -443,7 +486,7 @@ class S3Object(Blob):
             (here if self._through_parts(g[1] - g[0]) or self._held(g[0], g[1]) else asked).append(g)
         # (at most MAX_IN_FLIGHT_PER_OBJECT at once, this thread's included: the rest are read here, in turn)
         sent = asked[1:MAX_IN_FLIGHT_PER_OBJECT]
-        futures = [_pool.submit(self._place, mv, *g, spans, starts) for g in sent]
+        futures = [self.pool.submit(self._place, mv, *g, spans, starts) for g in sent]
         try:
             for g in asked[:1] + asked[1 + len(sent):] + here:
                 self._place(mv, *g, spans, starts)
@@ -470,7 +513,10 @@ class S3Object(Blob):
         return self.read_spans(spans, scratch, hint=False)
 
     def close(self) -> None:
-        """Nothing to release: the parts age out of the shared cache, the connections belong to the client."""
+        """Close the object's own pool, if it has one (a pool given belongs to its owner; the connections belong to
+        the client)."""
+        if self._own_pool:
+            self.pool.close()
 
 
 def _one_part(lo: int, hi: int) -> int | None:

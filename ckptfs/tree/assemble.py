@@ -26,7 +26,7 @@ from ..units import human_size
 from ..views.base import README_NAME, BytesFile, ViewContext, ViewResult
 from ..views.registry import default_names, folder_of, names, view, views_for
 from .base import split_path
-from .memory import tree_cache
+from .memory import tree_cache, tree_parts
 from .virtual import VirtualTree
 
 log = logging.getLogger("ckptfs.tree")
@@ -219,17 +219,18 @@ def classify_source(ckpt_path, options: MountOptions, required: bool = True):
     return src.require() if required else src
 
 
-def open_source(ckpt_path, options: MountOptions):
+def open_source(ckpt_path, options: MountOptions, parts=None):
     """Resolve a checkpoint path (a .mdl or a model_dir, local or ``s3://``; or its ``SourceKind``) and open it:
     ``(resolved_path, checkpoint, options)``. For a checkpoint in S3 without ``--config``, the options name the
-    params file found beside it in the bucket, fetched into the cache folder (``source.s3params``)."""
+    params file found beside it in the bucket, fetched into the cache folder (``source.s3params``); its objects read
+    through ``parts`` (the tree's pool; None: the checkpoint's own)."""
     from ..readers import open_checkpoint, resolve_checkpoint  # h5py: not imported before a tree is built
 
     src = classify_source(ckpt_path, options)
     if src.in_bucket:
         from ..readers.s3.open import open_s3_checkpoint
 
-        ckpt = open_s3_checkpoint(src.target, allow_partial=options.allow_partial)
+        ckpt = open_s3_checkpoint(src.target, allow_partial=options.allow_partial, parts=parts)
         if options.config is None:
             options = _with_s3_params(ckpt, options)
         return ckpt.path, ckpt, options
@@ -304,12 +305,14 @@ FORKING_VIEWS = ("cs",)
 TreeBuilder = Callable[..., VirtualTree]
 
 
-def build_tree(ckpt_path, options: MountOptions | None = None, *, cache: BlockCache | None = None,
+def build_tree(ckpt_path, options: MountOptions | None = None, *, cache: BlockCache | None = None, parts=None,
                fork_builds: bool = False, views: Callable[[Path, MountOptions], dict] | None = None) -> VirtualTree:
     """Open the checkpoint and assemble every requested view into one ``VirtualTree``.
 
     ``cache``: the block cache its files read through (default: its own, of ``options.cache_size``; the trees of a
-    run mount share one, ``tree/run.py``). Raises ``CheckpointError`` if the checkpoint cannot be opened; a
+    run mount share one, ``tree/run.py``). ``parts``: the pool its objects in object storage read their parts through
+    (``storage.s3object.PartPool``; default: its own, of the remote share of ``options.cache_size``, ``tree.memory``),
+    closed with the tree, or when the build fails. Raises ``CheckpointError`` if the checkpoint cannot be opened; a
     failing view only makes that view missing. ``fork_builds``: views may start expensive layouts in forked
     processes (``ViewContext.fork_builds``): only for a caller that has no other thread, the mount server.
     ``views``: instead of opening the checkpoint, ``views(path, options)`` gives ``{view name: ViewResult or the
@@ -319,6 +322,21 @@ def build_tree(ckpt_path, options: MountOptions | None = None, *, cache: BlockCa
     check_options(options)
     if cache is None:
         cache = tree_cache(options.cache_size, ckpt_path)  # this tree's own: never shared with, or replaced by, another
+    if parts is None:
+        parts = tree_parts(options.cache_size, ckpt_path)  # likewise (None for a local checkpoint)
+    try:
+        tree = _build(ckpt_path, options, cache, parts, fork_builds, views)
+    except BaseException:
+        if parts is not None:
+            parts.close()
+        raise
+    if parts is not None:
+        tree.parts = parts
+        tree.add_closer(parts.close)  # after the checkpoint's own closers: nothing reads through it then
+    return tree
+
+
+def _build(ckpt_path, options: MountOptions, cache: BlockCache, parts, fork_builds: bool, views) -> VirtualTree:
     if views is not None:
         path = Path(ckpt_path).absolute()
         results = views(path, options)
@@ -333,11 +351,11 @@ def build_tree(ckpt_path, options: MountOptions | None = None, *, cache: BlockCa
 
         return build_hf_tree(src.path, options, cache=cache, fork_builds=fork_builds)
     else:
-        path, ckpt, options = open_source(src, options)
+        path, ckpt, options = open_source(src, options, parts)
         path = path.absolute()
         identity = content_identity(path, options, ckpt.version)
         ctx = ViewContext(checkpoint=ckpt, ckpt_path=path, stem=path.stem, options=options,
-                          crc_store=CrcStore(), identity=identity, cache=cache, fork_builds=fork_builds)
+                          crc_store=CrcStore(), identity=identity, cache=cache, parts=parts, fork_builds=fork_builds)
         # the views this kind of checkpoint gets (a TensorFlow one: no hf view, the h5 view…), those it cannot have
         # missing with the reason
         explicit = set(options.views) != set(default_names())  # --views given

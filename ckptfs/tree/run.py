@@ -55,7 +55,7 @@ from ..views.base import README_NAME, BytesFile
 from .assemble import TreeBuilder, build_tree
 from .base import (DIR_MODE, FILE_MODE, LINK_MODE, Attr, Tree, VirtualPathError, read_entry, readinto_entry,
                    split_path)
-from .memory import tree_cache
+from .memory import RunParts, tree_cache
 from .virtual import Entry, VirtualTree
 
 log = logging.getLogger("ckptfs.run")
@@ -140,6 +140,8 @@ class RunTree(Tree):
         self.keep = max(1, int(keep))
         self.poll = float(poll)
         self.cache = tree_cache(self.options.cache_size, model_dir)  # shared by the run's trees: bounds the run
+        # the remote share, one pool per checkpoint tree built (equal shares): None for a local run
+        self.parts = RunParts(self.options.cache_size) if is_s3_url(model_dir) else None
         self._build_tree = build_tree  # a checkpoint's tree, built with this run's cache (``_build_checkpoint``)
         self._build = build or self._build_checkpoint
         self._scanner = scanner or RunScanner(self.model_dir, allow_external=self.options.allow_external)
@@ -257,7 +259,13 @@ class RunTree(Tree):
                 return tree
 
     def _build_checkpoint(self, path, options: MountOptions) -> VirtualTree:
-        return self._build_tree(path, options, cache=self.cache)
+        if self.parts is None:
+            return self._build_tree(path, options, cache=self.cache)
+        try:
+            return self._build_tree(path, options, cache=self.cache, parts=self.parts.pool())
+        except BaseException:  # the builder closed the pool it was given
+            self.parts.rebalance()
+            raise
 
     def _evict(self) -> None:
         idle = [s for s in self._built if s.pins == 0]
@@ -269,6 +277,8 @@ class RunTree(Tree):
         self._built.pop(slot, None)
         if tree is not None:
             tree.close()
+            if self.parts is not None:
+                self.parts.rebalance()  # its pool's share goes back to the others
             del tree
             # what the tree's readers still hold (direct file handles on the checkpoint, which keep a deleted file's
             # disk space) is freed with them; they sit in reference cycles, so collect now rather than some time

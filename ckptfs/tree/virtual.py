@@ -98,6 +98,7 @@ class VirtualTree(Tree):
                  closers: Iterable = (), cache: BlockCache | None = None):
         self.mtime_ns = int(time.time_ns() if mtime_ns is None else mtime_ns)
         self.cache = cache  # the block cache every file of this tree reads through (build_tree sizes it)
+        self.parts = None  # its pool of parts fetched from object storage (``build_tree`` sets it; None: local)
         self.identity: str | None = None  # what the content is computed from (``tree_identity``), None: unknown
         self._closers = list(closers)
         self._warmers: list = []
@@ -315,6 +316,10 @@ class VirtualTree(Tree):
         for vf in self._files:
             if vf is not None and vf.deferred:
                 self._warmers.append(vf.start())
+
+    def add_closer(self, close) -> None:
+        """Call ``close()`` when the tree closes, after the closers it was made with."""
+        self._closers.append(close)
 
     def close(self) -> None:
         for th in self._warmers:  # never close sources under a build still running

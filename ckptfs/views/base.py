@@ -101,6 +101,7 @@ class ViewContext:
     crc_store: Any = None  # ckptfs.layouts.torchzip.crc_store.CrcStore persisting zip CRCs across mounts (None: not persisted)
     identity: str | None = None  # the checkpoint file (realpath, size, mtime, inode) + content-shaping options
     cache: BlockCache | None = None  # the mount's block cache, handed to every layout (default: one sized by options)
+    parts: Any = None  # the tree's pool of parts fetched from object storage (``storage.s3object.PartPool``), or None
     # the mount server, still single-threaded: expensive layouts may start building in a forked process (cs view)
     fork_builds: bool = False
 

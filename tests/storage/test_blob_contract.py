@@ -95,16 +95,12 @@ BACKENDS = {"local": local, "memory": memory, "fake_s3": fake_s3, "delayed": del
 
 @pytest.fixture(params=[pytest.param(b, marks=pytest.mark.slow) if b == "s3" else b for b in sorted(BACKENDS)])  # s3: a server
 def opened(request, tmp_path, monkeypatch):
-    from ckptfs.storage import s3object
-
-    s3object._pool.reset()
     for k in [k for k in os.environ if k.startswith("AWS_")]:
         monkeypatch.delenv(k)
     make = BACKENDS[request.param]
     o = make(tmp_path, DATA, request.getfixturevalue("endpoint")) if request.param == "s3" else make(tmp_path, DATA)
     yield o
     o.blob.close()
-    s3object._pool.reset()
 
 
 def test_size_name_and_version(opened):
@@ -236,9 +232,6 @@ def test_a_short_read_is_a_short_read_not_fewer_bytes():
 
 
 def test_an_s3_body_cut_short_is_asked_for_again():
-    from ckptfs.storage import s3object
-
-    s3object._pool.reset()
     fake = FakeS3({("b", "k"): DATA[:200_000]}, cut={2})
     o = s3_object(fake, "b", "k")  # request 1: HEAD
     assert o.read(1000, 50_000) == DATA[1000:51_000]
@@ -246,9 +239,6 @@ def test_an_s3_body_cut_short_is_asked_for_again():
 
 
 def test_an_s3_body_always_cut_short_is_an_error_naming_the_object():
-    from ckptfs.storage import s3object
-
-    s3object._pool.reset()
     fake = FakeS3({("b", "k"): DATA[:200_000]}, cut=set(range(2, 50)))
     o = s3_object(fake, "b", "k")
     with pytest.raises(StorageError) as e:
@@ -257,9 +247,6 @@ def test_an_s3_body_always_cut_short_is_an_error_naming_the_object():
 
 
 def test_an_s3_object_replaced_mid_read_fails_instead_of_mixing_versions():
-    from ckptfs.storage import s3object
-
-    s3object._pool.reset()
     new = bytes(len(DATA))
     fake = FakeS3({("b", "k"): DATA}, replace_after=(2, "b", "k", new))
     o = s3_object(fake, "b", "k")
@@ -268,9 +255,6 @@ def test_an_s3_object_replaced_mid_read_fails_instead_of_mixing_versions():
 
 
 def test_an_endpoint_that_ignores_if_match_is_caught_by_the_etag():
-    from ckptfs.storage import s3object
-
-    s3object._pool.reset()
     fake = FakeS3({("b", "k"): DATA[:100_000]}, ignore_if_match=True)
     o = s3_object(fake, "b", "k")
     fake.objects[("b", "k")] = bytes(100_000)
@@ -279,9 +263,6 @@ def test_an_endpoint_that_ignores_if_match_is_caught_by_the_etag():
 
 
 def test_s3_errors_are_one_line_naming_the_object():
-    from ckptfs.storage import s3object
-
-    s3object._pool.reset()
     for code in ("AccessDenied", "InternalError", "NoSuchKey"):
         fake = FakeS3({("b", "k"): DATA[:100_000]}, errors={n: code for n in range(2, 30)})
         o = s3_object(fake, "b", "k")
@@ -292,9 +273,6 @@ def test_s3_errors_are_one_line_naming_the_object():
 
 def test_parts_of_a_large_read_are_fetched_concurrently():
     """A read over three parts has their three requests in flight at once (each answered after 0.3 s)."""
-    from ckptfs.storage import s3object
-
-    s3object._pool.reset()
     fake = FakeS3({("b", "k"): DATA})
     o = s3_object(fake, "b", "k")
     fake.latency = 0.3

@@ -24,7 +24,7 @@ from ... import dtypes
 from ...dtypes import BFLOAT16
 from ...errors import CheckpointError, StorageError
 from ...storage.s3client import ObjectInfo, S3Client
-from ...storage.s3object import S3Object
+from ...storage.s3object import PartPool, S3Object
 from ...storage.s3url import S3Location
 from ...catalog.model import Checkpoint, OpaqueLeaf, TensorLeaf, UnreadableLeaf
 from ..cerebras.format_v05 import V05Reader
@@ -62,9 +62,11 @@ def name_problem(name: str) -> str | None:
 class S3LeafFactory(LeafFactory):
     """Leaves whose bytes are objects of the checkpoint's prefix (``objects``: name -> ``ObjectInfo``)."""
 
-    def __init__(self, client: S3Client, location: S3Location, objects: dict, warnings: list):
+    def __init__(self, client: S3Client, location: S3Location, objects: dict, warnings: list,
+                 parts: PartPool | None = None):
         super().__init__(None, None, warnings)
         self.client = client
+        self.parts = parts  # the pool every tensor object reads its parts through
         self.location = location
         self.objects = objects
         self.opaque_bytes = 0  # pickled objects' bytes held so far (``MAX_OPAQUE_TOTAL``)
@@ -118,7 +120,7 @@ class S3LeafFactory(LeafFactory):
         if why:
             return UnreadableLeaf(key, f"metadata disagrees with its object: {why}", shape=shape, dtype=dt.name)
         blob = S3Object(self.client, self.location.bucket, self.location.child_key(name), info.size, info.etag,
-                        info.mtime_ns)
+                        info.mtime_ns, pool=self.parts)
         tensor = S3ObjectTensor(blob, key, self.location, shape, dt, compressed=bool(md.get("compressed")),
                                 expected=metadata_fingerprint(md))
         return TensorLeaf(key, tensor, numpy=not torch)
@@ -175,9 +177,11 @@ def decode_metadata(location: S3Location, data: bytes) -> dict:
     return meta
 
 
-def open_layout(client: S3Client, location: S3Location, objects: dict, *, allow_partial: bool = False) -> Checkpoint:
+def open_layout(client: S3Client, location: S3Location, objects: dict, *, allow_partial: bool = False,
+                parts: PartPool | None = None) -> Checkpoint:
     """The catalog of the checkpoint at prefix ``location`` whose objects (name inside the prefix -> ``ObjectInfo``,
-    from one listing) are ``objects``."""
+    from one listing) are ``objects``, read through ``parts`` (``open_s3_checkpoint``'s pool; None: each object its
+    own)."""
     info = objects.get(METADATA)
     if info is None:
         raise CheckpointError(location, "no __METADATA__ object: the save did not finish (cstorch writes it last) "
@@ -201,7 +205,7 @@ def open_layout(client: S3Client, location: S3Location, objects: dict, *, allow_
     if not spec.lstrip().startswith("["):
         raise CheckpointError(location / METADATA, f"format {version} metadata whose __spec__ is not JSON")
     warnings: list = []
-    factory = S3LeafFactory(client, location, objects, warnings)
+    factory = S3LeafFactory(client, location, objects, warnings, parts)
     result = S3LayoutReader(meta, factory, location, partial=not success).read(spec)
     release = meta.get("__cstorch_version__")
     return Checkpoint(path=location, format_version=float(version),

@@ -24,7 +24,7 @@ import h5py
 from ...errors import CheckpointError, StorageError, TensorReadError
 from ...storage.rangedfile import RangedFile
 from ...storage.s3client import ObjectInfo, client_for
-from ...storage.s3object import S3Object
+from ...storage.s3object import PartPool, S3Object
 from ...storage.s3url import S3Location, parse_s3_url
 from ...catalog.model import Checkpoint
 from ...guard.confine import RefusedReference
@@ -107,9 +107,25 @@ def _is_checkpoint_name(name: str) -> bool:
     return parse_name(name) is not None
 
 
-def open_s3_checkpoint(path, *, allow_partial: bool = False) -> Checkpoint:
+def open_s3_checkpoint(path, *, allow_partial: bool = False, parts: PartPool | None = None) -> Checkpoint:
     """The catalog of the checkpoint at an ``s3://`` location (a run means its latest checkpoint); ``path`` may be
-    the ``S3Target`` a classification already found (nothing is listed again)."""
+    the ``S3Target`` a classification already found (nothing is listed again). Its objects read through ``parts``,
+    the pool of the tree opening it; without one, through a pool of the checkpoint's own (default budget), closed
+    with it."""
+    own = parts is None
+    parts = PartPool() if own else parts
+    try:
+        ckpt = _open(path, allow_partial, parts)
+    except BaseException:
+        if own:
+            parts.close()
+        raise
+    if own:
+        ckpt._closers.append(parts.close)
+    return ckpt
+
+
+def _open(path, allow_partial: bool, parts: PartPool) -> Checkpoint:
     target = path if isinstance(path, S3Target) else classify(path)
     if target.kind == RUN:
         listing = RunScanner(target.location).scan()
@@ -118,9 +134,9 @@ def open_s3_checkpoint(path, *, allow_partial: bool = False) -> Checkpoint:
         target = classify(listing.latest.path)
     client = client_for(target.location.settings)
     if target.kind == LAYOUT:
-        return open_layout(client, target.location, target.objects, allow_partial=allow_partial)
+        return open_layout(client, target.location, target.objects, allow_partial=allow_partial, parts=parts)
     blob = S3Object(client, target.location.bucket, target.location.key, target.info.size, target.info.etag,
-                    target.info.mtime_ns)
+                    target.info.mtime_ns, pool=parts)
     try:
         legacy = is_legacy_torch(blob.read(0, HEAD_BYTES))
     except StorageError as e:

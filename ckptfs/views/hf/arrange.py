@@ -154,7 +154,7 @@ def arrange(files: dict, hf, ctx) -> tuple:
             per_folder_extra[folder] = overlay.folder(folder)
     else:
         found, where, hints = discover_tokenizer(ctx.ckpt_path, hf.params_path, opts.allow_external,
-                                                 getattr(ctx.checkpoint, "params_location", None))
+                                                 getattr(ctx.checkpoint, "params_location", None), ctx.parts)
         notes += hints
         targets = [""] if "" in folders else list(folders)
         if where is not None:

@@ -204,7 +204,8 @@ def params_tokenizer_paths(params_path: Path | None) -> tuple:
     return out, hints
 
 
-def discover_tokenizer(ckpt_path: Path, params_path: Path | None, allow_external=(), params_location=None) -> tuple:
+def discover_tokenizer(ckpt_path: Path, params_path: Path | None, allow_external=(), params_location=None,
+                       parts=None) -> tuple:
     """({file name: OverlayFile}, where, hints): the tokenizer files of the first place that has any — a location
     the params YAML names, the checkpoint's folder (the model_dir), its ``tokenizer/`` folder, then the params
     file's folder and its ``tokenizer/`` folder. ``where`` is None when none has any.
@@ -215,13 +216,13 @@ def discover_tokenizer(ckpt_path: Path, params_path: Path | None, allow_external
 
     A checkpoint in S3 (``ckpt_path`` an ``S3Location``; ``params_location``: where its params file was fetched
     from) has its bucket looked at first, the same places in the same order (``views.s3tokenizer``); then the local
-    places its params name."""
+    places its params name. ``parts``: the tree's pool its files in the bucket read through."""
     s3_hints: list = []
     if is_s3_url(ckpt_path):
         from ckptfs.views.hf.s3_tokenizers import discover_s3_tokenizer
 
         found, where, s3_hints = discover_s3_tokenizer(ckpt_path, params_path if params_location else None,
-                                                       params_location)
+                                                       params_location, parts)
         if where is not None:
             return found, where, s3_hints
     named, hints = params_tokenizer_paths(params_path)

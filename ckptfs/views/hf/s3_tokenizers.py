@@ -121,10 +121,11 @@ def _files_in(client, place: Place) -> dict:
     return found
 
 
-def discover_s3_tokenizer(ckpt: S3Location, params_local=None, params_location: S3Location | None = None) -> tuple:
+def discover_s3_tokenizer(ckpt: S3Location, params_local=None, params_location: S3Location | None = None,
+                          parts=None) -> tuple:
     """({file name: S3TokenizerFile}, where, hints) for the checkpoint at ``ckpt`` (see the module docstring);
     ``params_local``: the local copy of its params file, fetched from ``params_location`` in the bucket. ``where`` is
-    None when no place has any."""
+    None when no place has any. ``parts``: the tree's pool (``storage.s3object.PartPool``) the files read through."""
     client = client_for(ckpt.settings)
     here = ckpt.parent
     roots = [here] + ([params_location.parent] if params_location is not None else [])
@@ -152,7 +153,7 @@ def discover_s3_tokenizer(ckpt: S3Location, params_local=None, params_location: 
                 hints.append(f"s3://{place.location.bucket}/{key} is larger than {MAX_FILE_BYTES >> 20} MiB "
                              f"({info.size:,} bytes): not served; give it with --overlay DIR")
                 continue
-            blob = S3Object(client, place.location.bucket, key, info.size, info.etag, info.mtime_ns)
+            blob = S3Object(client, place.location.bucket, key, info.size, info.etag, info.mtime_ns, pool=parts)
             files[name] = S3TokenizerFile(blob, blob.name)
         if files:
             return files, place.where, hints

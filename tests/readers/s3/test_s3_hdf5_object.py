@@ -44,4 +44,3 @@ def test_an_hdf5_object_reads_its_chunks_through_the_blobs_span_reads(tmp_path, 
         assert spans and sum(spans) > 1000, spans
     finally:
         srv.stop()
-        s3object._pool.reset()

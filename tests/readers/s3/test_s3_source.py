@@ -164,8 +164,9 @@ def test_a_peek_reads_no_part_ahead_and_a_sequential_read_does(tmp_path, monkeyp
         srv.stop()
 
 
-def _endpoint_blob(srv, monkeypatch, bucket: str, key: str, body: bytes):
-    """``body`` put as ``s3://bucket/key`` on the local endpoint ``srv``, as an ``S3Object``."""
+def _endpoint_blob(srv, monkeypatch, bucket: str, key: str, body: bytes, pool=None):
+    """``body`` put as ``s3://bucket/key`` on the local endpoint ``srv``, as an ``S3Object`` reading through
+    ``pool`` (None: its own)."""
     from ckptfs.storage.s3client import S3Client
     from ckptfs.storage.s3object import S3Object
 
@@ -176,19 +177,17 @@ def _endpoint_blob(srv, monkeypatch, bucket: str, key: str, body: bytes):
         boto.create_bucket(Bucket=bucket)
     boto.put_object(Bucket=bucket, Key=key, Body=body)
     etag = boto.head_object(Bucket=bucket, Key=key)["ETag"]
-    return S3Object(S3Client(S3Settings(srv.url)), bucket, key, len(body), etag)
+    return S3Object(S3Client(S3Settings(srv.url)), bucket, key, len(body), etag, pool=pool)
 
 
-def _wait_for_parts() -> None:
-    """Until every part asked for has arrived."""
+def _wait_for_parts(pool) -> None:
+    """Until every part ``pool`` asked for has arrived."""
     import time
-
-    from ckptfs.storage import s3object
 
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        with s3object._pool.lock:
-            if all(fut.done() for fut, _ in s3object._pool.parts.values()):
+        with pool.lock:
+            if all(fut.done() for fut, _ in pool.parts.values()):
                 return
         time.sleep(0.02)
 
@@ -202,17 +201,16 @@ def _wait_for_gets(srv, n: int) -> list:
     return [r for r in srv.requests() if r.kind == "GET"]
 
 
-def _small_parts(monkeypatch, keep: int, ahead: int) -> int:
+def _small_parts(monkeypatch, keep: int, ahead: int) -> tuple:
     """Parts of 256 KiB (groups of 4, reads of 64 KiB or more through parts), ``keep`` parts kept after a read and
-    ``ahead`` fetched ahead, in a fresh pool: the part size."""
+    ``ahead`` fetched ahead: ``(the part size, a fresh pool of those budgets)``."""
     from ckptfs.storage import s3object
 
     part = 256 << 10
     for name, value in (("PART_BYTES", part), ("PART_MIN", 64 << 10), ("FETCH_PARTS", 4),
                         ("PART_CACHE_BYTES", keep * part), ("AHEAD_BYTES", ahead * part)):
         monkeypatch.setattr(s3object, name, value)
-    s3object._pool.reset()
-    return part
+    return part, s3object.PartPool()
 
 
 def test_parts_asked_for_ahead_come_by_groups_and_stay_until_read(tmp_path, monkeypatch):
@@ -223,12 +221,12 @@ def test_parts_asked_for_ahead_come_by_groups_and_stay_until_read(tmp_path, monk
 
     from ckptfs.storage import s3object
 
-    part = _small_parts(monkeypatch, 2, 8)
+    part, pool = _small_parts(monkeypatch, 2, 8)
     srv = LocalS3(tmp_path / "s3")
     try:
         body = bytes(range(256)) * (12 * part // 256)
-        blob = _endpoint_blob(srv, monkeypatch, "ahead", "grouped", body)
-        other = _endpoint_blob(srv, monkeypatch, "ahead", "other", body)
+        blob = _endpoint_blob(srv, monkeypatch, "ahead", "grouped", body, pool)
+        other = _endpoint_blob(srv, monkeypatch, "ahead", "other", body, pool)
         srv.reset()
         blob.will_need(part, 11 * part)  # parts 1-11: groups 0-2, at most 8 parts in flight ahead
         gets = _wait_for_gets(srv, 2)
@@ -246,7 +244,7 @@ def test_parts_asked_for_ahead_come_by_groups_and_stay_until_read(tmp_path, monk
         assert not again, again  # every part read was still there (parts 8 on may be read ahead meanwhile)
     finally:
         srv.stop()
-        s3object._pool.reset()
+        pool.close()
 
 
 def test_a_small_read_of_a_part_in_flight_waits_for_it_instead_of_asking_again(tmp_path, monkeypatch):
@@ -260,12 +258,12 @@ def test_a_small_read_of_a_part_in_flight_waits_for_it_instead_of_asking_again(t
 
     from ckptfs.storage import s3object
 
-    part = _small_parts(monkeypatch, 2, 8)
+    part, pool = _small_parts(monkeypatch, 2, 8)
     srv = LocalS3(tmp_path / "s3")
     try:
         body = bytes(range(256)) * (part // 2 // 256)  # more than PART_MIN, inside one part
         for way in ("read_into", "read_spans"):
-            blob = _endpoint_blob(srv, monkeypatch, "ahead", way, body)
+            blob = _endpoint_blob(srv, monkeypatch, "ahead", way, body, pool)
             release = threading.Event()
             real_get = blob._get
 
@@ -285,9 +283,9 @@ def test_a_small_read_of_a_part_in_flight_waits_for_it_instead_of_asking_again(t
                 buf, starts, _ = blob.read_spans([(0, 10), (len(body) - 48, len(body))], bytearray)
                 assert bytes(buf) == body[:10] + body[-48:] and starts == [0, 10]
             release.set()
-            _wait_for_parts()
+            _wait_for_parts(pool)
             assert [r.range for r in srv.requests() if r.kind == "GET"] == [f"bytes=0-{len(body) - 1}"], way
-        tiny = _endpoint_blob(srv, monkeypatch, "ahead", "norm", body[:2048])
+        tiny = _endpoint_blob(srv, monkeypatch, "ahead", "norm", body[:2048], pool)
         srv.reset()
         for lo, hi in ((0, 10), (1000, 1100), (2000, 2048)):
             buf, _, _ = tiny.read_spans([(lo, hi)], bytearray)
@@ -295,7 +293,7 @@ def test_a_small_read_of_a_part_in_flight_waits_for_it_instead_of_asking_again(t
         assert [r.range for r in srv.requests() if r.kind == "GET"] == ["bytes=0-2047"]
     finally:
         srv.stop()
-        s3object._pool.reset()
+        pool.close()
 
 
 def _uploaded(srv, monkeypatch, tmp_path, mdl) -> str:
@@ -324,12 +322,10 @@ def test_a_sequential_read_fetches_the_next_objects_ahead_and_no_byte_twice(tmp_
 
     import ckptfs
     from ckptfs.fuse import operations as fusefs
-    from ckptfs.storage import s3object
 
     from helpers.s3 import generated_checkpoint
 
     mdl, params = generated_checkpoint(tmp_path / "ck", ffn=2048)
-    s3object._pool.reset()
     srv = LocalS3(tmp_path / "s3")
     try:
         url = _uploaded(srv, monkeypatch, tmp_path, mdl)
@@ -367,7 +363,6 @@ def test_a_sequential_read_fetches_the_next_objects_ahead_and_no_byte_twice(tmp_
         tree.close()
     finally:
         srv.stop()
-        s3object._pool.reset()
 
 
 def test_only_a_stream_through_the_file_announces_what_follows():
@@ -427,11 +422,10 @@ def test_a_tree_over_object_storage_keeps_its_parts_within_its_cache_size(tmp_pa
     size = 16 << 20
     assert ckptfs.open(mdl, config=str(params), cache_size=size).cache.max_bytes == size
     monkeypatch.setattr(s3object, "PART_BYTES", 1 << 20)  # groups of 4 MiB: several fit in the ahead budget
-    s3object._pool.reset()
     srv = LocalS3(tmp_path / "s3")
     try:
         tree = ckptfs.open(_uploaded(srv, monkeypatch, tmp_path, mdl), config=str(params), cache_size=size)
-        pool = s3object._pool
+        pool = tree.parts
         parts = int(size * REMOTE_SHARE)
         assert tree.cache.max_bytes == size - parts
         assert (pool.keep_bytes, pool.ahead_limit) == (parts // 4, parts - parts // 4)
@@ -448,7 +442,6 @@ def test_a_tree_over_object_storage_keeps_its_parts_within_its_cache_size(tmp_pa
         tree.close()
     finally:
         srv.stop()
-        s3object._pool.reset()
 
 
 def test_parts_that_arrive_over_the_budget_are_dropped_when_they_arrive():
@@ -457,10 +450,9 @@ def test_parts_that_arrive_over_the_budget_are_dropped_when_they_arrive():
     import threading
     import time
 
-    from ckptfs.storage.s3object import _Pool
+    from ckptfs.storage.s3object import PartPool
 
-    pool = _Pool()
-    pool.set_memory(4000)  # parts reads used: 1000 bytes
+    pool = PartPool(4000)  # parts reads used: 1000 bytes
     gate = threading.Event()
 
     def fetch(buffers):
@@ -485,8 +477,7 @@ def test_parts_that_arrive_over_the_budget_are_dropped_when_they_arrive():
         assert held <= pool.keep_bytes == 1000, held
     finally:
         gate.set()
-        if pool.executor is not None:
-            pool.executor.shutdown(wait=True)
+        pool.close()
 
 
 def test_parts_fetched_ahead_and_dropped_unread_pause_fetching_ahead(tmp_path, monkeypatch):
@@ -498,17 +489,17 @@ def test_parts_fetched_ahead_and_dropped_unread_pause_fetching_ahead(tmp_path, m
 
     from ckptfs.storage import s3object
 
-    part = _small_parts(monkeypatch, 2, 4)
+    part, pool = _small_parts(monkeypatch, 2, 4)
     srv = LocalS3(tmp_path / "s3")
     try:
         body = bytes(range(256)) * (16 * part // 256)
-        blobs = [_endpoint_blob(srv, monkeypatch, "pause", f"o{k}", body) for k in range(3)]
+        blobs = [_endpoint_blob(srv, monkeypatch, "pause", f"o{k}", body, pool) for k in range(3)]
         blobs[0].will_need(0, 4 * part)  # the whole ahead budget, never read
-        _wait_for_parts()
+        _wait_for_parts(pool)
         srv.reset()
         blobs[1].will_need(0, 4 * part)  # more ahead: the unread parts of blobs[0] are dropped to make room
         _wait_for_gets(srv, 1)
-        assert s3object._pool.paused == s3object.PAUSE_AHEADS * 4 * part
+        assert pool.paused == s3object.PAUSE_AHEADS * 4 * part
         srv.reset()
         blobs[2].will_need(0, 4 * part)  # paused: nothing asked for
         assert srv.counts()["GET"] == 0, srv.requests()
@@ -517,13 +508,13 @@ def test_parts_fetched_ahead_and_dropped_unread_pause_fetching_ahead(tmp_path, m
             off = 3 * i % 16 * part  # never the part after the last: no stream, nothing read ahead
             blobs[2].read_into(memoryview(out), off, part)
             assert bytes(out) == body[off:off + part]
-        assert s3object._pool.paused == 0
+        assert pool.paused == 0
         srv.reset()
         blobs[0].will_need(8 * part, 4 * part)  # fetching ahead again
         assert [r.range for r in _wait_for_gets(srv, 1)] == [f"bytes={8 * part}-{12 * part - 1}"]
     finally:
         srv.stop()
-        s3object._pool.reset()
+        pool.close()
 
 
 def test_an_objects_own_read_ahead_goes_on_while_announcements_pause(tmp_path, monkeypatch):
@@ -534,12 +525,12 @@ def test_an_objects_own_read_ahead_goes_on_while_announcements_pause(tmp_path, m
 
     from ckptfs.storage import s3object
 
-    part = _small_parts(monkeypatch, 4, 8)
+    part, pool = _small_parts(monkeypatch, 4, 8)
     srv = LocalS3(tmp_path / "s3")
     try:
         body = bytes(range(256)) * (16 * part // 256)
-        blob = _endpoint_blob(srv, monkeypatch, "own", "ahead", body)
-        s3object._pool.paused = 1 << 40
+        blob = _endpoint_blob(srv, monkeypatch, "own", "ahead", body, pool)
+        pool.paused = 1 << 40
         srv.reset()
         blob.will_need(8 * part, 4 * part)
         assert srv.counts()["GET"] == 0, srv.requests()  # announced: paused
@@ -551,7 +542,7 @@ def test_an_objects_own_read_ahead_goes_on_while_announcements_pause(tmp_path, m
         assert f"bytes={2 * part}-{4 * part - 1}" in [r.range for r in gets], gets  # parts 2-3, read ahead
     finally:
         srv.stop()
-        s3object._pool.reset()
+        pool.close()
 
 
 def test_a_client_follows_the_endpoint_the_environment_names(monkeypatch):

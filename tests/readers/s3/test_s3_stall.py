@@ -231,7 +231,8 @@ def test_a_silent_object_leaves_request_threads_to_the_others(s3, tmp_path, monk
     try:
         proxy.stall("slow/object")
         c = s3client.S3Client(S3Settings(proxy.url))
-        slow, fast = (s3object.S3Object(c, BUCKET, k, i.size, i.etag)
+        pool = s3object.PartPool()  # one tree's pool, its request threads shared by the two objects
+        slow, fast = (s3object.S3Object(c, BUCKET, k, i.size, i.etag, pool=pool)
                       for k, i in ((k, c.head(BUCKET, k)) for k in ("slow/object", "fast/object")))
         errors: list = []
 
@@ -256,6 +257,7 @@ def test_a_silent_object_leaves_request_threads_to_the_others(s3, tmp_path, monk
         for th in readers:
             th.join(120)
         assert not any(th.is_alive() for th in readers) and len(errors) == parts
+        pool.close()
     finally:
         proxy.stop()
 
