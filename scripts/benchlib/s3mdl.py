@@ -309,7 +309,7 @@ def first_request(log_text: str) -> float | None:
     return None
 
 
-def info_startup(ctx, ck, sv: Served) -> dict:
+def info_startup(ctx, ck) -> dict:
     """``s3_info_startup`` (module docstring): a second server over the same folder logs each request; ``ckptfs
     info`` runs against it, cold (page cache dropped) and warm, interleaved."""
     logged = serve(ctx, ck, log_requests=True)
