@@ -335,8 +335,9 @@ def _s3_mdl_lines(d: str, r: dict, errors: dict, cache_bytes: int, parts=None) -
         x = next(r[k] for k in peaks)
         in_flight = x["in_flight_bytes"]
         limit = RSS_BASE_BYTES + cache_bytes + in_flight
-        lines.append(Line(f"{d}: S3 .mdl: mount server peak RSS (from_pretrained; {S3_READERS} readers)",
-                          "; ".join(f"{p / 1e6:.0f} MB" for p in peaks.values()),
+        what = {"s3_from_pretrained": "from_pretrained", "s3_many_readers": f"{S3_READERS} readers"}
+        lines.append(Line(f"{d}: S3 .mdl: mount server peak RSS",
+                          "; ".join(f"{what[k]} {p / 1e6:.0f} MB" for k, p in peaks.items()),
                           f"<= {limit / 1e6:.0f} MB ({RSS_BASE_BYTES / 1e6:.0f} + cache {cache_bytes / 1e6:.0f} + "
                           f"in flight {in_flight / 1e6:.0f})", _verdict(max(peaks.values()) <= limit)))
     return lines
