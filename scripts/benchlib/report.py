@@ -302,7 +302,8 @@ def _s3_lines(d: str, s3: dict | None, errors: dict) -> list:
         out.append(Line(f"{d}: S3 from_pretrained / local-file mount",
                         f"{fp['ratio']:.2f}x ({fp['s3']['median_s']:.2f} vs {fp['local']['median_s']:.2f} s)", "",
                         "INFO"))
-    out.append(Line(names[1], f"max {pk['max_requests']}, mean {pk['mean_requests']:.2f} ({pk['tensors']} tensors)",
+    at = f"; {s3['endpoint'].split(' server')[0]}{on}" if on else ""
+    out.append(Line(names[1], f"max {pk['max_requests']}, mean {pk['mean_requests']:.2f} ({pk['tensors']} tensors{at})",
                     f"<= {S3_PEEK_REQUESTS}", _verdict(pk["max_requests"] <= S3_PEEK_REQUESTS)))
     return out
 
