@@ -3,6 +3,7 @@
 
     .venv/bin/python scripts/bench.py [--size 1.5GiB] [--dtype bf16|fp32|both] [--workdir DIR]
                                       [--json bench-out/bench.json] [--quick] [--repeat 3] [--cache-size 256MiB]
+                                      [--only local,70b,s3,s3_mdl_cp,…] [--no-s3]
 
 1. Writes, in the real cstorch 2.10 layout (scripts/benchlib/gen.py), one llama-shaped checkpoint of ``--size``
    tensor bytes per dtype with random weights, plus a llama-2-70b-shaped bf16 one whose datasets are declared but
@@ -20,12 +21,17 @@
    saver checkpoint, cold CRC store) vs TensorFlow's Saver writing the same variables from memory, with both peak
    RSS and whether the bytes are the same; for the first dtype, the checkpoint in
    Cerebras' S3 layout on a local S3-compatible endpoint (``benchlib/s3.py``: ``cp`` from the S3-sourced mount vs
-   boto3's managed download, ``from_pretrained`` vs the local-file mount, requests per 4 KiB peek); 70B mount and
+   boto3's managed download, requests per 4 KiB peek) and the ``.mdl`` as ONE object on a local ``rclone serve s3``
+   (``benchlib/s3mdl.py``: ``cp`` vs boto3's download, ``from_pretrained`` vs boto3's download + a local load and vs
+   the local-file mount, ``ckptfs export`` vs boto3's download, 4 readers on one mount, ``ckptfs info``'s time to
+   its first request, the mount servers' peak RSS); 70B mount and
    ``ls -lR`` time and index read; that no tensor data is read to answer stat/index; for bf16, the local copy (an HF
    folder) mounted as a Cerebras checkpoint: ``cp`` of its ``checkpoint.mdl`` vs ``cp`` of the source safetensors,
    and ``ckptfs export`` of it (issue 30); the servers' peak RSS; at the start and
    the end, what writing fresh memory costs on this machine (a VM whose balloon hands freed memory back to the
    host makes every page a FUSE server writes into the page cache wait for the host).
+   ``--only`` runs some parts alone (``--only s3``: every S3 line, a few minutes at ``--size 256MB``).
+
 3. Prints one line per target, writes the JSON report. Exit 0 when every item was measured (targets may FAIL),
    1 when something crashed or could not be measured, 2 on bad arguments.
 
@@ -53,10 +59,31 @@ sys.path.insert(0, str(REPO))
 
 from benchlib import gen, measure, report, sysutil  # noqa: E402
 from benchlib import s3 as s3bench  # noqa: E402
+from benchlib import s3mdl  # noqa: E402
 from ckptfs.units import parse_size  # noqa: E402
 
 DEFAULT_SIZE = "1.5GiB"
 QUICK_SIZE = "24MB"
+#: the S3 items: the checkpoint in Cerebras' S3 layout on moto (``s3_layout``), the .mdl as one object on rclone
+S3_PARTS = ("s3_layout", *report.S3_MDL_ITEMS)
+#: what ``--only`` can name: the lines of the local files, the 70B-shaped metadata lines, every S3 item or one
+PARTS = ("local", "70b", *S3_PARTS)
+ONLY_GROUPS = {"s3": S3_PARTS}
+
+
+def parse_parts(text: str) -> frozenset:
+    """``--only``'s comma-separated names (``PARTS``, or ``s3`` for every S3 item) as a set of parts."""
+    out = set()
+    for name in filter(None, (x.strip() for x in text.split(","))):
+        if name in ONLY_GROUPS:
+            out.update(ONLY_GROUPS[name])
+        elif name in PARTS:
+            out.add(name)
+        else:
+            raise ValueError(f"--only: unknown part {name!r} (known: s3, {', '.join(PARTS)})")
+    if not out:
+        raise ValueError("--only: no part named")
+    return frozenset(out)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -74,7 +101,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the generated checkpoints in the workdir")
     p.add_argument("--reuse", action="store_true", help="reuse kept checkpoints when their shape matches")
     p.add_argument("--no-s3", action="store_true", help="leave out the S3 lines (the first dtype's checkpoint in "
-                                                         "Cerebras' S3 layout on a local moto endpoint)")
+                                                         "Cerebras' S3 layout on a local moto endpoint, and as one "
+                                                         ".mdl object on a local rclone endpoint)")
+    p.add_argument("--only", help="run only these parts, comma-separated: local, 70b, s3 (every S3 item), or one S3 "
+                                  f"item ({', '.join(S3_PARTS)})")
     args = p.parse_args(argv)
     args.size = args.size or (QUICK_SIZE if args.quick else DEFAULT_SIZE)
     try:
@@ -86,7 +116,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(str(e))
     if args.repeat < 1:
         p.error("--repeat must be at least 1")
+    try:
+        parts = parse_parts(args.only) if args.only else frozenset(PARTS)
+    except ValueError as e:
+        p.error(str(e))
+    if args.no_s3:
+        parts -= set(S3_PARTS)
+    args.parts = sorted(parts)
     args.dtypes = ["bf16", "fp32"] if args.dtype == "both" else [args.dtype]
+    if "local" not in parts:  # the S3 items run for the first dtype only
+        args.dtypes = args.dtypes[:1]
     return args
 
 
@@ -142,14 +181,27 @@ class Runner:
         return val
 
 
-def run_dtype(r: Runner, ctx: measure.Ctx, ck: measure.Ckpt, s3: bool = False) -> None:
+def run_dtype(r: Runner, ctx: measure.Ctx, ck: measure.Ckpt, parts: frozenset) -> None:
+    """The lines of checkpoint ``ck`` among ``parts`` (its S3 items only when they are in ``parts``)."""
     d = ck.name
     local = ctx.workdir / "local" / d
-    r.item(f"{d}.raw", measure.raw_read, ctx, ck)
-    r.item(f"{d}.disk", measure.disk_read, ctx, ck)
+    if "local" in parts:
+        r.item(f"{d}.raw", measure.raw_read, ctx, ck)
+        r.item(f"{d}.disk", measure.disk_read, ctx, ck)
     layout = r.item(f"{d}.layout", measure.discover, ctx, ck, local)
     if layout is None:
         return
+    if "local" in parts:
+        run_local(r, ctx, ck, layout, local)
+    if "s3_layout" in parts:
+        r.item(f"{d}.s3", s3bench.measure_s3, ctx, ck, layout)
+    if parts & set(report.S3_MDL_ITEMS):
+        run_s3_mdl(r, ctx, ck, layout, parts)
+    shutil.rmtree(local, ignore_errors=True)
+
+
+def run_local(r: Runner, ctx: measure.Ctx, ck: measure.Ckpt, layout: dict, local: Path) -> None:
+    d = ck.name
     r.item(f"{d}.cp_safetensors", measure.cp_weights, ctx, ck, layout, "safetensors", "exact")
     r.item(f"{d}.cp_bin_exact", measure.cp_weights, ctx, ck, layout, "bins", "exact")
     r.item(f"{d}.cp_bin_zero", measure.cp_weights, ctx, ck, layout, "bins", "zero")
@@ -170,9 +222,23 @@ def run_dtype(r: Runner, ctx: measure.Ctx, ck: measure.Ckpt, s3: bool = False) -
     r.item(f"{d}.end_to_end", measure.end_to_end, ctx, ck, layout)
     r.item(f"{d}.torch_first_open", measure.torch_first_open, ctx, ck, layout)
     r.item(f"{d}.tf_cp", measure.tf_cp, ctx, ck)
-    if s3:
-        r.item(f"{d}.s3", s3bench.measure_s3, ctx, ck, layout)
-    shutil.rmtree(local, ignore_errors=True)
+
+
+def run_s3_mdl(r: Runner, ctx: measure.Ctx, ck: measure.Ckpt, layout: dict, parts: frozenset) -> None:
+    """The items over the .mdl as one S3 object (benchlib/s3mdl.py), one rclone server for them all."""
+    d = ck.name
+    served = r.item(f"{d}.s3_server", s3mdl.serve, ctx, ck, store=False)
+    if served is None:
+        return
+    try:
+        for key, fn in (("s3_mdl_cp", s3mdl.mdl_cp), ("s3_from_pretrained", s3mdl.from_pretrained),
+                        ("s3_export_hf", s3mdl.export_hf), ("s3_many_readers", s3mdl.many_readers)):
+            if key in parts:
+                r.item(f"{d}.{key}", fn, ctx, ck, layout, served)
+        if "s3_info_startup" in parts:
+            r.item(f"{d}.s3_info_startup", s3mdl.info_startup, ctx, ck)
+    finally:
+        served.stop()
 
 
 def byte_compile() -> None:
@@ -191,7 +257,9 @@ def main(argv=None) -> int:
     created = not args.workdir.exists()
     ckpt_root = args.workdir / "ckpt"
     run_dir = args.workdir / f"run-{os.getpid()}"
-    need = args.size_bytes * len(args.dtypes) * 2.2 + (1 << 30)
+    parts = frozenset(args.parts)
+    # the local lines' copies of each checkpoint; the S3 lines' download or export of one beside them
+    need = args.size_bytes * len(args.dtypes) * 2.2 + (1 << 30) + (args.size_bytes * 1.1 if parts & set(S3_PARTS) else 0)
     args.workdir.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(args.workdir).free
     if free < need:
@@ -218,13 +286,15 @@ def main(argv=None) -> int:
             if ck:
                 cks[d] = ck
                 meta["checkpoints"][d] = ck.info
-        big = r.item("generate.70b", generate, "70b", gen.LLAMA2_70B, "bf16", ckpt_root, allocate=False,
-                     reuse=args.reuse, store=False)
+        big = None
+        if "70b" in parts:
+            big = r.item("generate.70b", generate, "70b", gen.LLAMA2_70B, "bf16", ckpt_root, allocate=False,
+                         reuse=args.reuse, store=False)
         if big:
             meta["checkpoints"]["70b"] = big.info
         for i, d in enumerate(args.dtypes):
-            if d in cks:
-                run_dtype(r, ctx, cks[d], s3=i == 0 and not args.no_s3)
+            if d in cks:  # the S3 items for the first dtype only
+                run_dtype(r, ctx, cks[d], parts if i == 0 else parts - set(S3_PARTS))
         if big:
             r.item("70b.metadata", measure.metadata_scale, ctx, big)
         r.item("memory.end", measure.memory_first_touch, ctx)
@@ -240,7 +310,8 @@ def main(argv=None) -> int:
     big_results = r.results.get("70b", {}).get("metadata")
     if big_results is not None:
         r.results["70b"] = big_results
-    lines = report.target_lines(r.results, r.errors, [d for d in args.dtypes], args.cache_bytes)
+    lines = report.target_lines(r.results, r.errors, [d for d in args.dtypes], args.cache_bytes,
+                                None if parts == frozenset(PARTS) else parts)
     complete = not r.errors and all(x.result != "ERROR" for x in lines)
     meta["environment"]["loadavg_end"] = os.getloadavg()
     meta["seconds"] = round(time.perf_counter() - t_start, 1)

@@ -6,6 +6,10 @@ work itself:
 * ``raw CKPT``: h5py reads every dataset of a checkpoint in full (the baseline);
 * ``from_pretrained DIR``: ``AutoModelForCausalLM.from_pretrained(DIR, dtype="auto")``, then one byte of every
   4 KiB page of every parameter is touched, so lazily mapped weights are really read;
+* ``from_pretrained_gated GATE INDEX DIR``: ``from_pretrained DIR`` started when the bench says go (imports done,
+  ``GATE/ready-INDEX`` written, then waiting for ``GATE/go``), so that readers started together load together;
+* ``s3_download BUCKET DEST KEY…``: boto3's managed download (``download_file``, s3transfer at its defaults) of
+  each object into the folder DEST (its name the key's last part), from the endpoint of ``AWS_ENDPOINT_URL``;
 * ``first_touch``: seconds per GB to write fresh memory, and the same memory again;
 * ``torchload FILE``: ``torch.load(FILE, mmap=True, weights_only=True)`` (the first-open latency);
 * ``mount_breakdown CKPT PARAMS``: import time of the ckptfs mount modules and one ``build_tree``;
@@ -57,6 +61,41 @@ def from_pretrained(path: str) -> dict:
     t2 = time.perf_counter()
     return {"seconds": t2 - t0, "load_seconds": t1 - t0, "touch_seconds": t2 - t1, "bytes": nbytes,
             "class": type(model).__name__, "dtype": str(next(model.parameters()).dtype)}
+
+
+def from_pretrained_gated(gate: str, index: str, path: str) -> dict:
+    """``from_pretrained(path)`` once ``gate/go`` exists (its imports done first, ``gate/ready-<index>`` written);
+    with the wall-clock times it saw go and finished, to time readers that run together from one start."""
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    del torch, AutoModelForCausalLM  # imported before go, as ``from_pretrained`` does before its clock
+    open(os.path.join(gate, f"ready-{index}"), "w").close()
+    go = os.path.join(gate, "go")
+    while not os.path.exists(go):
+        time.sleep(0.002)
+    t_go = time.time()
+    out = from_pretrained(path)
+    return {**out, "t_go": t_go, "t_end": time.time()}
+
+
+def s3_download(bucket: str, dest: str, *keys: str) -> dict:
+    """boto3's managed download of ``keys`` into the folder ``dest`` (one after the other, each with s3transfer's
+    default concurrency), as a user's script fetching a checkpoint before loading it does."""
+    import os
+
+    import boto3
+
+    client = boto3.client("s3")
+    t0 = time.perf_counter()
+    nbytes = 0
+    for key in keys:
+        target = os.path.join(dest, key.rsplit("/", 1)[-1])
+        client.download_file(bucket, key, target)
+        nbytes += os.path.getsize(target)
+    return {"seconds": time.perf_counter() - t0, "bytes": nbytes, "objects": len(keys)}
 
 
 def first_touch() -> dict:
@@ -211,7 +250,8 @@ def tf_save(ckpt: str, out: str, prefix: str = "model.ckpt") -> dict:
     return result
 
 
-PROBES = {"tf_save": tf_save, "peek": peek, "whole": whole, "mount_breakdown": mount_breakdown, "raw": raw, "from_pretrained": from_pretrained, "first_touch": first_touch, "torchload": torchload, "datacheck": datacheck}
+PROBES = {"tf_save": tf_save, "peek": peek, "whole": whole, "mount_breakdown": mount_breakdown, "raw": raw, "from_pretrained": from_pretrained,
+          "from_pretrained_gated": from_pretrained_gated, "s3_download": s3_download, "first_touch": first_touch, "torchload": torchload, "datacheck": datacheck}
 
 if __name__ == "__main__":
     print(json.dumps(PROBES[sys.argv[1]](*sys.argv[2:])))

@@ -20,6 +20,15 @@ RSS_BASE_BYTES = 300 * 10**6  # peak server RSS ≤ 300 MB + --cache-size
 HF_TO_CS_TARGET = 1.0  # reading an HF folder's mounted .mdl ≥ 1.0 × a plain read of its safetensors (issue 30)
 S3_CP_TARGET = 1.0  # cp from an S3-sourced mount ≥ 1.0 × boto3's managed download of the same objects (issue #29)
 S3_PEEK_REQUESTS = 3  # a 4 KiB read of one tensor on a mounted checkpoint costs at most 3 requests
+# the .mdl as ONE S3 object (benchlib/s3mdl.py)
+S3_MDL_CP_TARGET = 1.0  # cp of the shards from its mount: boto3's download time / ckptfs's time ≥ 1.0
+S3_FP_DOWNLOAD_TARGET = 1.0  # from_pretrained through its mount ≤ 1.0 × boto3 download + from_pretrained
+S3_FP_LOCAL_TARGET = 1.5  # from_pretrained through its mount ≤ 1.5 × through a mount of the local file
+S3_EXPORT_TARGET = 1.0  # ckptfs export of the HF view: boto3's download time / the export's ≥ 1.0
+S3_READERS = 4  # readers loading the model together through one mount
+S3_READERS_BYTES = 1.1  # bytes the server sent for them ≤ 1.1 × the object
+S3_READERS_WALL = 1.3  # their wall time ≤ 1.3 × one reader's
+S3_INFO_FIRST_REQUEST_S = 0.4  # ckptfs info: process spawned to its first request at the server
 
 
 @dataclass
@@ -80,121 +89,48 @@ def _export_lines(d: str, exp: dict | None, raw: dict | None, errors: dict, cach
     return out
 
 
-def target_lines(results: dict, errors: dict, dtypes: list, cache_bytes: int) -> list:
+def target_lines(results: dict, errors: dict, dtypes: list, cache_bytes: int, parts=None) -> list:
+    """Every line of a run. ``parts``: which parts ran (``bench.PARTS``: "local", "70b", the S3 items); None:
+    every part, as in runs before ``--only`` (lines of parts that did not run are left out, not ERROR)."""
+    def ran(part: str) -> bool:
+        return parts is None or part in parts
+
     lines: list = []
     for d in dtypes:
         r = results.get(d, {})
-        raw = r.get("raw")
-        if raw is None:
-            lines.append(_err(f"{d}: raw h5py read (baseline)", errors, [f"{d}.raw"])
-                         or Line(f"{d}: raw h5py read (baseline)", "not measured", "", "ERROR"))
-        else:
-            lines.append(Line(f"{d}: raw h5py read (baseline)", f"{raw['mb_s']:.0f} MB/s, {raw['median_s']:.2f} s",
-                              "", "INFO"))
-        disk = r.get("disk")
-        name = f"{d}: the .mdl file read whole (disk's ceiling)"
-        if raw is not None and (disk is not None or f"{d}.disk" in errors):  # (not in reports of older runs)
-            lines.append(_measured(name, errors, [f"{d}.disk", f"{d}.raw"], disk,
-                                   lambda dk: Line(name, f"{dk['mb_s']:.0f} MB/s = {dk['mb_s'] / raw['mb_s']:.2f}x raw "
-                                                         f"h5py (cold, O_DIRECT, nothing decoded)", "", "INFO")))
-        pt = r.get("cp_passthrough")
-        lines += _ratio_lines(d, "cp safetensors", r.get("cp_safetensors"), raw, "cp_safetensors", errors,
-                              passthrough=pt)
-        lines += _ratio_lines(d, "cp .bin (crc exact, cold)", r.get("cp_bin_exact"), raw, "cp_bin_exact", errors,
-                              passthrough=pt)
-        lines += _ratio_lines(d, "cp .bin (crc zero)", r.get("cp_bin_zero"), raw, "cp_bin_zero", errors)
-        name = f"{d}: cp, trivial passthrough of the local copy (ceiling)"
-        lines.append(_measured(name, errors, [f"{d}.cp_passthrough", f"{d}.raw"], r.get("cp_passthrough"),
-                               lambda pt: Line(name, f"{pt['mb_s'] / raw['mb_s']:.2f}x raw h5py ({pt['mb_s']:.0f} "
-                                                     f"MB/s, cold, nothing converted)", "", "INFO")))
-        lines += _export_lines(d, r.get("export"), raw, errors, cache_bytes)
-        name = f"{d}: export's ceiling: the .mdl copied on the output disk"
-        if raw is not None and (r.get("copy_ceiling") is not None or f"{d}.copy_ceiling" in errors):  # (newer runs)
-            exp = r.get("export")
-            lines.append(_measured(name, errors, [f"{d}.copy_ceiling", f"{d}.raw"], r.get("copy_ceiling"),
-                                   lambda c: Line(name, f"{c['mb_s']:.0f} MB/s = {c['mb_s'] / raw['mb_s']:.2f}x raw h5py "
-                                                        "(cold read + write + fsync, nothing decoded)"
-                                                        + (f"; export {exp['mb_s'] / c['mb_s']:.2f}x of it" if exp
-                                                           else ""), "", "INFO")))
-        name = f"{d}: cp -r MNT/tf vs TensorFlow saving from memory"
-        if r.get("tf_cp") is not None or f"{d}.tf_cp" in errors:  # (newer runs)
-            lines.append(_measured(name, errors, [f"{d}.tf_cp"], r.get("tf_cp"), lambda t: Line(
-                name, f"{t['mount']['mb_s']:.0f} vs {t['tensorflow']['mb_s']:.0f} MB/s (TF: startup, reading, "
-                      f"{t['tensorflow']['save_s']:.1f} s saving); peak RSS "
-                      f"server {max(t['mount']['peak_rss']) / 1e6:.0f} MB vs TF {max(t['tensorflow']['peak_rss']) / 1e6:.0f}"
-                      f" MB; {'same' if t['same_bytes'] else 'DIFFERENT'} bytes", "", "INFO")))
-        name = f"{d}: from_pretrained mount / local"
-        lines.append(_measured(name, errors, [f"{d}.from_pretrained", f"{d}.layout"], r.get("from_pretrained"),
-                               lambda fp: Line(name, f"{fp['ratio']:.2f}x ({fp['mount']['median_s']:.2f} vs "
-                                                     f"{fp['local']['median_s']:.2f} s; passthrough ceiling "
-                                                     f"{fp['passthrough_ratio']:.2f}x)",
-                                               f"<= {FROM_PRETRAINED_TARGET:.2f}x",
-                                               _verdict(fp["ratio"] <= FROM_PRETRAINED_TARGET))))
-        lines += _issue14_lines(d, r, errors)
-        if r.get("hf_to_cs") is not None or f"{d}.hf_to_cs" in errors:
-            lines += _hf_to_cs_lines(d, r.get("hf_to_cs"), errors, cache_bytes)
-        tl = r.get("torch_first_open")
-        e = _err(f"{d}: torch.load(mmap) first open", errors, [f"{d}.torch_first_open", f"{d}.layout"])
-        if e or tl is None:
-            lines.append(e or Line(f"{d}: torch.load(mmap) first open", "not measured", "", "ERROR"))
-        else:
-            for phase in ("cold", "warm"):
-                x = tl[phase]
-                read = sorted(x.get("server_rchar", [0]))[len(x.get("server_rchar", [0])) // 2]
-                lines.append(Line(f"{d}: torch.load(mmap) first open, CRC {phase}",
-                                  f"{x['median_s']:.3f} s (server read {read / 1e6:.0f} MB)", "", "INFO"))
-        nd = (r.get("layout") or {}).get("no_data_read")
-        name = f"{d}: no tensor data read for stat/index"
-        e = _err(name, errors, [f"{d}.layout"])
-        if e or nd is None:
-            lines.append(e or Line(name, "not measured", "", "ERROR"))
-        elif nd["method"] == "strace":
-            ctl_ok = nd["controls"]["discriminates"] and nd["server_control"]["data_reads"] > 0
-            lines.append(Line(name, f"{nd['data_reads']} chunk reads in {nd['preads']} preads "
-                                    f"(controls {'ok' if ctl_ok else 'BAD'})",
-                              "0 reads", "PASS" if nd["ok"] else "FAIL"))
-        else:
-            lines.append(Line(name, f"rchar +{nd['rchar_delta']} B", f"< {nd['smallest_chunk']} B",
-                              "PASS" if nd["ok"] else "FAIL"))
-        dc = r.get("datacheck")
-        name = f"{d}: HF bytes equal CS tensors (sanity)"
-        e = _err(name, errors, [f"{d}.datacheck"])
-        if e:
-            lines.append(e)
-        elif dc is not None:
-            same = r.get("export_matches_mount")
-            ok = dc["ok"] and same is not False
-            lines.append(Line(name, f"{len(dc['checked'])} tensors, export==mount: {same}", "equal",
-                              "PASS" if ok else "FAIL"))
+        if ran("local"):
+            lines += _local_lines(d, r, errors, cache_bytes)
         if f"{d}.s3" in errors or r.get("s3") is not None:
             lines += _s3_lines(d, r.get("s3"), errors)
-    big = results.get("70b")
-    e = _err("70B: mount", errors, ["70b.metadata"])
-    if e or big is None:
-        lines.append(e or Line("70B: mount", "not measured", "", "ERROR"))
-    else:
-        floor = big.get("cold_start_floor")
-        beside = (f" (floor, cold: python + numpy + h5py {floor['python_numpy_h5py']['median_s']:.2f} s; "
-                  f"passthrough mount {floor['passthrough_mount']['median_s']:.2f} s)") if floor else ""
-        lines.append(Line("70B: mount (ckptfs mount wall, cold cache)", f"{big['mount']['median_s']:.2f} s{beside}",
-                          f"<= {MOUNT_70B_TARGET_S:.1f} s", "PASS" if big["mount"]["median_s"] <= MOUNT_70B_TARGET_S else "FAIL"))
-        if big.get("mount_warm_cache"):
-            lines.append(Line("70B: mount, warm page cache", f"{big['mount_warm_cache']['median_s']:.2f} s", "", "INFO"))
-        if big.get("remount"):
-            lines.append(Line("70B: mount again (catalog index), cold cache", f"{big['remount']['median_s']:.2f} s",
-                              "", "INFO"))
-        b = big.get("mount_breakdown")
-        if b:
-            lines.append(Line("70B: mount breakdown (one interpreter)",
-                              f"python {b['python_startup_s']:.2f} + imports {b['imports_s']:.2f} "
-                              f"+ build_tree {b['build_tree_s']:.2f} s", "", "INFO"))
-        ceiling = big.get("ls_lR_passthrough")
-        beside = f" (passthrough ceiling {ceiling['median_s']:.2f} s)" if ceiling else ""
-        lines.append(Line(f"70B: ls -lR ({big['ls_lR'].get('files')} files)", f"{big['ls_lR']['median_s']:.2f} s{beside}",
-                          f"<= {LS_70B_TARGET_S:.1f} s", "PASS" if big["ls_lR"]["median_s"] <= LS_70B_TARGET_S else "FAIL"))
-        lines.append(Line("70B: read model.safetensors.index.json",
-                          f"{big['index_read']['median_s'] * 1000:.1f} ms, server rchar "
-                          f"+{max(big['server_rchar_during_ls_and_index']) // 1024} KiB", "", "INFO"))
+        lines += _s3_mdl_lines(d, r, errors, cache_bytes, parts)
+    if ran("70b"):
+        big = results.get("70b")
+        e = _err("70B: mount", errors, ["70b.metadata"])
+        if e or big is None:
+            lines.append(e or Line("70B: mount", "not measured", "", "ERROR"))
+        else:
+            floor = big.get("cold_start_floor")
+            beside = (f" (floor, cold: python + numpy + h5py {floor['python_numpy_h5py']['median_s']:.2f} s; "
+                      f"passthrough mount {floor['passthrough_mount']['median_s']:.2f} s)") if floor else ""
+            lines.append(Line("70B: mount (ckptfs mount wall, cold cache)", f"{big['mount']['median_s']:.2f} s{beside}",
+                              f"<= {MOUNT_70B_TARGET_S:.1f} s", "PASS" if big["mount"]["median_s"] <= MOUNT_70B_TARGET_S else "FAIL"))
+            if big.get("mount_warm_cache"):
+                lines.append(Line("70B: mount, warm page cache", f"{big['mount_warm_cache']['median_s']:.2f} s", "", "INFO"))
+            if big.get("remount"):
+                lines.append(Line("70B: mount again (catalog index), cold cache", f"{big['remount']['median_s']:.2f} s",
+                                  "", "INFO"))
+            b = big.get("mount_breakdown")
+            if b:
+                lines.append(Line("70B: mount breakdown (one interpreter)",
+                                  f"python {b['python_startup_s']:.2f} + imports {b['imports_s']:.2f} "
+                                  f"+ build_tree {b['build_tree_s']:.2f} s", "", "INFO"))
+            ceiling = big.get("ls_lR_passthrough")
+            beside = f" (passthrough ceiling {ceiling['median_s']:.2f} s)" if ceiling else ""
+            lines.append(Line(f"70B: ls -lR ({big['ls_lR'].get('files')} files)", f"{big['ls_lR']['median_s']:.2f} s{beside}",
+                              f"<= {LS_70B_TARGET_S:.1f} s", "PASS" if big["ls_lR"]["median_s"] <= LS_70B_TARGET_S else "FAIL"))
+            lines.append(Line("70B: read model.safetensors.index.json",
+                              f"{big['index_read']['median_s'] * 1000:.1f} ms, server rchar "
+                              f"+{max(big['server_rchar_during_ls_and_index']) // 1024} KiB", "", "INFO"))
     mem = results.get("memory", {})
     if mem:
         lines.append(Line("memory: first write / again (s per GB)",
@@ -207,6 +143,94 @@ def target_lines(results: dict, errors: dict, dtypes: list, cache_bytes: int) ->
     else:
         lines.append(Line(f"server peak RSS (VmHWM, {len(peaks)} mounts)", f"{max(peaks) / 1e6:.0f} MB",
                           f"<= {limit / 1e6:.0f} MB", "PASS" if max(peaks) <= limit else "FAIL"))
+    return lines
+
+
+def _local_lines(d: str, r: dict, errors: dict, cache_bytes: int) -> list:
+    """The lines of dtype ``d`` read from the local file (every line but the S3 ones)."""
+    lines: list = []
+    raw = r.get("raw")
+    if raw is None:
+        lines.append(_err(f"{d}: raw h5py read (baseline)", errors, [f"{d}.raw"])
+                     or Line(f"{d}: raw h5py read (baseline)", "not measured", "", "ERROR"))
+    else:
+        lines.append(Line(f"{d}: raw h5py read (baseline)", f"{raw['mb_s']:.0f} MB/s, {raw['median_s']:.2f} s",
+                          "", "INFO"))
+    disk = r.get("disk")
+    name = f"{d}: the .mdl file read whole (disk's ceiling)"
+    if raw is not None and (disk is not None or f"{d}.disk" in errors):  # (not in reports of older runs)
+        lines.append(_measured(name, errors, [f"{d}.disk", f"{d}.raw"], disk,
+                               lambda dk: Line(name, f"{dk['mb_s']:.0f} MB/s = {dk['mb_s'] / raw['mb_s']:.2f}x raw "
+                                                     f"h5py (cold, O_DIRECT, nothing decoded)", "", "INFO")))
+    pt = r.get("cp_passthrough")
+    lines += _ratio_lines(d, "cp safetensors", r.get("cp_safetensors"), raw, "cp_safetensors", errors,
+                          passthrough=pt)
+    lines += _ratio_lines(d, "cp .bin (crc exact, cold)", r.get("cp_bin_exact"), raw, "cp_bin_exact", errors,
+                          passthrough=pt)
+    lines += _ratio_lines(d, "cp .bin (crc zero)", r.get("cp_bin_zero"), raw, "cp_bin_zero", errors)
+    name = f"{d}: cp, trivial passthrough of the local copy (ceiling)"
+    lines.append(_measured(name, errors, [f"{d}.cp_passthrough", f"{d}.raw"], r.get("cp_passthrough"),
+                           lambda pt: Line(name, f"{pt['mb_s'] / raw['mb_s']:.2f}x raw h5py ({pt['mb_s']:.0f} "
+                                                 f"MB/s, cold, nothing converted)", "", "INFO")))
+    lines += _export_lines(d, r.get("export"), raw, errors, cache_bytes)
+    name = f"{d}: export's ceiling: the .mdl copied on the output disk"
+    if raw is not None and (r.get("copy_ceiling") is not None or f"{d}.copy_ceiling" in errors):  # (newer runs)
+        exp = r.get("export")
+        lines.append(_measured(name, errors, [f"{d}.copy_ceiling", f"{d}.raw"], r.get("copy_ceiling"),
+                               lambda c: Line(name, f"{c['mb_s']:.0f} MB/s = {c['mb_s'] / raw['mb_s']:.2f}x raw h5py "
+                                                    "(cold read + write + fsync, nothing decoded)"
+                                                    + (f"; export {exp['mb_s'] / c['mb_s']:.2f}x of it" if exp
+                                                       else ""), "", "INFO")))
+    name = f"{d}: cp -r MNT/tf vs TensorFlow saving from memory"
+    if r.get("tf_cp") is not None or f"{d}.tf_cp" in errors:  # (newer runs)
+        lines.append(_measured(name, errors, [f"{d}.tf_cp"], r.get("tf_cp"), lambda t: Line(
+            name, f"{t['mount']['mb_s']:.0f} vs {t['tensorflow']['mb_s']:.0f} MB/s (TF: startup, reading, "
+                  f"{t['tensorflow']['save_s']:.1f} s saving); peak RSS "
+                  f"server {max(t['mount']['peak_rss']) / 1e6:.0f} MB vs TF {max(t['tensorflow']['peak_rss']) / 1e6:.0f}"
+                  f" MB; {'same' if t['same_bytes'] else 'DIFFERENT'} bytes", "", "INFO")))
+    name = f"{d}: from_pretrained mount / local"
+    lines.append(_measured(name, errors, [f"{d}.from_pretrained", f"{d}.layout"], r.get("from_pretrained"),
+                           lambda fp: Line(name, f"{fp['ratio']:.2f}x ({fp['mount']['median_s']:.2f} vs "
+                                                 f"{fp['local']['median_s']:.2f} s; passthrough ceiling "
+                                                 f"{fp['passthrough_ratio']:.2f}x)",
+                                           f"<= {FROM_PRETRAINED_TARGET:.2f}x",
+                                           _verdict(fp["ratio"] <= FROM_PRETRAINED_TARGET))))
+    lines += _issue14_lines(d, r, errors)
+    if r.get("hf_to_cs") is not None or f"{d}.hf_to_cs" in errors:
+        lines += _hf_to_cs_lines(d, r.get("hf_to_cs"), errors, cache_bytes)
+    tl = r.get("torch_first_open")
+    e = _err(f"{d}: torch.load(mmap) first open", errors, [f"{d}.torch_first_open", f"{d}.layout"])
+    if e or tl is None:
+        lines.append(e or Line(f"{d}: torch.load(mmap) first open", "not measured", "", "ERROR"))
+    else:
+        for phase in ("cold", "warm"):
+            x = tl[phase]
+            read = sorted(x.get("server_rchar", [0]))[len(x.get("server_rchar", [0])) // 2]
+            lines.append(Line(f"{d}: torch.load(mmap) first open, CRC {phase}",
+                              f"{x['median_s']:.3f} s (server read {read / 1e6:.0f} MB)", "", "INFO"))
+    nd = (r.get("layout") or {}).get("no_data_read")
+    name = f"{d}: no tensor data read for stat/index"
+    e = _err(name, errors, [f"{d}.layout"])
+    if e or nd is None:
+        lines.append(e or Line(name, "not measured", "", "ERROR"))
+    elif nd["method"] == "strace":
+        ctl_ok = nd["controls"]["discriminates"] and nd["server_control"]["data_reads"] > 0
+        lines.append(Line(name, f"{nd['data_reads']} chunk reads in {nd['preads']} preads "
+                                f"(controls {'ok' if ctl_ok else 'BAD'})",
+                          "0 reads", "PASS" if nd["ok"] else "FAIL"))
+    else:
+        lines.append(Line(name, f"rchar +{nd['rchar_delta']} B", f"< {nd['smallest_chunk']} B",
+                          "PASS" if nd["ok"] else "FAIL"))
+    dc = r.get("datacheck")
+    name = f"{d}: HF bytes equal CS tensors (sanity)"
+    e = _err(name, errors, [f"{d}.datacheck"])
+    if e:
+        lines.append(e)
+    elif dc is not None:
+        same = r.get("export_matches_mount")
+        ok = dc["ok"] and same is not False
+        lines.append(Line(name, f"{len(dc['checked'])} tensors, export==mount: {same}", "equal",
+                          "PASS" if ok else "FAIL"))
     return lines
 
 
@@ -264,19 +288,119 @@ def _issue14_lines(d: str, r: dict, errors: dict) -> list:
 
 
 def _s3_lines(d: str, s3: dict | None, errors: dict) -> list:
-    """The checkpoint in Cerebras' S3 layout on a local endpoint (benchlib/s3.py)."""
-    names = (f"{d}: S3 cp safetensors vs boto3 download", f"{d}: S3 from_pretrained / local-file mount",
-             f"{d}: S3 requests per 4 KiB peek")
+    """The checkpoint in Cerebras' S3 layout on a local endpoint (benchlib/s3.py); runs before the ``.mdl``-object
+    lines (s3mdl.py) also had its ``from_pretrained`` here."""
+    names = (f"{d}: S3 cp safetensors vs boto3 download", f"{d}: S3 requests per 4 KiB peek")
     if s3 is None:
         return [_err(n, errors, [f"{d}.s3"]) or Line(n, "not measured", "", "ERROR") for n in names]
-    cp, boto = s3["cp"], s3["boto3"]
-    fp, pk = s3["from_pretrained"], s3["peeks"]
-    return [Line(names[0], f"{s3['cp_ratio']:.2f}x ({cp['mb_s']:.0f} vs {boto['mb_s']:.0f} MB/s, {s3['endpoint']})",
-                 f">= {S3_CP_TARGET:.2f}x", _verdict(s3["cp_ratio"] >= S3_CP_TARGET)),
-            Line(names[1], f"{fp['ratio']:.2f}x ({fp['s3']['median_s']:.2f} vs {fp['local']['median_s']:.2f} s)",
-                 "", "INFO"),
-            Line(names[2], f"max {pk['max_requests']}, mean {pk['mean_requests']:.2f} ({pk['tensors']} tensors)",
-                 f"<= {S3_PEEK_REQUESTS}", _verdict(pk["max_requests"] <= S3_PEEK_REQUESTS))]
+    cp, boto, pk = s3["cp"], s3["boto3"], s3["peeks"]
+    on = f" on {_host(s3['machine'])}" if s3.get("machine") else ""
+    out = [Line(names[0], f"{s3['cp_ratio']:.2f}x ({cp['mb_s']:.0f} vs {boto['mb_s']:.0f} MB/s, {s3['endpoint']}{on})",
+                f">= {S3_CP_TARGET:.2f}x", _verdict(s3["cp_ratio"] >= S3_CP_TARGET))]
+    fp = s3.get("from_pretrained")
+    if fp is not None:
+        out.append(Line(f"{d}: S3 from_pretrained / local-file mount",
+                        f"{fp['ratio']:.2f}x ({fp['s3']['median_s']:.2f} vs {fp['local']['median_s']:.2f} s)", "",
+                        "INFO"))
+    at = f"; {s3['endpoint'].split(' server')[0]}{on}" if on else ""
+    out.append(Line(names[1], f"max {pk['max_requests']}, mean {pk['mean_requests']:.2f} ({pk['tensors']} tensors{at})",
+                    f"<= {S3_PEEK_REQUESTS}", _verdict(pk["max_requests"] <= S3_PEEK_REQUESTS)))
+    return out
+
+
+def _host(machine: str) -> str:
+    """The host name at the start of ``sysutil.machine()``'s line."""
+    return machine.split(":", 1)[0]
+
+
+#: the S3 items over the ``.mdl`` as one object (benchlib/s3mdl.py), in the order they run
+S3_MDL_ITEMS = ("s3_mdl_cp", "s3_from_pretrained", "s3_export_hf", "s3_many_readers", "s3_info_startup")
+
+
+def _s3_mdl_lines(d: str, r: dict, errors: dict, cache_bytes: int, parts=None) -> list:
+    """The lines of the ``.mdl`` stored as one S3 object (benchlib/s3mdl.py), each naming its server's host; the
+    first names the server and the machine in full. Items that neither ran nor failed give no line."""
+    items = [k for k in S3_MDL_ITEMS if r.get(k) is not None or f"{d}.{k}" in errors
+             or (f"{d}.s3_server" in errors and (parts is None or k in parts))]
+    lines: list = []
+    about = next((r[k] for k in items if r.get(k) is not None), None)
+    if about is not None:
+        lines.append(Line(f"{d}: S3 .mdl object: server, machine", f"{about['server']}; {about['machine']}", "",
+                          "INFO"))
+    for k in items:
+        keys = [f"{d}.s3_server", f"{d}.{k}", f"{d}.layout"]
+        lines += _S3_MDL_LINES[k](d, r.get(k), errors, keys, cache_bytes)
+    peaks = {k: max(r[k]["peak_rss"]) for k in ("s3_from_pretrained", "s3_many_readers")
+             if r.get(k) is not None and r[k].get("peak_rss")}
+    if peaks:
+        x = next(r[k] for k in peaks)
+        in_flight = x["in_flight_bytes"]
+        limit = RSS_BASE_BYTES + cache_bytes + in_flight
+        what = {"s3_from_pretrained": "from_pretrained", "s3_many_readers": f"{S3_READERS} readers"}
+        lines.append(Line(f"{d}: S3 .mdl: mount server peak RSS",
+                          "; ".join(f"{what[k]} {p / 1e6:.0f} MB" for k, p in peaks.items()),
+                          f"<= {limit / 1e6:.0f} MB ({RSS_BASE_BYTES / 1e6:.0f} + cache {cache_bytes / 1e6:.0f} + "
+                          f"in flight {in_flight / 1e6:.0f})", _verdict(max(peaks.values()) <= limit)))
+    return lines
+
+
+def _tag(x: dict) -> str:
+    return f"{x['server'].split(' serve')[0]} on {_host(x['machine'])}"
+
+
+def _mdl_cp_lines(d, x, errors, keys, cache_bytes) -> list:
+    name = f"{d}: S3 .mdl object: cp safetensors vs boto3 download"
+    return [_measured(name, errors, keys, x, lambda x: Line(
+        name, f"{x['ratio']:.2f}x ({x['ckptfs']['median_s']:.2f} vs {x['boto3']['median_s']:.2f} s; server sent "
+              f"{max(x['ckptfs']['server_sent']) / 1e6:.0f} vs {max(x['boto3']['server_sent']) / 1e6:.0f} MB; "
+              f"{_tag(x)})", f">= {S3_MDL_CP_TARGET:.2f}x (time)", _verdict(x["ratio"] >= S3_MDL_CP_TARGET)))]
+
+
+def _from_pretrained_lines(d, x, errors, keys, cache_bytes) -> list:
+    names = (f"{d}: S3 .mdl: from_pretrained / boto3 download + from_pretrained",
+             f"{d}: S3 .mdl: from_pretrained / local-file mount")
+    if x is None:
+        return [_measured(n, errors, keys, None, None) for n in names]
+    s3, dl, local = x["s3"]["median_s"], x["download"], x["local"]["median_s"]
+    return [Line(names[0], f"{x['ratio_download']:.2f}x ({s3:.2f} vs {dl['median_s']:.2f} s, download "
+                           f"{sorted(dl['download_s'])[len(dl['download_s']) // 2]:.2f} s; {_tag(x)})",
+                 f"<= {S3_FP_DOWNLOAD_TARGET:.2f}x", _verdict(x["ratio_download"] <= S3_FP_DOWNLOAD_TARGET)),
+            Line(names[1], f"{x['ratio_local']:.2f}x ({s3:.2f} vs {local:.2f} s; {_tag(x)})",
+                 f"<= {S3_FP_LOCAL_TARGET:.2f}x", _verdict(x["ratio_local"] <= S3_FP_LOCAL_TARGET))]
+
+
+def _export_hf_lines(d, x, errors, keys, cache_bytes) -> list:
+    name = f"{d}: S3 .mdl: ckptfs export --views hf vs boto3 download"
+    return [_measured(name, errors, keys, x, lambda x: Line(
+        name, f"{x['ratio']:.2f}x ({x['ckptfs']['median_s']:.2f} vs {x['boto3']['median_s']:.2f} s, start-up "
+              f"included; {_tag(x)})", f">= {S3_EXPORT_TARGET:.2f}x (time)", _verdict(x["ratio"] >= S3_EXPORT_TARGET)))]
+
+
+def _many_readers_lines(d, x, errors, keys, cache_bytes) -> list:
+    names = (f"{d}: S3 .mdl: {S3_READERS} readers, one mount: bytes sent / object",
+             f"{d}: S3 .mdl: {S3_READERS} readers, one mount: wall / one reader")
+    if x is None:
+        return [_measured(n, errors, keys, None, None) for n in names]
+    many, one = x["many"], x["one"]
+    return [Line(names[0], f"{x['bytes_ratio']:.2f}x ({max(many['server_sent']) / 1e6:.0f} of "
+                           f"{x['object_bytes'] / 1e6:.0f} MB; one reader {max(one['server_sent']) / 1e6:.0f} MB; "
+                           f"{_tag(x)})", f"<= {S3_READERS_BYTES:.2f}x", _verdict(x["bytes_ratio"] <= S3_READERS_BYTES)),
+            Line(names[1], f"{x['wall_ratio']:.2f}x ({many['median_s']:.2f} vs {one['median_s']:.2f} s; {_tag(x)})",
+                 f"<= {S3_READERS_WALL:.2f}x", _verdict(x["wall_ratio"] <= S3_READERS_WALL))]
+
+
+def _info_startup_lines(d, x, errors, keys, cache_bytes) -> list:
+    name = f"{d}: S3 .mdl: ckptfs info, spawn to first request (cold)"
+    return [_measured(name, errors, keys, x, lambda x: Line(
+        name, f"{x['cold']['first_request_s']['median_s']:.3f} s (total {x['cold']['total_s']['median_s']:.2f} s; "
+              f"warm {x['warm']['first_request_s']['median_s']:.3f} s, total {x['warm']['total_s']['median_s']:.2f} s;"
+              f" {_tag(x)})", f"<= {S3_INFO_FIRST_REQUEST_S:.2f} s",
+        _verdict(x["cold"]["first_request_s"]["median_s"] <= S3_INFO_FIRST_REQUEST_S)))]
+
+
+_S3_MDL_LINES = {"s3_mdl_cp": _mdl_cp_lines, "s3_from_pretrained": _from_pretrained_lines,
+                 "s3_export_hf": _export_hf_lines, "s3_many_readers": _many_readers_lines,
+                 "s3_info_startup": _info_startup_lines}
 
 
 def table(lines: list) -> str:

@@ -1,12 +1,12 @@
 """The S3 lines of the benchmark (issue #29): a generated checkpoint in Cerebras' S3 layout on a local
 S3-compatible endpoint (moto's server, the tests' ``tests/helpers/s3server.py``, started here on 127.0.0.1), read through
-ckptfs and against the same endpoint's other readers.
+ckptfs and against the same endpoint's other readers. The lines over the ``.mdl`` as one object (``from_pretrained``
+among them) are in ``s3mdl.py``, on an rclone server: moto's range GET copies the whole object, fine for the S3
+layout's one object per tensor, not for a checkpoint in one object.
 
 * ``cp`` of every safetensors shard from a fresh S3-sourced mount to /dev/null, against downloading the same
   checkpoint's objects with boto3's managed transfer (``s3transfer.TransferManager`` at its default concurrency)
   into /dev/null: both fetch the same bytes from the same server;
-* ``from_pretrained`` through a fresh S3-sourced mount against a fresh mount of the local ``.mdl`` the objects were
-  made from;
 * requests per 4 KiB peek: 4 KiB read at the start of every tensor's data (``tensors/…npy``) on one mount, the
   requests counted at the endpoint after each.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from . import sysutil
 from .mount import Mount
-from .sysutil import drop_caches, median, probe
+from .sysutil import drop_caches, median
 
 TESTS = Path(__file__).resolve().parent.parent.parent / "tests"
 BUCKET = "bench"
@@ -63,6 +63,12 @@ def s3_objects(mdl: Path):
             meta[k] = json.dumps(md, indent=4)
     meta["__SUCCESS__"] = True
     yield "__METADATA__", pickle.dumps(meta, protocol=4), {}
+
+
+def _moto_version() -> str:
+    from importlib.metadata import version
+
+    return version("moto")
 
 
 def upload(s3, mdl: Path, prefix: str) -> int:
@@ -117,7 +123,8 @@ def measure_s3(ctx, ck, layout: dict) -> dict:
         t0 = time.perf_counter()
         url = f"s3://{BUCKET}/run/{ck.path.stem}.mdl"
         nbytes = upload(s3, ck.path, f"run/{ck.path.stem}.mdl")
-        out = {"objects_bytes": nbytes, "upload_s": round(time.perf_counter() - t0, 1), "endpoint": "moto (local)"}
+        out = {"objects_bytes": nbytes, "upload_s": round(time.perf_counter() - t0, 1),
+               "endpoint": f"moto {_moto_version()} server, 127.0.0.1", "machine": sysutil.machine()}
         env = {**{k: v for k, v in ctx.env.items() if not k.startswith("AWS_")},
                **{k: v for k, v in s3.env().items() if k.startswith("AWS_")}}
         names = layout["safetensors"]
@@ -136,17 +143,6 @@ def measure_s3(ctx, ck, layout: dict) -> dict:
         out["cp"] = {"runs_s": [round(r, 3) for r in cp_runs], "bytes": st_bytes, "mb_s": round(cp_mb_s, 1)}
         out["boto3"] = {"runs_s": [round(r, 3) for r in boto_runs], "bytes": got, "mb_s": round(boto_mb_s, 1)}
         out["cp_ratio"] = round(cp_mb_s / boto_mb_s, 3)
-
-        fp = {"s3": [], "local": []}
-        hf_env = dict(env, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-        for _ in range(ctx.repeat):
-            for side, src in (("s3", url), ("local", ck.path)):
-                with _mount(ctx, src, f"{ck.name}:s3-fp-{side}", env, ck.params) as m:
-                    drop_caches()
-                    fp[side].append(probe("from_pretrained", m.mountpoint / layout["hf_rel"], env=hf_env)["seconds"])
-        out["from_pretrained"] = {side: {"runs_s": [round(r, 3) for r in rs], "median_s": round(median(rs), 3)}
-                                  for side, rs in fp.items()}
-        out["from_pretrained"]["ratio"] = round(median(fp["s3"]) / median(fp["local"]), 3)
 
         # where each tensor's data starts, read on a mount of the local file: touching the S3 mount's files first
         # would bring the start of their data into the page cache

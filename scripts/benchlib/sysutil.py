@@ -173,3 +173,20 @@ def wait_gone(pid: int, timeout: float = 30.0) -> bool:
 def mb_per_s(nbytes: int, seconds: float) -> float:
     """Throughput in MB/s (10^6 bytes per second, as in the docs)."""
     return nbytes / seconds / 1e6 if seconds > 0 else float("inf")
+
+
+def machine() -> str:
+    """The machine a measurement ran on, in one line: host name, CPUs (their model), memory, kernel."""
+    import platform
+
+    model = "?"
+    mem_kib = 0
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
+        with open("/proc/meminfo") as f:
+            mem_kib = next((int(ln.split()[1]) for ln in f if ln.startswith("MemTotal:")), 0)
+    except OSError:
+        pass
+    return (f"{platform.node()}: {os.cpu_count()} CPUs ({model}), {mem_kib / (1 << 20):.0f} GiB RAM, "
+            f"Linux {platform.release()}")

@@ -31,13 +31,14 @@ def rclone_binary() -> str:
 
 
 class RcloneS3:
-    """``rclone serve s3`` over ``root`` (its folders are the buckets) on an unused port of 127.0.0.1."""
+    """``rclone serve s3`` over ``root`` (its folders are the buckets) on an unused port of 127.0.0.1 (``extra``: more
+    flags of ``rclone serve s3``, e.g. a log level)."""
 
-    def __init__(self, root: Path, log: Path):
+    def __init__(self, root: Path, log: Path, extra: tuple = ()):
         self.root, self.log = Path(root), Path(log)
         self.proc = subprocess.Popen(
             [rclone_binary(), "serve", "s3", "--config", os.devnull, "--addr", "127.0.0.1:0",
-             "--auth-key", f"{ACCESS_KEY},{SECRET_KEY}", str(self.root)],
+             "--auth-key", f"{ACCESS_KEY},{SECRET_KEY}", *extra, str(self.root)],
             stdout=subprocess.DEVNULL, stderr=open(self.log, "wb"))
         deadline = time.monotonic() + 60
         while True:

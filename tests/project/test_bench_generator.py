@@ -303,3 +303,90 @@ def test_report_reproduces_the_run_with_the_exports_lines():
     assert "322 MB/s = 0.43x raw h5py" in text and "export 0.77x of it" in text
     assert "516 MB" in text and "452 MB" in text
     assert sum(x.result == "PASS" for x in lines) == 14
+
+
+def _s3_mdl_results(**over) -> dict:
+    """Measurements of the S3 lines over one ``.mdl`` object as ``benchlib/s3mdl.py`` records them (made up)."""
+    about = {"server": "rclone v1.75.2 serve s3 over a local folder, 127.0.0.1", "object_bytes": 1000 * 10**6,
+             "machine": "benchhost: 2 CPUs (Some CPU), 24 GiB RAM, Linux 6.18", "in_flight_bytes": 64 << 20}
+    r = {"s3_mdl_cp": {**about, "ckptfs": {"median_s": 4.0, "server_sent": [1001 * 10**6]},
+                       "boto3": {"median_s": 5.0, "server_sent": [1000 * 10**6]}, "ratio": 1.25},
+         "s3_from_pretrained": {**about, "s3": {"median_s": 9.0}, "local": {"median_s": 7.0},
+                                "download": {"median_s": 10.0, "download_s": [4.0, 5.0, 6.0]}, "peak_rss": [400e6],
+                                "ratio_download": 0.9, "ratio_local": 1.286},
+         "s3_export_hf": {**about, "ckptfs": {"median_s": 5.0}, "boto3": {"median_s": 6.0}, "ratio": 1.2},
+         "s3_many_readers": {**about, "one": {"median_s": 10.0, "server_sent": [1002 * 10**6]},
+                             "many": {"median_s": 12.0, "server_sent": [1050 * 10**6]}, "peak_rss": [420e6],
+                             "bytes_ratio": 1.05, "wall_ratio": 1.2},
+         "s3_info_startup": {**about, "cold": {"first_request_s": {"median_s": 0.35}, "total_s": {"median_s": 1.1}},
+                             "warm": {"first_request_s": {"median_s": 0.2}, "total_s": {"median_s": 0.8}}}}
+    for k, v in over.items():
+        item, _, field = k.partition("__")
+        r[item][field] = v
+    return r
+
+
+def _s3_mdl_lines(results: dict, errors: dict | None = None, parts=None) -> dict:
+    from benchlib import report
+
+    lines = report.target_lines({"bf16": results, "servers": [{"peak_rss": 400e6}]}, errors or {}, ["bf16"],
+                                256 << 20, parts if parts is not None else frozenset(report.S3_MDL_ITEMS))
+    return {x.target: x for x in lines}
+
+
+def test_report_s3_mdl_lines_judge_each_target():
+    """Each line of the .mdl-object S3 items is judged against its own target from the recorded ratio, names the
+    server's host, and the first names the server and the machine in full; the local lines are left out when only
+    the S3 items ran."""
+    lines = _s3_mdl_lines(_s3_mdl_results())
+    assert not any(n.startswith("bf16: raw") or n.startswith("70B") for n in lines)
+    head = lines["bf16: S3 .mdl object: server, machine"].measured
+    assert "rclone v1.75.2" in head and "benchhost: 2 CPUs (Some CPU)" in head
+    s3 = [x for n, x in lines.items() if "S3 .mdl" in n and "server, machine" not in n and "peak RSS" not in n]
+    assert len(s3) == 7 and all(x.result == "PASS" and "rclone v1.75.2 on benchhost" in x.measured for x in s3)
+    assert lines["bf16: S3 .mdl: ckptfs info, spawn to first request (cold)"].measured.startswith("0.350 s (total 1.10")
+    rss = lines["bf16: S3 .mdl: mount server peak RSS"]
+    assert rss.measured == "from_pretrained 400 MB; 4 readers 420 MB" and rss.result == "PASS" and "in flight 67" in rss.limit
+
+    failing = _s3_mdl_results(s3_mdl_cp__ratio=0.9, s3_from_pretrained__ratio_download=1.1,
+                              s3_from_pretrained__ratio_local=1.6, s3_export_hf__ratio=0.8,
+                              s3_many_readers__bytes_ratio=1.2, s3_many_readers__wall_ratio=1.4,
+                              s3_many_readers__peak_rss=[900e6],
+                              s3_info_startup__cold={"first_request_s": {"median_s": 0.5}, "total_s": {"median_s": 1}})
+    lines = _s3_mdl_lines(failing)
+    judged = [x for n, x in lines.items() if "S3 .mdl" in n and "server, machine" not in n]
+    assert len(judged) == 8 and all(x.result == "FAIL" for x in judged)
+
+
+def test_report_s3_mdl_lines_of_items_that_could_not_run():
+    """The server not starting makes every S3 item asked for an ERROR line; an item not asked for gives none."""
+    lines = _s3_mdl_lines({}, {"bf16.s3_server": "RuntimeError: rclone serve s3 did not start"},
+                          frozenset({"s3_mdl_cp", "s3_info_startup"}))
+    s3 = {n: x for n, x in lines.items() if "S3" in n}
+    assert sorted(s3) == ["bf16: S3 .mdl object: cp safetensors vs boto3 download",
+                          "bf16: S3 .mdl: ckptfs info, spawn to first request (cold)"]
+    assert all(x.result == "ERROR" and "did not start" in x.measured for x in s3.values())
+
+
+def test_first_request_at_the_server_is_read_from_rclones_log():
+    from benchlib import s3mdl
+
+    log = ("2026/12/07 02:41:49.249923 NOTICE: Local file system at /x: Starting s3 server on [http://127.0.0.1:1/]\n"
+           "2026/12/07 02:41:51.316691 DEBUG : serve s3: HEAD OBJECT bench run/checkpoint_0.mdl\n"
+           "2026/12/07 02:41:51.324262 DEBUG : serve s3: GET OBJECT Bucket: bench Object: run/checkpoint_0.mdl\n")
+    from datetime import datetime, timezone
+
+    want = datetime(2026, 12, 7, 2, 41, 51, 316691, tzinfo=timezone.utc).timestamp()
+    assert s3mdl.first_request(log) == want
+    assert s3mdl.first_request(log.splitlines()[0]) is None
+
+
+def test_bench_only_names_parts():
+    import bench
+
+    assert bench.parse_parts("s3") == frozenset(bench.S3_PARTS)
+    assert bench.parse_parts("local, s3_info_startup") == {"local", "s3_info_startup"}
+    with pytest.raises(ValueError, match="unknown part 'S3'"):
+        bench.parse_parts("S3")
+    assert bench.parse_args(["--only", "s3", "--dtype", "both"]).dtypes == ["bf16"]
+    assert set(bench.parse_args(["--no-s3"]).parts) == {"local", "70b"}
