@@ -137,9 +137,12 @@ class S3Client:
         from botocore.config import Config
         from botocore.exceptions import BotoCoreError
 
+        from .s3models import use_model_loader
+
         where = self.endpoint
         try:
             session = botocore.session.Session(profile=self.settings.profile)
+            use_model_loader(session)
             return session.create_client(
                 "s3", endpoint_url=self.settings.endpoint_url, region_name=self.settings.region,
                 config=Config(connect_timeout=CONNECT_TIMEOUT, read_timeout=READ_TIMEOUT,
