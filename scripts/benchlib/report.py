@@ -20,6 +20,7 @@ RSS_BASE_BYTES = 300 * 10**6  # peak server RSS ≤ 300 MB + --cache-size
 HF_TO_CS_TARGET = 1.0  # reading an HF folder's mounted .mdl ≥ 1.0 × a plain read of its safetensors (issue 30)
 S3_CP_TARGET = 1.0  # cp from an S3-sourced mount ≥ 1.0 × boto3's managed download of the same objects (issue #29)
 S3_PEEK_REQUESTS = 3  # a 4 KiB read of one tensor on a mounted checkpoint costs at most 3 requests
+S3_FIRST_REQUEST_S = 0.4  # `ckptfs info s3://…`: its first request within 0.4 s of the process's start
 
 
 @dataclass
@@ -276,7 +277,17 @@ def _s3_lines(d: str, s3: dict | None, errors: dict) -> list:
             Line(names[1], f"{fp['ratio']:.2f}x ({fp['s3']['median_s']:.2f} vs {fp['local']['median_s']:.2f} s)",
                  "", "INFO"),
             Line(names[2], f"max {pk['max_requests']}, mean {pk['mean_requests']:.2f} ({pk['tensors']} tensors)",
-                 f"<= {S3_PEEK_REQUESTS}", _verdict(pk["max_requests"] <= S3_PEEK_REQUESTS))]
+                 f"<= {S3_PEEK_REQUESTS}", _verdict(pk["max_requests"] <= S3_PEEK_REQUESTS))] + _first_request(d, s3)
+
+
+def _first_request(d: str, s3: dict) -> list:
+    """The line of ``ckptfs info``'s time to its first request (none in the reports of runs before it was measured)."""
+    fr = s3.get("first_request")
+    if fr is None:
+        return []
+    return [Line(f"{d}: S3 info, seconds to the first request",
+                 f"{fr['median_s']:.2f} s (median of {len(fr['runs_s'])})", f"<= {S3_FIRST_REQUEST_S:.2f} s",
+                 _verdict(fr["median_s"] <= S3_FIRST_REQUEST_S))]
 
 
 def table(lines: list) -> str:
