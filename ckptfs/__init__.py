@@ -5,4 +5,17 @@ Python API: ``ckptfs.open`` (the virtual tree), ``ckptfs.open_run`` (a training 
 """
 __version__ = "0.1.0"
 
-from .api import export, load, open, open_run  # noqa: E402,F401
+#: the API's names, imported on first use: the CLI (``python -m ckptfs``) imports this package first, and a command
+#: that reads an S3 location must not wait for modules it does not need before its first request
+_API = ("export", "load", "open", "open_run")
+__all__ = list(_API)
+
+
+def __getattr__(name: str):
+    if name not in _API:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from . import api
+
+    value = getattr(api, name)
+    globals()[name] = value
+    return value

@@ -24,8 +24,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     which is most of a cold ``ckptfs mount``'s start)."""
     p = argparse.ArgumentParser(prog="ckptfs", description="Mount Cerebras checkpoints as Hugging Face / torch / upgraded Cerebras files, converted lazily on read.")
     p.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
-    p.add_argument("--version", action="version", version=f"ckptfs {version()}",
-                   help="print the installed version and exit")
+    p.add_argument("--version", action=_Version, help="print the installed version and exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in [only] if only else COMMANDS:
@@ -45,6 +44,18 @@ def version() -> str:
         return dist_version("ckptfs")
     except PackageNotFoundError:
         return "(not installed: run from a source tree)"
+
+
+class _Version(argparse.Action):
+    """``--version``: the version is looked up only when asked for (reading the package metadata costs every command's
+    start tens of milliseconds)."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"ckptfs {version()}")  # on stdout, as argparse's own version action
+        parser.exit()
 
 
 def _command_named(argv: list) -> str | None:

@@ -221,10 +221,11 @@ def format_hf(src: HFSourceInfo, s: Summary) -> str:
 
 
 def run(args) -> int:
-    from ..readers import open_checkpoint
     from .runinfo import as_json, classify_argument, format_run, scan_run
 
-    src = classify_argument(args)
+    src = classify_argument(args)  # before the readers are imported: an S3 location's first request leaves sooner
+    from ..readers import open_checkpoint
+
     where = src.path
     if src.is_hf:  # a Hugging Face model: its files, and the checkpoint a mount of it serves
         from ..mapping.hf_checkpoint import open_hf_checkpoint

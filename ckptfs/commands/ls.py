@@ -76,10 +76,11 @@ def format_lines(ckpt, long: bool = False):
 
 
 def run(args) -> int:
-    from ..readers import open_checkpoint
     from .runinfo import classify_argument, format_run, scan_run
 
-    src = classify_argument(args)
+    src = classify_argument(args)  # before the readers are imported: an S3 location's first request leaves sooner
+    from ..readers import open_checkpoint
+
     where = src.path
     if src.is_run and not args.single:  # a model_dir: the run's checkpoints
         print(format_run(scan_run(where, args.allow_external or ())))

@@ -198,7 +198,7 @@ class Recogniser:
 def _s3(p: Probe) -> SourceKind | None:
     if not is_s3_url(p.path):
         return None
-    from ckptfs.readers.s3.open import LAYOUT, OBJECT, RUN as S3RUN, classify as s3_classify
+    from ckptfs.readers.s3.target import LAYOUT, OBJECT, RUN as S3RUN, classify as s3_classify
 
     try:
         loc = p.path if isinstance(p.path, S3Location) else parse_s3_url(str(p.path), p.settings)
@@ -222,7 +222,7 @@ def _s3(p: Probe) -> SourceKind | None:
 def _s3_member(p: Probe, loc: S3Location) -> SourceKind:
     """``RUN/latest`` or ``RUN/checkpoint_<step>`` of a run in a bucket: that checkpoint."""
     from ckptfs.readers.run.scan import RunScanner
-    from ckptfs.readers.s3.open import RUN as S3RUN, classify as s3_classify
+    from ckptfs.readers.s3.target import RUN as S3RUN, classify as s3_classify
 
     try:
         run = s3_classify(loc.parent)

@@ -1,9 +1,9 @@
-"""The S3 client ckptfs reads buckets with: boto3 configured as every AWS tool is, bounded in time, with one-line
-errors that never carry a secret.
+"""The S3 client ckptfs reads buckets with: botocore (boto3's core) configured as every AWS tool is, bounded in time,
+with one-line errors that never carry a secret.
 
 Credentials, region, endpoint and addressing style come from where boto3 finds them (the environment, ``~/.aws``
 profiles, ``AWS_ENDPOINT_URL``…); ``S3Settings`` can name a profile and an endpoint URL on top (``--profile``,
-``--endpoint-url``). One client per settings per process (boto3 clients are thread-safe; a forked child makes its
+``--endpoint-url``). One client per settings per process (botocore clients are thread-safe; a forked child makes its
 own, since the parent's pooled connections cannot be shared). Every request has a connect and a read timeout and
 is retried with exponential backoff and jitter (botocore's "standard" mode) a bounded number of times, so a
 vanished or stalled endpoint makes a request fail within ``worst_case_seconds()``, never hang; for ``DOWN_SECONDS``
@@ -118,7 +118,7 @@ class S3Client:
         self._down: tuple | None = None  # (monotonic time until which requests fail at once, the failure)
         self._silent: dict = {}  # location -> (monotonic time until which its requests fail at once, the failure)
 
-    # -- the boto3 client --------------------------------------------------------------------------------------
+    # -- the botocore client -----------------------------------------------------------------------------------
     @property
     def client(self):
         c = self._client
@@ -130,14 +130,20 @@ class S3Client:
             return self._client
 
     def _make(self):
-        import boto3
+        # botocore's own session, not boto3's: a low-level client is all ckptfs uses, and boto3's import (its
+        # resources, s3transfer) is a good part of a cold ``ckptfs info s3://…``'s start (docs/measurements.md).
+        # The session finds credentials, region, profile and endpoint exactly as boto3's does (boto3 wraps it)
+        import botocore.session
         from botocore.config import Config
         from botocore.exceptions import BotoCoreError
 
+        from .s3models import use_model_loader
+
         where = self.endpoint
         try:
-            session = boto3.session.Session(profile_name=self.settings.profile)
-            return session.client(
+            session = botocore.session.Session(profile=self.settings.profile)
+            use_model_loader(session)
+            return session.create_client(
                 "s3", endpoint_url=self.settings.endpoint_url, region_name=self.settings.region,
                 config=Config(connect_timeout=CONNECT_TIMEOUT, read_timeout=READ_TIMEOUT,
                               retries={"mode": "standard", "total_max_attempts": ATTEMPTS},
@@ -437,7 +443,7 @@ _clients_lock = threading.Lock()
 
 def client_for(settings: S3Settings) -> S3Client:
     """The process's client for ``settings`` and the ``AWS_*`` environment boto3 reads (endpoint, profile,
-    credentials): made once for each, its boto3 client on first use. A program that points the environment at another
+    credentials): made once for each, its botocore client on first use. A program that points the environment at another
     endpoint between two opens gets a client for that endpoint, not the first one's."""
     key = (settings, aws_environment())
     with _clients_lock:

@@ -29,6 +29,7 @@ S3_READERS = 4  # readers loading the model together through one mount
 S3_READERS_BYTES = 1.1  # bytes the server sent for them ≤ 1.1 × the object
 S3_READERS_WALL = 1.3  # their wall time ≤ 1.3 × one reader's
 S3_INFO_FIRST_REQUEST_S = 0.4  # ckptfs info: process spawned to its first request at the server
+S3_FIRST_REQUEST_S = 0.4  # `ckptfs info s3://…`: its first request within 0.4 s of the process's start
 
 
 @dataclass
@@ -305,7 +306,7 @@ def _s3_lines(d: str, s3: dict | None, errors: dict) -> list:
     at = f"; {s3['endpoint'].split(' server')[0]}{on}" if on else ""
     out.append(Line(names[1], f"max {pk['max_requests']}, mean {pk['mean_requests']:.2f} ({pk['tensors']} tensors{at})",
                     f"<= {S3_PEEK_REQUESTS}", _verdict(pk["max_requests"] <= S3_PEEK_REQUESTS)))
-    return out
+    return out + _first_request(d, s3)
 
 
 def _host(machine: str) -> str:
@@ -401,6 +402,16 @@ def _info_startup_lines(d, x, errors, keys, cache_bytes) -> list:
 _S3_MDL_LINES = {"s3_mdl_cp": _mdl_cp_lines, "s3_from_pretrained": _from_pretrained_lines,
                  "s3_export_hf": _export_hf_lines, "s3_many_readers": _many_readers_lines,
                  "s3_info_startup": _info_startup_lines}
+
+
+def _first_request(d: str, s3: dict) -> list:
+    """The line of ``ckptfs info``'s time to its first request (none in the reports of runs before it was measured)."""
+    fr = s3.get("first_request")
+    if fr is None:
+        return []
+    return [Line(f"{d}: S3 layout: ckptfs info, seconds to the first request",
+                 f"{fr['median_s']:.2f} s (median of {len(fr['runs_s'])})", f"<= {S3_FIRST_REQUEST_S:.2f} s",
+                 _verdict(fr["median_s"] <= S3_FIRST_REQUEST_S))]
 
 
 def table(lines: list) -> str:

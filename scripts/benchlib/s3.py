@@ -107,6 +107,71 @@ def _boto3_download(s3, prefix: str) -> tuple:
     return secs, sizes
 
 
+class _Relay:
+    """A TCP relay on 127.0.0.1 in front of the endpoint, noting when its first connection arrives."""
+
+    def __init__(self, port: int):
+        import socket
+        import threading
+
+        self.upstream, self.first = port, None
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:  # closed
+                return
+            if self.first is None:
+                self.first = time.perf_counter()
+            up = socket.create_connection(("127.0.0.1", self.upstream))
+            for a, b in ((conn, up), (up, conn)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a, b) -> None:
+        import socket
+
+        try:
+            while data := a.recv(1 << 16):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            try:
+                b.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def first_request_s(s3, url: str, env: dict, repeat: int) -> list:
+    """Seconds from the start of ``ckptfs info URL`` to its first connection at the endpoint, each of ``repeat``
+    runs after one not counted (it warms the page cache)."""
+    relay = _Relay(s3.port)
+    runs = []
+    try:
+        for i in range(repeat + 1):
+            relay.first = None
+            t0 = time.perf_counter()
+            sysutil.run([sys.executable, "-m", "ckptfs", "info", url], env=dict(env, AWS_ENDPOINT_URL=relay.url))
+            if relay.first is None:
+                raise sysutil.StepError(f"ckptfs info {url} made no request")
+            if i:
+                runs.append(relay.first - t0)
+    finally:
+        relay.close()
+    return runs
+
+
 def _mount(ctx, url_or_path, label: str, env: dict, config=None) -> Mount:
     from .measure import _ids  # one numbering of mount points per run
 
@@ -127,6 +192,9 @@ def measure_s3(ctx, ck, layout: dict) -> dict:
                "endpoint": f"moto {_moto_version()} server, 127.0.0.1", "machine": sysutil.machine()}
         env = {**{k: v for k, v in ctx.env.items() if not k.startswith("AWS_")},
                **{k: v for k, v in s3.env().items() if k.startswith("AWS_")}}
+        runs = first_request_s(s3, url, dict(env, CKPTFS_CACHE_DIR=str(ctx.workdir / "ckptfs-cache" / "s3-info")),
+                               ctx.repeat)
+        out["first_request"] = {"runs_s": [round(r, 3) for r in runs], "median_s": round(median(runs), 3)}
         names = layout["safetensors"]
         st_bytes = sum(layout["sizes"][n] for n in names)
         cp_runs, boto_runs = [], []

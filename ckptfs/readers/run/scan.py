@@ -39,8 +39,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Hashable
 
-import numpy as np
-
 from ...errors import CheckpointError
 from ...storage.base import Folder
 from ...storage.locate import folder_of
@@ -48,7 +46,6 @@ from ...storage.s3url import is_s3_url
 from ckptfs.readers.cerebras.h5errors import open_problem
 from ..hf import zipdir
 from ...errors import one_line
-from ..legacy_torch.reader import HEAD_BYTES, ZIP_MAGIC, is_legacy_torch
 from .resolve import CHECKPOINT_FILE, checkpoint_name
 
 #: the temporary file of a save in progress (or of a failed one): ``<checkpoint name>.<8 hex>.tmp``
@@ -126,7 +123,10 @@ def parse_name(name: str):
 def probe(path) -> tuple:
     """``(complete, status)`` of one checkpoint file (a path, or a file object over a blob), from its root attributes
     only (HDF5 opened without locking); a legacy-mode checkpoint (a ``torch.save`` zip) from its zip end record."""
-    import h5py  # the LZ4 filter is registered: this module imports .h5store, which registers it on import
+    import h5py
+    import numpy as np
+
+    from ..cerebras import h5store  # noqa: F401 - registers the LZ4 filter on import
 
     torch_zip = probe_torch_zip(path)
     if torch_zip is not None:
@@ -165,6 +165,8 @@ def probe_torch_zip(path) -> tuple | None:
 
 
 def _probe_torch(f, size: int) -> tuple | None:
+    from ..legacy_torch.reader import HEAD_BYTES, ZIP_MAGIC, is_legacy_torch
+
     f.seek(0)
     head = f.read(HEAD_BYTES)
     if not is_legacy_torch(head):

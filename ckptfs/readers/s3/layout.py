@@ -33,8 +33,8 @@ from ...guard.safepickle import Limits, PickleRefused, loads_plain
 from ..cerebras.serializers import LeafFactory, tensor_dtype, tensor_shape
 from ...catalog.validate import shape_problem
 from ckptfs.guard.zstd_bound import ZstdRefused, decompress_bounded
+from .target import METADATA
 
-METADATA = "__METADATA__"
 #: largest ``__METADATA__`` read (a 100,000-key checkpoint's is tens of MB)
 MAX_METADATA_BYTES = 256 << 20
 #: largest pickled object (kept opaque) read at catalog time, stored or decompressed
