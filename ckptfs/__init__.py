@@ -7,12 +7,11 @@ __version__ = "0.1.0"
 
 #: the API's names, imported on first use: the CLI (``python -m ckptfs``) imports this package first, and a command
 #: that reads an S3 location must not wait for modules it does not need before its first request
-_API = ("export", "load", "open", "open_run")
-__all__ = list(_API)
+__all__ = ["export", "load", "open", "open_run"]
 
 
 def __getattr__(name: str):
-    if name not in _API:
+    if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from . import api
 
