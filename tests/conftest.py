@@ -59,16 +59,17 @@ def fixtures() -> Path:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """A test of the fast subset (not marked slow) that started a program or imported TensorFlow, in its setup, body
-    or teardown, fails at its teardown: it belongs to ``slow`` (the fast subset's time is in-process work)."""
+    """A test of the fast subset (not marked slow) that started a program or imported TensorFlow, in its setup
+    (its fixtures) or its body, fails: it belongs to ``slow``. Teardowns are not watched: a module's fixtures end in
+    the teardown of whichever of its tests a worker runs last, slow or not."""
     outcome = yield
     report = outcome.get_result()
-    if call.when != "teardown" or _watched[0] is None or _watched[0][0] != item.nodeid:
+    if _watched[0] is None or _watched[0][0] != item.nodeid or (call.when == "setup" and report.passed):
         return
     _, started, had_tf = _watched[0]
     _watched[0] = None
     if not had_tf and "tensorflow" in sys.modules:
-        started.append("import tensorflow")
+        started.append("imported tensorflow")
     if started and report.passed:
         report.outcome = "failed"
         report.longrepr = (f"{item.nodeid} is in the fast subset (not marked slow) but "
