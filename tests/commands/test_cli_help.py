@@ -6,6 +6,8 @@ import pytest
 
 from helpers import run_ckptfs
 
+pytestmark = pytest.mark.slow  # every test runs the CLI
+
 FORMS = [".mdl", "legacy torch.save", "model_dir", "Hugging Face model folder", "ORG/NAME", "s3://", "S3 layout",
          "run", "TensorFlow checkpoint"]
 

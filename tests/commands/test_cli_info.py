@@ -13,6 +13,8 @@ import torch
 
 from helpers import FIXTURES as FIX, run_ckptfs
 
+pytestmark = pytest.mark.slow  # every test runs the CLI
+
 ROOT = Path(__file__).parent.parent.parent
 EDGE = FIX / "cstorch_edge_cases"
 ALL_MDL = sorted(FIX.rglob("*.mdl"))
@@ -24,7 +26,6 @@ def _attrs(p: Path) -> dict:
         return {k: f.attrs[k] for k in ("__version__", "__cstorch_version__", "__SUCCESS__") if k in f.attrs}
 
 
-@pytest.mark.slow  # one ckptfs process per fixture
 @pytest.mark.parametrize("mdl", GOOD_MDL, ids=lambda p: str(p.relative_to(FIX)))
 def test_info_on_every_fixture(mdl):
     r = run_ckptfs("info", mdl, text=True, timeout=120)
@@ -87,8 +88,7 @@ def _bad_inputs(tmp_path: Path) -> list[Path]:
     return [d, text, trunc, plain, st, pt, tmp_path / "missing.mdl", EDGE / "intkeys.mdl", *tmps]
 
 
-@pytest.mark.parametrize("command", [["info"], *(pytest.param(c, marks=pytest.mark.slow)  # a process per input
-                                                 for c in (["info", "--json"], ["ls"], ["ls", "-l"]))])
+@pytest.mark.parametrize("command", [["info"], ["info", "--json"], ["ls"], ["ls", "-l"]])
 def test_bad_inputs_exit_2_with_one_line(tmp_path, command):
     for bad in _bad_inputs(tmp_path):
         r = run_ckptfs(*command, bad, text=True, timeout=120)

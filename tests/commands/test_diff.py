@@ -83,6 +83,7 @@ def test_a_one_element_change_is_found_decoding_only_its_chunk(tmp_path, capsys)
     assert code == 0 and doc["equal"]
 
 
+@pytest.mark.slow  # runs the CLI
 def test_text_report_names_the_change_and_counts_the_rest(tmp_path):
     r = run_ckptfs("diff", TRAIN, with_one_element_changed(tmp_path), text=True)
     lines = r.stdout.splitlines()
@@ -194,6 +195,7 @@ def diff_text(capsys, *args):
     return code, out.out, out.err
 
 
+@pytest.mark.slow  # runs the CLI
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys):
     r = run_ckptfs("diff", TRAIN, tmp_path / "nope.mdl", text=True)
     assert r.returncode == 2 and r.stderr.strip() == f"ckptfs: error: {tmp_path / 'nope.mdl'}: no such file or directory"

@@ -19,6 +19,7 @@ def ckpt(tmp_path):
     return p
 
 
+@pytest.mark.slow  # runs the CLI
 def test_every_file_exports_the_tree_bytes(ckpt, tmp_path):
     tree = fake_tree(ckpt)
     for path in tree.file_paths():
@@ -32,6 +33,7 @@ def test_every_file_exports_the_tree_bytes(ckpt, tmp_path):
         assert not (tmp_path / "out.bin.tmp").exists()
 
 
+@pytest.mark.slow  # runs the CLI
 def test_stdout_and_directory_destinations(ckpt, tmp_path):
     tree = fake_tree(ckpt)
     want = tree.read("model.safetensors", 0, 1 << 30)
@@ -44,12 +46,14 @@ def test_stdout_and_directory_destinations(ckpt, tmp_path):
     assert (outdir / "model.safetensors").read_bytes() == want
 
 
+@pytest.mark.slow  # runs the CLI
 def test_view_options_change_what_exists(ckpt, tmp_path):
     r = run_ckptfs("export", ckpt, "config.json", tmp_path / "c.json", "--views", "tensors", fake=FAKE, timeout=120)
     assert r.returncode == 2
     assert b"no such file" in r.stderr
 
 
+@pytest.mark.slow  # runs the CLI
 def test_unknown_path_lists_close_matches(ckpt, tmp_path):
     r = run_ckptfs("export", ckpt, "model.safetensor", tmp_path / "x", fake=FAKE, timeout=120)
     assert r.returncode == 2
@@ -60,6 +64,7 @@ def test_unknown_path_lists_close_matches(ckpt, tmp_path):
     assert r.returncode == 2 and b"is a directory" in r.stderr and b"bias.npy" in r.stderr
 
 
+@pytest.mark.slow  # runs the CLI
 def test_read_error_exits_2_and_leaves_no_partial_file(ckpt, tmp_path):
     dest = tmp_path / "broken.pt"
     r = run_ckptfs("export", ckpt, FAILING, dest, fake=FAKE, timeout=120)
@@ -73,6 +78,7 @@ def test_read_error_exits_2_and_leaves_no_partial_file(ckpt, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["broken.pt", "fake.mdl"]
 
 
+@pytest.mark.slow  # runs the CLI
 def test_bad_checkpoint_is_one_line_exit_2(tmp_path):
     bad = tmp_path / "garbage.mdl"
     bad.write_bytes(b"garbage" * 1000)
@@ -99,6 +105,7 @@ def test_real_checkpoint_export_matches_the_tree(tmp_path):
         tree.close()
 
 
+@pytest.mark.slow  # runs the CLI
 def test_a_model_dir_means_its_latest_checkpoint(tmp_path):
     model_dir = tmp_path / "model_dir"
     model_dir.mkdir()
@@ -109,6 +116,7 @@ def test_a_model_dir_means_its_latest_checkpoint(tmp_path):
     assert "checkpoint_200.mdl" in r.stdout.decode()
 
 
+@pytest.mark.slow  # runs the CLI
 def test_a_model_dir_of_dated_checkpoints_means_the_latest_one(tmp_path):
     """Model Zoo's ``checkpoint_<step>_<YYYYmmdd_HHMMSS>.mdl`` names: ``ckptfs export model_dir`` takes the highest
     step, then the later date (before, such a folder had "no checkpoint_<step>.mdl file")."""
@@ -122,6 +130,7 @@ def test_a_model_dir_of_dated_checkpoints_means_the_latest_one(tmp_path):
     assert "checkpoint_200_20240102_030405.mdl" in r.stdout.decode()
 
 
+@pytest.mark.slow  # runs the CLI
 def test_a_model_dir_of_links_to_elsewhere_needs_allow_external(tmp_path):
     """Checkpoint files that are links out of the model_dir are what the model_dir names: confined like the rest."""
     model_dir = tmp_path / "model_dir"

@@ -11,7 +11,7 @@ import pytest
 
 from helpers import FIXTURES, real_env, run_ckptfs
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # every test runs the CLI
 
 LLAMA = FIXTURES / "llama" / "cs"
 

@@ -128,12 +128,14 @@ def test_an_interrupted_export_leaves_no_part_file_and_resumes(tmp_path):
     assert {p: b for p, b in listing(out).items() if b is not None} == want
 
 
+@pytest.mark.slow  # runs the CLI
 def test_outdir_that_is_a_file_is_a_usage_error(tmp_path):
     (tmp_path / "f").write_text("x")
     r = run_ckptfs("export", LLAMA, tmp_path / "f")
     assert r.returncode == 2 and b"not a directory" in r.stderr
 
 
+@pytest.mark.slow  # runs the CLI
 def test_progress_bar_on_a_terminal(tmp_path):
     master, slave = pty.openpty()
     try:

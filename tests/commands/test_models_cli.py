@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from ckptfs.cli import main
 from ckptfs.mapping.lang.families import list_models
 from helpers import run_ckptfs
@@ -35,6 +37,7 @@ def test_filter_and_unknown(capsys):
     assert "unknown model 'bort'" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # runs the CLI
 def test_runs_as_a_program():
     out = run_ckptfs("models", "--hide-notes", text=True, check=True).stdout
     assert "code-llama-headless" in out and "NOTES" not in out

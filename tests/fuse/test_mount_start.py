@@ -33,6 +33,7 @@ def test_status_error_of_an_unknown_class_is_a_ckptfs_error():
     assert relayed_error(b"not json\n") is None
 
 
+@pytest.mark.slow  # starts a Python process
 def test_the_cli_starts_a_mount_without_importing_what_a_tree_needs():
     """Everything ``ckptfs mount`` does before it starts the server: parse, options, mount point, libfuse."""
     code = """if True:
@@ -59,6 +60,7 @@ def test_the_cli_starts_a_mount_without_importing_what_a_tree_needs():
     assert r.stdout.strip() == ";[]"
 
 
+@pytest.mark.slow  # starts a Python process
 def test_the_cli_imports_only_the_command_it_runs():
     """``ckptfs mount …`` (also after ``--debug``) imports the mount command's module alone; ``ckptfs --help`` and
     anything that is not a command name still get the parser of every command."""

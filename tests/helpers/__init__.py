@@ -2,9 +2,10 @@
 way tests run the ``ckptfs`` command as a user would (``run_ckptfs``, in ``real_env()``), and the markers.
 
 Markers: ``needs_fuse`` (a usable /dev/fuse: skipped where there is none, a failure when ``CKPTFS_REQUIRE_FUSE=1``,
-as ``.ci/run`` sets) and ``slow`` (real mounts, conformance and property tests: every ``needs_fuse`` test and every
-hypothesis test is marked here, the conformance modules mark themselves). ``pytest -m "not slow"`` is the fast
-subset.
+as ``.ci/run`` sets) and ``slow`` (tests that start processes: the CLI, an S3 server, TensorFlow, a FUSE mount; and
+conformance and property tests: every ``needs_fuse`` test and every hypothesis test is marked by conftest, the others
+mark themselves). ``pytest -m "not slow"`` is the fast subset: there, a test that starts a program or imports
+TensorFlow fails (conftest), so the subset stays in-process work.
 """
 from __future__ import annotations
 

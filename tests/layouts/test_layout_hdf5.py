@@ -248,6 +248,7 @@ def test_key_collision_and_bad_link_raise_with_path():
         Hdf5Layout(Container("dict", ["a"], [LinkEntry("nope")]))
 
 
+@pytest.mark.slow  # starts a Python process
 def test_memory_stays_bounded_while_copying_out(tmp_path):
     """64 MiB of tensors through an 8 MiB cache: the traced peak stays near the cache size."""
     script = textwrap.dedent("""

@@ -281,6 +281,7 @@ def zip_tools_ok(path) -> bool:
     return ok
 
 
+@pytest.mark.slow  # runs the zip tools
 def test_exact_crc_copy_passes_zip_tools_zero_does_not(llama_state, tmp_path):
     exact = write_out(TorchZipLayout(llama_state, "m"), tmp_path / "exact.bin")
     zero = write_out(TorchZipLayout(llama_state, "m", crc="zero"), tmp_path / "zero.bin")
@@ -291,6 +292,7 @@ def test_exact_crc_copy_passes_zip_tools_zero_does_not(llama_state, tmp_path):
         check_loaded(torch.load(p, weights_only=True, mmap=True), llama_state)
 
 
+@pytest.mark.slow  # runs the zip tools
 def test_exact_crc_after_random_reads_passes_zip_tools(llama_state, tmp_path):
     """CRCs assembled from out-of-order partial reads and on-demand hashing are still right."""
     layout = TorchZipLayout(llama_state, "m")

@@ -133,6 +133,7 @@ def tf_many(tmp_path_factory):
     return prefix
 
 
+@pytest.mark.slow  # runs TensorFlow in a process
 def test_multi_block_index_from_real_tensorflow(tf_many):
     data = Path(str(tf_many) + ".index").read_bytes()
     assert len(data) > 2 * (256 << 10)

@@ -12,6 +12,8 @@ from transformers import MptConfig
 from helpers import FIXTURES
 from helpers.fuse import mounted
 
+pytestmark = pytest.mark.needs_fuse  # both tests read the config.json a real mount serves
+
 CASE = FIXTURES / "mpt"
 #: keys the fixture's original config.json differs by, and why
 #: - layer_norm_epsilon: the fixture's user workaround removed it from the original (MANIFEST hf_config_edit);

@@ -91,6 +91,7 @@ def test_unallocated_checkpoint_is_metadata_only(tmp_path):
         assert len(ck.tensors()) == info["keys"]
 
 
+@pytest.mark.slow  # starts processes
 def test_ckptfs_info_accepts_generated_checkpoint(tmp_path):
     out = tmp_path / "checkpoint_0.mdl"
     gen.write_checkpoint(out, TINY, "bf16")
@@ -260,6 +261,7 @@ def test_report_judges_the_exports_peak_rss_against_the_cache_bound():
         assert lines[name].result == verdict and lines[name].measured == f"{peak / 1e6:.0f} MB"
 
 
+@pytest.mark.slow  # starts processes
 def test_timed_peak_reports_the_commands_own_peak_rss():
     """``timed_peak`` gives the peak RSS of the command it ran, neither that of the largest child waited for before
     nor the memory of the process that starts it (a forked child's ``ru_maxrss`` counts its parent's): a child holding

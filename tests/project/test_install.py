@@ -160,6 +160,7 @@ def test_the_installed_wheel_prints_its_version_and_mounts(wheel, user_env, tmp_
             force_unmount(mnt)
 
 
+@pytest.mark.slow  # starts a Python process
 def test_load_without_torch_says_what_to_install():
     code = ("import sys; sys.modules['torch'] = None\n"  # as if torch were not installed
             "import ckptfs\n"
@@ -170,6 +171,7 @@ def test_load_without_torch_says_what_to_install():
     assert "pip install 'ckptfs[torch]'" in last
 
 
+@pytest.mark.slow  # starts a Python process
 def test_version_is_the_package_metadatas():
     r = subprocess.run([sys.executable, "-m", "ckptfs", "--version"], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == f"ckptfs {metadata.version('ckptfs')}", r.stdout + r.stderr

@@ -72,6 +72,7 @@ def tensor_bytes(mdl: Path, key: str) -> bytes:
 # -- attack 5: a catalog index someone else wrote, or one edited by hand --------------------------------------------
 
 
+@pytest.mark.slow  # runs the CLI
 def test_an_index_planted_in_a_shared_cache_is_not_served(tmp_path):
     """A shared CKPTFS_CACHE_DIR: another user creates ``catalogs/`` world-writable before the victim's first mount,
     then renames a doctored index over the victim's. The victim's next export must serve the checkpoint's own

@@ -589,6 +589,7 @@ def test_a_block_of_raw_chunks_is_read_chunk_by_chunk_and_compressed_ones_in_a_b
         assert batches
 
 
+@pytest.mark.slow  # starts a Python process
 def test_reading_a_checkpoint_registers_only_the_lz4_filter(tmp_path):
     """Opening a checkpoint's store makes HDF5 read LZ4 datasets (its own filter pipeline, not ours) without
     importing hdf5plugin, whose import loads every filter library it ships (a fifth of a cold mount)."""

@@ -34,6 +34,7 @@ class _CreatesFile:
         return (open, (self.path, "w"))
 
 
+@pytest.mark.slow  # starts processes
 def test_pickled_object_is_never_unpickled(tmp_path):
     marker = tmp_path / "pwned"
     crafted = pickle.dumps(_CreatesFile(marker), protocol=4)
@@ -56,6 +57,7 @@ def test_pickled_object_is_never_unpickled(tmp_path):
     assert marker.exists()
 
 
+@pytest.mark.slow  # starts processes
 def test_legacy_object_value_stays_opaque(tmp_path):
     marker = tmp_path / "pwned"
     crafted = pickle.dumps(_CreatesFile(marker), protocol=4)
@@ -73,6 +75,7 @@ def test_legacy_object_value_stays_opaque(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.slow  # starts processes
 def test_legacy_spec_refuses_foreign_globals(tmp_path):
     marker = tmp_path / "pwned"
     ck = tmp_path / "legacy04.mdl"
@@ -99,6 +102,7 @@ def test_spec_unpickler_admits_only_pytree_classes(payload):
         SpecUnpickler.find_class(SpecUnpickler(__import__("io").BytesIO(b"")), "os", "system")
 
 
+@pytest.mark.slow  # starts processes
 def test_legacy_spec_decodes_without_torch_or_dill(tmp_path):
     """The decoder runs in a process where importing torch or dill is impossible."""
     code = (

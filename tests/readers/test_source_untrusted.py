@@ -57,6 +57,7 @@ def test_allow_external_opts_a_folder_in_but_never_hdf5_indirection(crafted):
                 assert isinstance(leaf, UnreadableLeaf), key
 
 
+@pytest.mark.slow  # runs the CLI
 def test_info_and_ls_show_why(crafted):
     ckpt, _ = crafted
     info = run_ckptfs("info", ckpt, text=True, timeout=120)
@@ -80,6 +81,7 @@ def test_hostile_metadata_is_unreadable_from_the_catalog(tmp_path):
         assert isinstance(c.leaves["model.lm_head.weight"], TensorLeaf)
 
 
+@pytest.mark.slow  # runs the CLI
 def test_checkpoint_that_is_a_fifo_is_refused_without_opening_it(tmp_path):
     os.mkfifo(tmp_path / "checkpoint.mdl")
     r = run_ckptfs("info", tmp_path / "checkpoint.mdl", text=True, timeout=120)

@@ -122,6 +122,7 @@ def test_api_open_load_and_export(tmp_path):
     assert _mdl_bytes(tmp_path / "x.mdl") == _planned(src)
 
 
+@pytest.mark.slow  # runs the CLI
 def test_cli_export_info_ls_and_errors(tmp_path):
     src = save_llama(tmp_path / "m", fmt="bin")
     env = hf_env()
@@ -144,6 +145,7 @@ def test_cli_export_info_ls_and_errors(tmp_path):
         assert "pytorch_model.bin" in r.stderr and "zip" in r.stderr, r.stderr
 
 
+@pytest.mark.slow  # runs the CLI
 def test_convert_config_of_an_hf_config(tmp_path, fixtures):
     want = yaml.safe_load((fixtures / "llama" / "cs" / "params.yaml").read_text())
     r = run_ckptfs("convert-config", fixtures / "llama" / "hf" / "config.json", env=hf_env(), text=True, check=True)

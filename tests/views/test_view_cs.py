@@ -208,6 +208,7 @@ def test_opaque_object_copied_as_bytes(tmp_path):
     assert f["obj"].attrs["__BYTES__"].tobytes() == h5py.File(EDGE / "obj.mdl", "r")["obj"].attrs["__BYTES__"].tobytes()
 
 
+@pytest.mark.slow  # starts a Python process
 def test_memory_bounded_copy_of_a_checkpoint_larger_than_the_cache(tmp_path):
     """64 MiB source, 8 MiB cache: copying cs/<stem>.mdl out keeps the traced peak near the cache size."""
     root = Container("dict", ["model", "global_step"], [

@@ -195,6 +195,7 @@ def test_crc_mode_follows_options(tmp_path):
     assert_same(load(vf, tmp_path / "z.pt"), torch.load(EDGE / "src.ref.pt", weights_only=True))
 
 
+@pytest.mark.slow  # starts a Python process
 def test_memory_bounded_copy_of_a_checkpoint_larger_than_the_cache(tmp_path):
     root = Container("dict", ["model", "optimizer"], [
         Container("dict", [f"w{i}" for i in range(2)], [TensorEntry(RampTensor(4 << 20, i)) for i in range(2)]),

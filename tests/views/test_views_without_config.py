@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 import ckptfs
@@ -18,6 +19,7 @@ def _lonely_checkpoint(tmp_path) -> Path:
     return ckpt
 
 
+@pytest.mark.slow  # runs the CLI
 def test_missing_params_leave_hf_out_with_the_reason_and_keep_other_views(tmp_path):
     ckpt = _lonely_checkpoint(tmp_path)
     tree = ckptfs.open(ckpt)

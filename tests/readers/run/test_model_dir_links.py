@@ -16,7 +16,7 @@ from helpers import needs_fuse, real_env, run_ckptfs
 from helpers.fuse import mounted
 from helpers.run import model_dir, norm_of, save
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # every test runs the CLI or mounts
 
 
 @pytest.fixture

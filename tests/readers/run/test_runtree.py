@@ -239,6 +239,7 @@ def test_single_and_files_are_not_runs(tmp_path):
         open_run(f)
 
 
+@pytest.mark.slow  # runs the CLI
 def test_ls_and_info_of_a_model_dir_list_the_run(tmp_path):
     d = model_dir(tmp_path / "run")
     save(d, 100)

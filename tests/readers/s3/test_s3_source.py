@@ -119,6 +119,7 @@ def test_a_silent_endpoint_fails_within_the_bound_then_at_once(monkeypatch):
 
 
 
+@pytest.mark.slow  # starts an S3 server
 def test_a_peek_reads_no_part_ahead_and_a_sequential_read_does(tmp_path, monkeypatch):
     """Against a local endpoint: a few large reads in order (the blocks a 4 KiB peek's read-ahead asks for) fetch
     only the part under them; reads continuing each other over a whole part queue the parts ahead, by groups."""
@@ -213,6 +214,7 @@ def _small_parts(monkeypatch, keep: int, ahead: int) -> tuple:
     return part, s3object.PartPool()
 
 
+@pytest.mark.slow  # starts an S3 server
 def test_parts_asked_for_ahead_come_by_groups_and_stay_until_read(tmp_path, monkeypatch):
     """``will_need`` fetches aligned groups of ``FETCH_PARTS`` parts, one request each, no more than ``AHEAD_BYTES``
     at once; parts fetched ahead outlive other reads pushing the cache over its budget, so the read that comes for
@@ -247,6 +249,7 @@ def test_parts_asked_for_ahead_come_by_groups_and_stay_until_read(tmp_path, monk
         pool.close()
 
 
+@pytest.mark.slow  # starts an S3 server
 def test_a_small_read_of_a_part_in_flight_waits_for_it_instead_of_asking_again(tmp_path, monkeypatch):
     """An object announced ahead (one part, in flight) and then read a little, by one range and by ``read_spans``
     (whose small ranges otherwise go to the request threads): the read gets the part's bytes, one GET in all. Before,
@@ -308,6 +311,7 @@ def _uploaded(srv, monkeypatch, tmp_path, mdl) -> str:
     return f"s3://{bench_s3.BUCKET}/run/checkpoint_0.mdl"
 
 
+@pytest.mark.slow  # starts an S3 server
 def test_a_sequential_read_fetches_the_next_objects_ahead_and_no_byte_twice(tmp_path, monkeypatch):
     """Reading ``model.safetensors`` of a checkpoint in Cerebras' S3 layout in order, as the FUSE server serves it:
     while the first tensor is read, the objects of the tensors after it are already asked for (without that, every
@@ -406,6 +410,7 @@ def test_only_a_stream_through_the_file_announces_what_follows():
     assert {name for name, *_ in announced} >= {"t2", "t3"}
 
 
+@pytest.mark.slow  # starts an S3 server
 def test_a_tree_over_object_storage_keeps_its_parts_within_its_cache_size(tmp_path, monkeypatch):
     """``--cache-size`` bounds an S3 mount as it bounds a local one: the tree's block cache gets half of it, the parts
     fetched from the endpoint (read, or fetched ahead and not read yet) the other half, and a whole file read in
@@ -480,6 +485,7 @@ def test_parts_that_arrive_over_the_budget_are_dropped_when_they_arrive():
         pool.close()
 
 
+@pytest.mark.slow  # starts an S3 server
 def test_parts_fetched_ahead_and_dropped_unread_pause_fetching_ahead(tmp_path, monkeypatch):
     """A reader that does not follow what was fetched ahead for it (a loader reading tensors in an order of its own)
     has the parts fetched ahead dropped unread once they exceed their budget; from then on nothing is fetched ahead
@@ -517,6 +523,7 @@ def test_parts_fetched_ahead_and_dropped_unread_pause_fetching_ahead(tmp_path, m
         pool.close()
 
 
+@pytest.mark.slow  # starts an S3 server
 def test_an_objects_own_read_ahead_goes_on_while_announcements_pause(tmp_path, monkeypatch):
     """While fetching ahead is paused, a reader's announcements (``will_need``) fetch nothing, but a sequential read
     still has the parts after it fetched ahead by its object (a loader reading a tensor whole after its first pass
