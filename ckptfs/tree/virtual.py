@@ -300,6 +300,17 @@ class VirtualTree(Tree):
         """A file handle for ``entry``: here its inode number (an immutable tree has nothing to keep alive)."""
         return entry.ino
 
+    def opened(self, entry: Entry) -> None:
+        """Announce the whole file's tensor bytes to their storage, in the file's order, when the tree's tensors are
+        in object storage (``cache.remote``): a loader memory-maps the file and reads its tensors in the model's
+        order, by page faults, so the parts are fetched ahead, concurrently across objects, and kept until read,
+        within the ahead budget of the parts (what does not fit is asked for when read). A local tree announces
+        nothing (its storage reads ahead by itself)."""
+        cache = self.cache
+        will_need = getattr(entry.file, "will_need", None)  # a generated file (``PiecedFile``)
+        if cache is not None and cache.remote and will_need is not None:
+            will_need(0, entry.size)
+
     def entry_by_handle(self, fh: int) -> Entry:
         return self.entry_by_ino(fh)
 
