@@ -2,7 +2,9 @@
 
 The result is what ``cp -r MOUNT/. OUTDIR`` gives, file for file and byte for byte, without FUSE. Files are cut into
 blocks that a thread pool decodes in parallel; each block is written at its offset into ``<file>.part``, which is
-renamed to its name once complete (after an fsync), with the mount's modification time. Folders and files are made
+renamed to its name once complete (after an fsync), with the mount's modification time. From a tree in object
+storage the blocks are announced to their storage ahead of the ones queued (``ANNOUNCE_AHEAD``), so the objects'
+parts are fetched concurrently while blocks decode; memory: the parts' budget plus the blocks in flight. Folders and files are made
 through ``ckptfs.state.outfiles`` (no link followed below OUTDIR, no FIFO opened, nothing but a regular file replaced). A
 re-run keeps a file only when the record of an earlier export (``export_record``) says it finished that very file
 from the same content, and redoes the rest; leftover ``.part`` files are rewritten from the start.
@@ -27,6 +29,10 @@ from .export_record import ExportRecord, content_key
 
 BLOCK = 8 << 20
 PART = ".part"
+#: from a tree in object storage, the blocks this many bytes past the last one queued are announced to their storage
+#: (``PiecedFile.will_need``): their parts are fetched concurrently, across objects, while the queued blocks decode
+#: (the parts' ahead budget bounds what is fetched; a block announced when the budget was full is fetched when read)
+ANNOUNCE_AHEAD = 64 << 20
 
 
 @dataclass
@@ -186,9 +192,12 @@ def _export(tree: Tree, out: OutputDir, record: ExportRecord, threads, progress:
     pool = ThreadPoolExecutor(max_workers=threads or default_threads(), thread_name_prefix="ckptfs-export")
     pending = set()
     ok = False
+    announce = _Announcer(jobs) if tree.cache is not None and tree.cache.remote else None
     try:
         window = 4 * (threads or default_threads())  # blocks in flight: bounded memory, files finish in order
         for job in jobs:
+            if announce is not None:
+                announce.queued(job)
             pending.add(pool.submit(run, job))
             if len(pending) >= window:
                 pending = _drain(pending, report, bar, FIRST_COMPLETED)
@@ -214,6 +223,30 @@ def _export(tree: Tree, out: OutputDir, record: ExportRecord, threads, progress:
         if bar:
             bar.close()
     return report
+
+
+class _Announcer:
+    """Announces the blocks of ``jobs`` to their storage in the order they are queued, ``ANNOUNCE_AHEAD`` bytes
+    ahead of the last one queued, each once (a tree in object storage: ``cache.remote``)."""
+
+    def __init__(self, jobs: list, ahead: int = ANNOUNCE_AHEAD):
+        self.jobs, self.ahead = jobs, ahead
+        self.next = 0  # the first job not announced yet
+        self.queued_bytes = self.announced_bytes = 0
+
+    def queued(self, job) -> None:
+        """``job`` is being queued: announce the jobs up to ``ahead`` bytes past it."""
+        self.queued_bytes += job[2]
+        while self.next < len(self.jobs) and self.announced_bytes < self.queued_bytes + self.ahead:
+            pf, off, n = self.jobs[self.next]
+            self.next += 1
+            self.announced_bytes += n
+            will_need = getattr(pf.entry.file, "will_need", None)  # a generated file (``PiecedFile``)
+            if will_need is not None and n:
+                try:
+                    will_need(off, off + n)
+                except Exception:  # noqa: BLE001 - a hint: the block's own read reports what is wrong
+                    pass
 
 
 def _drain(pending: set, report: ExportReport, bar, how) -> set:

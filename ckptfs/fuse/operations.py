@@ -228,9 +228,14 @@ class CkptfsOperations:
         if e.is_dir:
             raise _oserror(errno.EISDIR)
         try:
-            return self._tree.open(e)  # the handle keeps reading what it was opened on until release
+            fh = self._tree.open(e)  # the handle keeps reading what it was opened on until release
         except VirtualPathError as err:
             raise _oserror(err.errno) from None
+        try:
+            self._tree.opened(e)  # a tree in object storage fetches the file's tensors ahead
+        except Exception as err:  # a hint: the file's reads say what is wrong, if anything
+            log.debug("announcing %s failed: %s", path, err)
+        return fh
 
     def read(self, path, size, offset, fh):
         return self._serve(path, fh, lambda e: self._tree.read(e, offset, size))

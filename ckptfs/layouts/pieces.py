@@ -502,6 +502,17 @@ class PiecedFile(VirtualFile):
                 will_need(max(a - start, 0), b - start)
             i += 1
 
+    def will_need(self, a: int, b: int) -> None:
+        """Announce the tensor bytes of file bytes ``[a, b)`` to their storage, in the file's order (best effort,
+        never waits: an S3 object's parts are queued while the ahead budget allows, the rest is asked for when
+        read). The FUSE server announces a whole file of a tree in object storage when it is opened
+        (``VirtualTree.opened``): a loader reads it in the model's order, not the file's, so the read-ahead behind
+        a stream of reads does not serve it."""
+        plan = self.plan()
+        a, b = max(0, a), min(b, plan.size)
+        if a < b:
+            self._announce(plan, bisect_right(plan.starts, a) - 1, a, b)
+
     def explain(self, offset: int) -> Explanation:
         plan = self.plan()
         if not 0 <= offset < plan.size:

@@ -127,6 +127,10 @@ class Tree(ABC):
     def open(self, entry: TreeEntry) -> int:
         """A handle serving ``entry``'s file until ``release`` (what it reads from is kept alive meanwhile)."""
 
+    def opened(self, entry: TreeEntry) -> None:
+        """``entry`` was just opened by a reader (the FUSE server's ``open``): a tree whose tensors are in object
+        storage announces the file's tensor bytes to their storage (``VirtualTree.opened``). Nothing by default."""
+
     @abstractmethod
     def entry_by_handle(self, fh: int) -> TreeEntry:
         """The entry an open handle serves (``VirtualPathError`` when it is not open)."""

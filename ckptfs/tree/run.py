@@ -394,6 +394,11 @@ class RunTree(Tree):
             self._handles[fh] = entry
             return fh
 
+    def opened(self, entry: RunEntry) -> None:
+        """What the checkpoint tree of ``entry`` does for a file just opened (``VirtualTree.opened``)."""
+        if entry.inner is not None:
+            entry.tree.opened(entry.inner)
+
     def entry_by_handle(self, fh: int) -> RunEntry:
         with self._lock:
             e = self._handles.get(fh)

@@ -120,6 +120,7 @@ class VirtualTree(Tree):
         items.sort(key=itemgetter(0))  # sorted paths: every directory before its entries, siblings by name
         self._place(items)
         self._recent_dirs: dict = {}  # normalised path -> inode of directories recently looked into (bounded)
+        self._announced: dict = {}  # inodes of the files ``opened`` announced, oldest first (bounded)
 
     def _place(self, items: list) -> None:
         """Number the nodes of the sorted ``items`` (and the directories they imply) in path order and fill the
@@ -301,6 +302,27 @@ class VirtualTree(Tree):
         """A file handle for ``entry``: here its inode number (an immutable tree has nothing to keep alive)."""
         return entry.ino
 
+    def opened(self, entry: Entry) -> None:
+        """Announce the whole file's tensor bytes to their storage, in the file's order, when the tree's tensors are
+        in object storage (``cache.remote``): a loader memory-maps the file and reads its tensors in the model's
+        order, by page faults, so the parts are fetched ahead, concurrently across objects, and kept until read,
+        within the ahead budget of the parts (what does not fit is asked for when read). Once per file (the last
+        ``ANNOUNCED_FILES`` remembered): opened again, its pages are in the kernel's cache, or its parts were read
+        and let go, and announcing them again would fetch them again. A local tree announces nothing (its storage
+        reads ahead by itself)."""
+        cache = self.cache
+        will_need = getattr(entry.file, "will_need", None)  # a generated file (``PiecedFile``)
+        if cache is None or not cache.remote or will_need is None or entry.ino in self._announced:
+            return
+        announced = self._announced  # a race announces a file twice at worst (harmless: parts are not asked twice)
+        announced[entry.ino] = None
+        while len(announced) > ANNOUNCED_FILES:
+            try:
+                del announced[next(iter(announced))]
+            except (KeyError, StopIteration, RuntimeError):  # emptied or changed by a concurrent open
+                break
+        will_need(0, entry.size)
+
     def entry_by_handle(self, fh: int) -> Entry:
         return self.entry_by_ino(fh)
 
@@ -336,6 +358,8 @@ class VirtualTree(Tree):
 #: how many directories a tree remembers the inode of (a lookup in one of them is a single bisection: ``ls -lR``
 #: and FUSE's path-based calls look up the entries of one directory after another)
 RECENT_DIRS = 1024
+#: how many files a tree remembers it announced when opened (``VirtualTree.opened``)
+ANNOUNCED_FILES = 4096
 
 
 def _checked_parts(path, same: dict | None = None) -> tuple:
