@@ -70,14 +70,14 @@ class BlobRegionTensor(VirtualTensor):
         item = self.dtype.itemsize
         spans = [(self.offset + start * item, self.offset + (start + n) * item)
                  for start, n in box_runs(self.shape, box)]
-        buf, at, _ = self.blob.read_spans(spans, lambda n: scratch("blob_region", n))
+        buf, at = self.blob.read_spans(spans, lambda n: scratch("blob_region", n))
         src, dst, pos = memoryview(buf), memoryview(out.reshape(-1).view(np.uint8)), 0
         for (lo, end), a in zip(spans, at):
             dst[pos:pos + end - lo] = src[a:a + end - lo]
             pos += end - lo
 
     def _read_exact(self, offset: int, n: int) -> bytes:
-        buf, at, _ = self.blob.read_spans([(offset, offset + n)], lambda size: scratch("blob_region", size))
+        buf, at = self.blob.read_spans([(offset, offset + n)], lambda size: scratch("blob_region", size))
         return bytes(memoryview(buf)[at[0]:at[0] + n])
 
     def _check_version(self) -> None:

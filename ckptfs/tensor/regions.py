@@ -225,7 +225,7 @@ class FileRegionTensor(VirtualTensor):
         b = self.blob()
         spans = [(base + start * item, base + (start + n) * item) for start, n in runs]
         try:
-            got, starts, _ = b.read_spans(spans, page_aligned, hint=False)
+            got, starts = b.read_spans(spans, page_aligned, hint=False)
             self._changed(self._now(b))
         except ShortRead:
             raise self._fail(f"external {self.what} {self.path.name} is truncated") from None

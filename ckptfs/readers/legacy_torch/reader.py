@@ -94,7 +94,7 @@ def _read(blob: Blob):
         n = max(0, min(n, blob.size - offset))
         if n == 0:
             return b""
-        buf, at, _ = blob.read_spans([(offset, offset + n)], lambda size: mmap.mmap(-1, max(size, 1)), hint=False)
+        buf, at = blob.read_spans([(offset, offset + n)], lambda size: mmap.mmap(-1, max(size, 1)), hint=False)
         return bytes(memoryview(buf)[at[0]:at[0] + n])
 
     return read
