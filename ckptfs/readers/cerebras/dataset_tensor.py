@@ -7,8 +7,8 @@
   Its chunks can also be looked at as stored (``stored_layout``, ``stored_chunk``, ``read_stored_chunk``):
   ``ckptfs diff`` tells equal chunks apart without decoding them.
 * ``FullTensor``: a constant-fill tensor (DeferredFullTensor) with no data on disk.
-* ``FileRegionTensor``: raw little-endian C-order elements at an offset of a plain file
-  (a .safetensors data block, a legacy DeferredFileTensor file), read run by run.
+* ``BlobRegionTensor`` (``ckptfs.tensor.regions``): raw little-endian C-order elements at an offset of a plain
+  file (a .safetensors data block, a legacy DeferredFileTensor file), read run by run.
 
 Any failure while reading becomes ``TensorReadError(checkpoint path, "tensor <key>: <problem>")``.
 """
