@@ -78,6 +78,16 @@ def open_regular_file(path) -> LocalFile:
     return LocalFile(path, fd=open_regular(path))
 
 
+def read_regular(path, limit: int) -> bytes:
+    """At most ``limit`` bytes of the regular file ``path`` (a small pointer or ref), opened as ``open_regular``
+    does: ``RefusedReference`` for a link or a non-regular file, ``OSError`` otherwise."""
+    blob = open_regular_file(path)
+    try:
+        return blob.read(0, limit)
+    finally:
+        blob.close()
+
+
 @dataclass(frozen=True)
 class Confinement:
     """Where external references may lead: the checkpoint's folder, then the ``--allow-external`` folders

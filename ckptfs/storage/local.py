@@ -288,6 +288,21 @@ class LocalFile(Blob):
     __del__ = close
 
 
+def open_if_regular(path) -> LocalFile | None:
+    """The file at ``path`` (links followed) as a ``LocalFile`` when it is a regular file; None when it is anything
+    else (a FIFO is not waited on: the open does not block); ``OSError`` when it cannot be opened."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not block the open
+    try:
+        regular = stat_mod.S_ISREG(os.fstat(fd).st_mode)
+    except OSError:
+        os.close(fd)
+        raise
+    if not regular:
+        os.close(fd)
+        return None
+    return LocalFile(path, fd=fd)  # owns the descriptor from here
+
+
 def hint_will_need(fd: int, offset: int, length: int) -> None:
     """Ask the kernel to start reading ``[offset, offset + length)`` of ``fd`` into its page cache (best effort)."""
     advise = getattr(os, "posix_fadvise", None)
@@ -353,8 +368,15 @@ class LocalFolder(Folder):
         return LocalFile(str(self.path / name))
 
     def read_text(self, name: str, limit: int = 1 << 16) -> str:
-        with open(self.path / name, "rb") as f:
-            return f.read(limit).decode("utf-8", "replace")
+        """A regular file's text (links followed); ``OSError`` for anything else (a FIFO is refused, not waited on)."""
+        path = self.path / name
+        blob = open_if_regular(path)
+        if blob is None:
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        try:
+            return blob.read(0, limit).decode("utf-8", "replace")
+        finally:
+            blob.close()
 
     def folder(self, name: str) -> "LocalFolder":
         return LocalFolder(self.path / name)

@@ -12,7 +12,6 @@ the outcome is remembered for this version of the shard. Then each read takes on
 from __future__ import annotations
 
 import math
-import os
 import threading
 from pathlib import Path
 
