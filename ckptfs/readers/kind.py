@@ -582,11 +582,6 @@ def classify_local(p: Probe) -> SourceKind:
     return p.nothing(f"{what}, not a checkpoint file: not opened ({_WHAT_WORKS})")
 
 
-def classify_required(location, **kw) -> SourceKind:
-    """``classify(location).require()``: the kind, or the one-line ``CheckpointError``."""
-    return classify(location, **kw).require()
-
-
 def is_hf_folder(path) -> bool:
     """Whether ``path`` is served as a Hugging Face model (a model folder, a multi-folder model, a Hub cache
     repository or snapshot) rather than a Model Zoo ``model_dir``: ``source.kind`` decides (a folder holding

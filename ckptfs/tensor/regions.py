@@ -164,10 +164,6 @@ class RegionFile(Blob):
         return b
 
     @property
-    def is_open(self) -> bool:
-        return self._blob is not None
-
-    @property
     def size(self) -> int:
         return self.blob().size
 

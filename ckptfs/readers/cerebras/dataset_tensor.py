@@ -14,7 +14,6 @@ Any failure while reading becomes ``TensorReadError(checkpoint path, "tensor <ke
 """
 from __future__ import annotations
 
-import itertools
 import math
 import threading
 from array import array
@@ -239,10 +238,6 @@ class StoredLayout:
 
     def __hash__(self) -> int:
         return hash(self._key())
-
-    def chunk_origins(self):
-        """The first element of every chunk of the grid, in C order of the grid."""
-        return itertools.product(*(range(0, n, c) for n, c in zip(self.shape, self.chunks)))
 
     def chunk_box(self, origin: tuple) -> Box:
         """The elements of the chunk starting at ``origin`` (edge chunks clipped to the shape)."""
