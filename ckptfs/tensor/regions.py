@@ -300,7 +300,7 @@ class BlobRegionTensor(VirtualTensor):
     def _read_runs(self, base: int, box: Box, out: np.ndarray) -> None:
         item = self.dtype.itemsize
         spans = [(base + start * item, base + (start + n) * item) for start, n in box_runs(self.shape, box)]
-        buf, at = self.blob.read_spans(spans, self.scratch, hint=False)
+        buf, at = self.blob.read_spans(spans, self.scratch)  # the backend may announce what follows
         src, dst, pos = memoryview(buf), memoryview(out.reshape(-1).view(np.uint8)), 0
         for (lo, end), a in zip(spans, at):
             dst[pos:pos + end - lo] = src[a:a + end - lo]
