@@ -140,7 +140,7 @@ class RegionFile(Blob):
     does not pay an open per block, and a model of many shards holds no descriptor for a shard never read.
     Opening raises ``RefusedReference``, ``FileNotFoundError`` or ``OSError``."""
 
-    __slots__ = ("path", "name", "confinement", "_blob", "_lock")
+    __slots__ = ("path", "name", "confinement", "_blob", "_lock", "_closed")
 
     def __init__(self, path: Path, confinement: Confinement | None = None):
         self.path = Path(path)
@@ -148,12 +148,15 @@ class RegionFile(Blob):
         self.confinement = confinement
         self._blob: LocalFile | None = None
         self._lock = threading.Lock()
+        self._closed = False
 
     def blob(self) -> LocalFile:
         """The open file."""
         b = self._blob
         if b is None:
             with self._lock:
+                if self._closed:  # as a closed LocalFile: a read after close fails, it does not open the file again
+                    raise OSError(errno.EBADF, "read after close", str(self.path))
                 if self._blob is None:
                     if not os.path.lexists(self.path):  # missing: not a reference to refuse
                         raise FileNotFoundError(errno.ENOENT, "not found", str(self.path))
@@ -192,7 +195,7 @@ class RegionFile(Blob):
 
     def close(self) -> None:
         with self._lock:
-            b, self._blob = self._blob, None
+            b, self._blob, self._closed = self._blob, None, True
         if b is not None:
             b.close()
 
