@@ -5,6 +5,7 @@ import errno
 import mmap
 import os
 import random
+import threading
 
 import pytest
 
@@ -384,3 +385,32 @@ def test_only_pages_cached_before_they_were_announced_count_as_served_from_memor
     cached["now"] = False
     assert f.read_into(view, 48 * ALIGN, n) == (n, True)  # from the disk
     assert counts() == (m + 2, w + 1)
+
+
+def test_a_folder_reads_a_regular_file_s_text_and_refuses_a_fifo_without_waiting(tmp_path):
+    """``Folder.read_text`` reads at most ``limit`` bytes of a regular file (a link to one too); a FIFO is refused at
+    once (opening it for reading would wait for a writer forever) — ``open_if_regular`` says None for it."""
+    (tmp_path / "latest").write_text("checkpoint_100.mdl\n" + "x" * 100)
+    (tmp_path / "link").symlink_to("latest")
+    os.mkfifo(tmp_path / "fifo")
+    folder = LocalFolder(tmp_path)
+    assert folder.read_text("latest", 18) == "checkpoint_100.mdl"
+    assert folder.read_text("link", 18) == "checkpoint_100.mdl"
+    got = {}
+
+    def read():
+        try:
+            folder.read_text("fifo")
+        except OSError as e:
+            got["error"] = e
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():  # unblock the reader before failing
+        os.close(os.open(tmp_path / "fifo", os.O_WRONLY | os.O_NONBLOCK))
+    assert "error" in got and got["error"].errno == errno.EINVAL
+    assert local.open_if_regular(tmp_path / "fifo") is None
+    f = local.open_if_regular(tmp_path / "link")
+    assert f is not None and f.read(0, 10) == b"checkpoint"
+    f.close()
