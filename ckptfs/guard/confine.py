@@ -18,7 +18,7 @@ import stat as stat_mod
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..storage.local import within
+from ..storage.local import LocalFile, within
 
 
 class RefusedReference(Exception):
@@ -71,6 +71,21 @@ def open_regular(path) -> int:
         os.close(fd)
         raise RefusedReference(f"{path} is {kind}, not a regular file")
     return fd
+
+
+def open_regular_file(path) -> LocalFile:
+    """The regular file ``path`` as a ``LocalFile`` (the storage layer's ``Blob``), opened as ``open_regular`` does."""
+    return LocalFile(path, fd=open_regular(path))
+
+
+def read_regular(path, limit: int) -> bytes:
+    """At most ``limit`` bytes of the regular file ``path`` (a small pointer or ref), opened as ``open_regular``
+    does: ``RefusedReference`` for a link or a non-regular file, ``OSError`` otherwise."""
+    blob = open_regular_file(path)
+    try:
+        return blob.read(0, limit)
+    finally:
+        blob.close()
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from pathlib import Path
 import yaml
 
 from ..errors import ConfigError
+from ..storage.local import open_if_regular
 
 #: largest params file read (Model Zoo params are a few KB)
 MAX_BYTES = 16 << 20
@@ -79,7 +80,13 @@ def load_params_yaml(path) -> object:
     if st.st_size > MAX_BYTES:
         raise ConfigError(path, f"params YAML is {st.st_size} bytes, more than the {MAX_BYTES} a params file may have")
     try:
-        text = path.read_bytes()[:MAX_BYTES + 1].decode("utf-8", "replace")
+        blob = open_if_regular(path)  # a FIFO swapped in since the stat is not waited on
+        if blob is None:
+            raise ConfigError(path, "params YAML is not a regular file")
+        try:
+            text = blob.read(0, MAX_BYTES + 1).decode("utf-8", "replace")
+        finally:
+            blob.close()
     except OSError as e:
         raise ConfigError(path, f"cannot read params YAML: {e.strerror or e}") from None
     loader = _Loader(text)

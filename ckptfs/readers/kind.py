@@ -67,6 +67,7 @@ from pathlib import Path
 from typing import Callable
 
 from ckptfs.errors import CheckpointError
+from ckptfs.storage.local import LocalFile
 from ckptfs.storage.s3url import BadS3Url, S3Location, S3Settings, is_s3_url, parse_s3_url, url_problem
 
 HDF5_FILE = "hdf5"  # a Cerebras checkpoint file (.mdl), local
@@ -143,18 +144,39 @@ class Probe:
     _head: bytes | None = None
     _size: int = 0
     _names: list | None = None
+    _file: LocalFile | None = None  # the file, opened by the first read (a regular file: the "file" stage)
     read_error: str | None = None
+
+    def read(self, offset: int, n: int) -> bytes:
+        """``n`` bytes of the file from ``offset`` (fewer at its end), through the storage layer; ``OSError``."""
+        if self._file is None:
+            self._file = LocalFile(self.path)
+        return self._file.read(offset, n)
+
+    def close(self) -> None:
+        """Close the file the reads opened."""
+        f, self._file = self._file, None
+        if f is not None:
+            f.close()
 
     def head(self) -> bytes:
         """The file's first 16 bytes."""
         if self._head is None:
             try:
-                with open(self.path, "rb") as f:
-                    self._head = f.read(16)
-                    self._size = os.fstat(f.fileno()).st_size
+                self._head = self.read(0, 16)
+                self._size = self._file.size
             except OSError as e:
                 self._head, self.read_error = b"", e.strerror or str(e)
         return self._head
+
+    def signature_at(self, offset: int) -> bool:
+        """Whether the HDF5 signature is at ``offset`` of the file."""
+        from ckptfs.readers.cerebras.h5store import HDF5_SIGNATURE
+
+        try:
+            return self.read(offset, 8) == HDF5_SIGNATURE
+        except OSError:
+            return False
 
     @property
     def size(self) -> int:
@@ -314,26 +336,13 @@ def _tf_index(p: Probe) -> SourceKind | None:
         if is_index_file(Path(p.path)) else None
 
 
-def _signature_at(path):
-    def at(offset: int) -> bool:
-        from ckptfs.readers.cerebras.h5store import HDF5_SIGNATURE
-
-        try:
-            with open(path, "rb") as f:
-                f.seek(offset)
-                return f.read(8) == HDF5_SIGNATURE
-        except OSError:
-            return False
-    return at
-
-
 def _hdf5(p: Probe) -> SourceKind | None:
     from ckptfs.readers.cerebras.h5store import what_bytes_are
 
     head = p.head()
     if p.read_error:
         return None
-    if what_bytes_are(head, p.size, _signature_at(p.path)) is None:
+    if what_bytes_are(head, p.size, p.signature_at) is None:
         return p.kind(HDF5_FILE)
     return None
 
@@ -358,8 +367,7 @@ def _legacy_torch(p: Probe) -> SourceKind | None:
     from ckptfs.readers.legacy_torch.reader import HEAD_BYTES, is_legacy_torch
 
     try:
-        with open(p.path, "rb") as f:
-            head = f.read(HEAD_BYTES)
+        head = p.read(0, HEAD_BYTES)
     except OSError:
         return None
     return p.kind(LEGACY_TORCH, reason="a torch.save file (legacy mode)") if is_legacy_torch(head) else None
@@ -370,7 +378,7 @@ def _unknown_file(p: Probe) -> SourceKind:
 
     if p.head() == b"" and p.read_error:
         return p.nothing(f"cannot be read ({p.read_error})")
-    why = what_bytes_are(p.head(), p.size, _signature_at(p.path)) or "not a Cerebras checkpoint"
+    why = what_bytes_are(p.head(), p.size, p.signature_at) or "not a Cerebras checkpoint"
     if "safetensors" in why or "zip" in why:
         why += " (a Hugging Face weight file: give the model folder that holds it with its config.json)"
     return p.nothing(why)
@@ -562,18 +570,16 @@ def classify_local(p: Probe) -> SourceKind:
         return p.nothing("no such file or directory" if isinstance(e, FileNotFoundError)
                          else f"cannot be read ({e.strerror or e})")
     if stat.S_ISREG(st.st_mode):
-        return _first("file", p) or _unknown_file(p)
+        try:
+            return _first("file", p) or _unknown_file(p)
+        finally:
+            p.close()
     if stat.S_ISDIR(st.st_mode):
         return _first("folder", p) or _unknown_folder(p)
     from ckptfs.guard.confine import non_regular_kind
 
     what = non_regular_kind(st) or "neither a regular file nor a folder"
     return p.nothing(f"{what}, not a checkpoint file: not opened ({_WHAT_WORKS})")
-
-
-def classify_required(location, **kw) -> SourceKind:
-    """``classify(location).require()``: the kind, or the one-line ``CheckpointError``."""
-    return classify(location, **kw).require()
 
 
 def is_hf_folder(path) -> bool:

@@ -8,12 +8,11 @@ catalog from the index that open wrote (``catalog_index``), and the HDF5 file op
 from __future__ import annotations
 
 import os
-import stat
 from pathlib import Path
 
 from ..errors import CheckpointError
 from ..state.dirs import cache_dir
-from ..storage.local import FileIdentity
+from ..storage.local import FileIdentity, open_if_regular
 from ..storage.s3url import is_s3_url
 from .cerebras import catalog_cache as catalog_index
 from ..catalog.model import Checkpoint
@@ -23,7 +22,6 @@ from .cerebras.catalog import read_hdf5_catalog
 from .legacy_torch.reader import HEAD_BYTES, is_legacy_torch, open_legacy_torch
 from .run.resolve import resolve_checkpoint
 from ckptfs.readers.tf.locate import is_index_file as is_tf_index
-from ..storage.local import LocalFile
 
 def open_checkpoint(path, *, allow_partial: bool = False, allow_external=()) -> Checkpoint:
     """Open a Cerebras checkpoint (a file, or a model_dir meaning its latest checkpoint).
@@ -65,16 +63,10 @@ def _open_legacy_torch(file_path: Path) -> Checkpoint | None:
     """The catalog of a legacy-mode checkpoint (a ``torch.save`` file, ``legacy_torch``), or None for any other
     file (an HDF5 checkpoint; opening it says what anything else is)."""
     try:
-        fd = os.open(file_path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not block the open
+        blob = open_if_regular(file_path)
     except OSError:
         return None  # opening it as HDF5 says why
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            return None
-        blob = LocalFile(str(file_path), fd=fd)  # owns the descriptor from here
-    except OSError:
-        os.close(fd)
+    if blob is None:
         return None
     try:
         if not is_legacy_torch(blob.read(0, HEAD_BYTES)):

@@ -1,7 +1,8 @@
 """Reading the header of a .safetensors file (a Hugging Face model's weights, or one a checkpoint refers to as
-DeferredSafeTensor), so each tensor becomes a ``FileRegionTensor`` over the file's data block. The file is opened as
-a regular file only (``confine.open_regular``: never blocks on a FIFO) and every entry is checked: a valid shape
-whose byte size equals its data range, inside the file.
+DeferredSafeTensor), so each tensor becomes a ``BlobRegionTensor`` over the file's data block. The header is read
+through the storage layer (``read_safetensors_header(blob)``); a local file is opened as a regular file only
+(``confine.open_regular_file``: never blocks on a FIFO). Every entry is checked: a valid shape whose byte size equals its
+data range, inside the file.
 
 The header is untrusted JSON, so it is bounded before it is parsed and parsed in linear time: at most
 ``MAX_HEADER_BYTES`` (safetensors itself takes up to 100 MB; a genuine header is about 150 bytes a tensor), nested
@@ -12,16 +13,17 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import struct
+from contextlib import closing
 
 import numpy as np
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..dtypes import BY_NAME, DType
-from ..guard.confine import open_regular
+from ..guard.confine import open_regular_file
+from ..storage.base import Blob
 from ..catalog.validate import shape_problem
 
 _BY_CODE = {d.safetensors: d for d in BY_NAME.values()}
@@ -74,21 +76,26 @@ class SafetensorsEntry:
     offset: int  # absolute byte offset of the tensor's data in the file
 
 
-def read_safetensors_header(path: Path) -> dict:
-    """name -> SafetensorsEntry; ValueError with a one-line reason if the header is unusable (``RefusedReference``
-    if ``path`` is not a regular file)."""
-    fd = open_regular(path)
-    with open(fd, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
-        raw = fh.read(8)
-        if len(raw) != 8:
-            raise ValueError("file too short for a safetensors header")
-        (n,) = struct.unpack("<Q", raw)
-        if n > size - 8:
-            raise ValueError(f"safetensors header length {n} is implausible for a {size}-byte file")
-        if n > MAX_HEADER_BYTES:
-            raise ValueError(f"safetensors header is {n} bytes, more than the {MAX_HEADER_BYTES} ckptfs reads")
-        text = fh.read(n)
+def read_safetensors_file_header(path: Path) -> dict:
+    """``read_safetensors_header`` of the regular file at ``path``, opened for this read only (``RefusedReference``
+    if it is not a regular file)."""
+    with closing(open_regular_file(path)) as blob:
+        return read_safetensors_header(blob)
+
+
+def read_safetensors_header(blob: Blob) -> dict:
+    """name -> SafetensorsEntry of the .safetensors file ``blob``; ValueError with a one-line reason if the header is
+    unusable."""
+    size = blob.size
+    raw = blob.read(0, 8)
+    if len(raw) != 8:
+        raise ValueError("file too short for a safetensors header")
+    (n,) = struct.unpack("<Q", raw)
+    if n > size - 8:
+        raise ValueError(f"safetensors header length {n} is implausible for a {size}-byte file")
+    if n > MAX_HEADER_BYTES:
+        raise ValueError(f"safetensors header is {n} bytes, more than the {MAX_HEADER_BYTES} ckptfs reads")
+    text = blob.read(8, n)
     if len(text) != n:
         raise ValueError("safetensors header is truncated")
     header = parse_header(text)

@@ -92,21 +92,20 @@ class Blob(ABC):
 
     def read_spans(self, spans: Iterable, scratch: Callable[[int], object], hint: bool = True) -> tuple:
         """Read the ranges ``spans`` (``(offset, end)`` each) into one buffer of ``scratch(size)``: ``(buffer,
-        position of each span's first byte in it, whether any span came from a cache)``. Raises ``ShortRead`` when
+        position of each span's first byte in it)``. Raises ``ShortRead`` when
         the blob ends inside a span. ``hint``: the backend may announce the bytes after the spans (``will_need``).
         This default packs the spans and reads them one by one; a backend lays them out as its reads need."""
         spans = list(spans)
         total = sum(end - lo for lo, end in spans)
         buf = scratch(total)
-        mv, starts, at, cached = memoryview(buf), [], 0, False
+        mv, starts, at = memoryview(buf), [], 0
         for k, (lo, end) in enumerate(spans):
-            got, waited = self.read_into(mv[at:at + end - lo], lo, end - lo)
+            got, _ = self.read_into(mv[at:at + end - lo], lo, end - lo)
             if got < end - lo:
                 raise ShortRead(k, got)
-            cached |= not waited
             starts.append(at)
             at += end - lo
-        return buf, starts, cached
+        return buf, starts
 
     def read(self, offset: int, n: int) -> bytes:
         """``n`` bytes from ``offset`` as ``bytes``, fewer only at the end of the blob (for metadata: headers, a zip
@@ -115,7 +114,7 @@ class Blob(ABC):
         if n == 0:
             return b""
         try:
-            buf, starts, _ = self.read_spans([(offset, offset + n)], page_aligned, hint=False)
+            buf, starts = self.read_spans([(offset, offset + n)], page_aligned, hint=False)
         except ShortRead as e:
             raise OSError(errno.EIO, f"{self.name} ends {n - e.got} bytes early") from None
         return bytes(memoryview(buf)[starts[0]:starts[0] + n])

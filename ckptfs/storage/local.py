@@ -190,7 +190,7 @@ class LocalFile(Blob):
 
     def read_spans(self, spans, scratch, hint: bool = True) -> tuple:
         """Read the file ranges ``spans`` (``(offset, end)`` each) into one buffer of ``scratch(size)`` (page-aligned):
-        ``(buffer, position of each span's first byte, whether any span came from the page cache)``. A span of at
+        ``(buffer, position of each span's first byte)``. A span of at
         least ``DIRECT_MIN_BYTES`` gets a slot of whole ``ALIGN`` blocks (it may be read directly); smaller ones are
         packed, so the buffer outgrows the bytes read by at most ``2 * ALIGN`` per large span, whatever the spans.
         With ``hint``, a read of ``HINT_AFTER_BYTES`` or more through the page cache (no span of it read directly),
@@ -206,19 +206,18 @@ class LocalFile(Blob):
                 slots.append((total, lo, end - lo))
             total += slots[-1][2]
         buf = scratch(total)
-        mv, starts, buffered, from_disk = memoryview(buf), [], False, False
+        mv, starts, from_disk = memoryview(buf), [], False
         for k, ((at, a, n), (lo, end)) in enumerate(zip(slots, spans)):
             got, direct = self.read_into(mv[at:at + n], a, end - a)
             if got < end - a:
                 raise ShortRead(k, max(0, got - (lo - a)))
-            buffered |= not direct
             from_disk |= direct
             starts.append(at + lo - a)
         if hint and not from_disk and sum(end - lo for lo, end in spans) >= HINT_AFTER_BYTES:  # all buffered
             first, last = min(lo for lo, _ in spans), max(end for _, end in spans)
             if not self._hinted[0] <= first < last <= self._hinted[1]:  # cached of its own accord, not as announced
                 self.will_need(last)
-        return buf, starts, buffered
+        return buf, starts
 
     def read_into(self, view: memoryview, offset: int, need: int) -> tuple[int, bool]:
         """Read the file from ``offset`` into ``view``: ``(bytes read, whether directly)``; fewer than ``need`` only
@@ -289,6 +288,21 @@ class LocalFile(Blob):
     __del__ = close
 
 
+def open_if_regular(path) -> LocalFile | None:
+    """The file at ``path`` (links followed) as a ``LocalFile`` when it is a regular file; None when it is anything
+    else (a FIFO is not waited on: the open does not block); ``OSError`` when it cannot be opened."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not block the open
+    try:
+        regular = stat_mod.S_ISREG(os.fstat(fd).st_mode)
+    except OSError:
+        os.close(fd)
+        raise
+    if not regular:
+        os.close(fd)
+        return None
+    return LocalFile(path, fd=fd)  # owns the descriptor from here
+
+
 def hint_will_need(fd: int, offset: int, length: int) -> None:
     """Ask the kernel to start reading ``[offset, offset + length)`` of ``fd`` into its page cache (best effort)."""
     advise = getattr(os, "posix_fadvise", None)
@@ -354,8 +368,15 @@ class LocalFolder(Folder):
         return LocalFile(str(self.path / name))
 
     def read_text(self, name: str, limit: int = 1 << 16) -> str:
-        with open(self.path / name, "rb") as f:
-            return f.read(limit).decode("utf-8", "replace")
+        """A regular file's text (links followed); ``OSError`` for anything else (a FIFO is refused, not waited on)."""
+        path = self.path / name
+        blob = open_if_regular(path)
+        if blob is None:
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        try:
+            return blob.read(0, limit).decode("utf-8", "replace")
+        finally:
+            blob.close()
 
     def folder(self, name: str) -> "LocalFolder":
         return LocalFolder(self.path / name)

@@ -465,7 +465,7 @@ class S3Object(Blob):
 
     def read_spans(self, spans, scratch, hint: bool = True) -> tuple:
         """The ranges ``spans`` (``(offset, end)`` each) into one buffer of ``scratch(size)``: ``(buffer, position of
-        each span's first byte, False)``. Ranges less than ``MERGE_GAP`` apart are fetched as one request, the
+        each span's first byte)``. Ranges less than ``MERGE_GAP`` apart are fetched as one request, the
         requests concurrently; ``ShortRead`` when the object ends inside a span."""
         spans = [(int(lo), int(end)) for lo, end in spans]
         for k, (lo, end) in enumerate(spans):
@@ -493,7 +493,7 @@ class S3Object(Blob):
         finally:
             for f in futures:
                 f.result()
-        return buf, starts, False
+        return buf, starts
 
     def _place(self, mv: memoryview, lo: int, hi: int, members: list, spans: list, starts: list) -> None:
         """Fetch ``[lo, hi)`` (one merged group) and copy each member span to its place in ``mv``."""

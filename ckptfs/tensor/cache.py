@@ -11,10 +11,13 @@ cache (the FUSE server's) drops blocks that were read whole (``taken``).
 """
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Callable, Hashable
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_BYTES = 256 << 20
 
@@ -139,8 +142,8 @@ class BlockCache:
             return
         try:
             self.get_or_compute(key, compute)
-        except Exception:  # noqa: BLE001 - the reader that needs the block reports it
-            pass
+        except Exception as e:  # noqa: BLE001 - a guess ahead: the reader that needs the block reports the error
+            log.debug("prefetch of block %r failed: %s", key, e)
 
     def taken(self, key: Hashable, nbytes: int) -> None:
         """A reader copied ``nbytes`` of block ``key`` out. With ``streaming`` (the FUSE server's cache), a block

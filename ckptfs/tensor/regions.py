@@ -1,19 +1,23 @@
-"""Tensors that are byte regions of a blob, or constants: file regions (``FileRegionTensor``), filled
-tensors (``FullTensor``), and the element helpers they share."""
+"""Tensors that are byte regions of a blob, or constants: blob regions (``BlobRegionTensor``, over any ``Blob`` of
+``ckptfs.storage``, a local file among them through ``RegionFile``), filled tensors (``FullTensor``), and the element
+helpers they share."""
 from __future__ import annotations
 
+import errno
 import itertools
 import math
+import os
 import threading
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from ckptfs.dtypes import BFLOAT16, DType
-from ckptfs.errors import SourceChangedError, TensorReadError, one_line
-from ckptfs.guard.confine import Confinement, RefusedReference, open_regular
-from ckptfs.storage.base import ShortRead, page_aligned
-from ckptfs.storage.local import FileIdentity, LocalFile
+from ckptfs.errors import SourceChangedError, StorageError, TensorReadError, one_line
+from ckptfs.guard.confine import Confinement, RefusedReference, open_regular_file
+from ckptfs.storage.base import Blob, ShortRead, page_aligned
+from ckptfs.storage.local import LocalFile
 from ckptfs.tensor.base import Box, VirtualTensor, box_shape
 
 
@@ -98,142 +102,213 @@ def box_runs(shape, box) -> list[tuple[int, int]]:
     return runs
 
 
-class RegionFile:
-    """One plain file that region tensors read from, opened on the first read (its reference confined, a regular file,
-    the version the catalog saw) and then kept open as a ``LocalFile`` shared by those tensors: storage is the one
-    door to its bytes, and a read does not pay an open per block."""
+#: a strided read fetches one span of the blob when it is at most this long, else splits the box
+STRIDED_SPAN_BYTES = 8 << 20
 
-    __slots__ = ("path", "confinement", "_blob", "_lock")
+
+def fill_strided(read, offset: int, stride: tuple, storage: np.dtype, box: Box, out: np.ndarray) -> None:
+    """Fill ``out`` with the elements under ``box`` of a view of ``stride`` (in elements of ``storage``) whose
+    first element is at byte ``offset``: each part is the span of bytes it reaches, ``read(offset, n)`` (exactly
+    ``n`` bytes or an exception), when that span is at most ``STRIDED_SPAN_BYTES``; otherwise the box is split along
+    its widest-strided dimension (a transposed matrix is read in column bands)."""
+    item = storage.itemsize
+    todo = [(box, out)]
+    while todo:
+        b, o = todo.pop()
+        first = sum(a * s for (a, _), s in zip(b, stride))
+        last = sum((e - 1) * s for (_, e), s in zip(b, stride))
+        span = (last - first + 1) * item
+        if span <= STRIDED_SPAN_BYTES or o.size == 1:
+            src = np.frombuffer(read(offset + first * item, span), dtype=storage)
+            o[...] = np.lib.stride_tricks.as_strided(src, shape=o.shape, strides=tuple(s * item for s in stride))
+            continue
+        # split the dimension that spreads the span most (among those longer than one)
+        d = max((i for i, (a, e) in enumerate(b) if e - a > 1), key=lambda i: stride[i] * (b[i][1] - b[i][0]))
+        a, e = b[d]
+        mid = (a + e) // 2
+        lo, hi = list(b), list(b)
+        lo[d], hi[d] = (a, mid), (mid, e)
+        sl_lo, sl_hi = [slice(None)] * len(b), [slice(None)] * len(b)
+        sl_lo[d], sl_hi[d] = slice(0, mid - a), slice(mid - a, e - a)
+        todo.append((tuple(lo), o[tuple(sl_lo)]))
+        todo.append((tuple(hi), o[tuple(sl_hi)]))
+
+
+class RegionFile(Blob):
+    """A plain local file as a ``Blob`` opened on its first read (its reference confined, a regular file) and then
+    kept open as one ``LocalFile`` shared by the tensors of the file: storage is the one door to its bytes, a read
+    does not pay an open per block, and a model of many shards holds no descriptor for a shard never read.
+    Opening raises ``RefusedReference``, ``FileNotFoundError`` or ``OSError``."""
+
+    __slots__ = ("path", "name", "confinement", "_blob", "_lock", "_closed")
 
     def __init__(self, path: Path, confinement: Confinement | None = None):
         self.path = Path(path)
+        self.name = str(self.path)
         self.confinement = confinement
         self._blob: LocalFile | None = None
         self._lock = threading.Lock()
+        self._closed = False
 
     def blob(self) -> LocalFile:
-        """The open file (``RefusedReference``, ``FileNotFoundError`` or ``OSError`` when it cannot be opened)."""
+        """The open file."""
         b = self._blob
         if b is None:
             with self._lock:
+                if self._closed:  # as a closed LocalFile: a read after close fails, it does not open the file again
+                    raise OSError(errno.EBADF, "read after close", str(self.path))
                 if self._blob is None:
+                    if not os.path.lexists(self.path):  # missing: not a reference to refuse
+                        raise FileNotFoundError(errno.ENOENT, "not found", str(self.path))
                     if self.confinement is not None:
                         self.confinement.recheck(self.path)
-                    self._blob = LocalFile(self.path, fd=open_regular(self.path))
+                    self._blob = open_regular_file(self.path)
                 b = self._blob
         return b
 
     @property
-    def is_open(self) -> bool:
-        return self._blob is not None
+    def size(self) -> int:
+        return self.blob().size
+
+    @property
+    def version(self):
+        return self.blob().version
+
+    def current_version(self):
+        return self.blob().current_version()
+
+    def read_into(self, view: memoryview, offset: int, need: int) -> tuple[int, bool]:
+        return self.blob().read_into(view, offset, need)
+
+    def read_spans(self, spans, scratch, hint: bool = True) -> tuple:
+        return self.blob().read_spans(spans, scratch, hint)
+
+    def read_scattered(self, spans, scratch) -> tuple:
+        return self.blob().read_scattered(spans, scratch)
+
+    def will_need(self, offset: int, length: int | None = None) -> None:
+        if self._blob is not None:
+            self._blob.will_need(offset, length)
 
     def __reduce__(self):  # a copy opens the file again, on its own first read
         return RegionFile, (self.path, self.confinement)
 
     def close(self) -> None:
         with self._lock:
-            b, self._blob = self._blob, None
+            b, self._blob, self._closed = self._blob, None, True
         if b is not None:
             b.close()
 
 
-class FileRegionTensor(VirtualTensor):
-    """Raw little-endian C-order elements of a plain file starting at ``offset``.
+class BlobRegionTensor(VirtualTensor):
+    """Raw little-endian elements of ``dtype`` at byte ``offset`` of ``blob``: C-order when ``stride`` is None, else
+    a view of ``stride`` (in elements). A box is read as the byte ranges under it: the C-order runs in one
+    ``read_spans``, a strided view through ``fill_strided``.
 
-    ``path`` is where a confined reference led (``confine``); the file is opened once, confined and as a regular file
-    only (``RegionFile``: pass one ``file`` to the tensors of one file to share it), and every read compares the file
-    with ``identity`` (its version when the catalog was built; None when it did not exist then) before and after
-    reading, so bytes never mix two versions."""
+    The blob is any ``Blob``: a member of an open checkpoint (a legacy ``torch.save`` zip, local or in S3), or a
+    plain file opened on first read (``RegionFile``: pass one to the tensors of one file to share it). Bytes never mix
+    two versions: the blob must be the version ``identity`` names (the catalog's; None: the one opened), and after
+    every read still be it (``current_version``). A blob whose every read names its version itself (an S3 object's
+    ETag) needs no such check: ``verify=False``. ``referenced_as``: how the checkpoint named the file (messages)."""
 
-    __slots__ = ("path", "offset", "key", "checkpoint_path", "referenced_as", "what", "identity", "confinement",
-                 "file")
+    __slots__ = ("blob", "offset", "stride", "key", "checkpoint_path", "what", "identity", "verify",
+                 "referenced_as", "scratch")
 
-    def __init__(self, path: Path, offset: int, shape, dtype: DType, key: str, checkpoint_path: Path,
-                 referenced_as: str | None = None, what: str = "file", *, identity: FileIdentity | None = None,
-                 confinement: Confinement | None = None, file: RegionFile | None = None):
+    def __init__(self, blob: Blob, offset: int, shape, dtype: DType, key: str, checkpoint_path, *,
+                 stride: tuple | None = None, what: str = "file", identity=None, verify: bool = True,
+                 referenced_as: str | None = None, scratch: Callable[[int], object] = page_aligned):
         super().__init__(shape, dtype)
-        self.path = path if isinstance(path, Path) else Path(path)  # shared, not copied: a model's tensors
-        self.offset = int(offset)  # share a few paths
+        self.blob = blob
+        self.offset = int(offset)
+        self.stride = None if stride is None else tuple(int(s) for s in stride)
         self.key = key
-        self.checkpoint_path = checkpoint_path if isinstance(checkpoint_path, Path) else Path(checkpoint_path)
-        self.referenced_as = referenced_as
+        self.checkpoint_path = checkpoint_path  # a Path, or an S3 location
         self.what = what
         self.identity = identity
-        self.confinement = confinement
-        self.file = file if file is not None else RegionFile(self.path, confinement)
+        self.verify = verify  # False: every read of the blob names its version itself (an S3 object's ETag)
+        self.referenced_as = referenced_as
+        self.scratch = scratch  # the buffer a read's bytes land in before they are copied out
+
+    @property
+    def path(self) -> Path:
+        """The file the blob is (for a ``RegionFile``; else its name as a path)."""
+        return getattr(self.blob, "path", None) or Path(self.blob.name)
+
+    @property
+    def file_name(self) -> str:
+        """The last part of the blob's name (a file's name, an object's key's)."""
+        return self.blob.name.rstrip("/").rsplit("/", 1)[-1]
 
     def describe(self) -> str:
-        return f"{self.what} {self.path.name} @{self.offset} {_shape_str(self.shape)} {self.dtype.name}"
+        where = f"{self.what} {self.file_name} @{self.offset}"
+        if self.stride is not None:
+            where += f" stride {list(self.stride)}"
+        return f"{where} {_shape_str(self.shape)} {self.dtype.name}"
 
     def _fail(self, problem) -> TensorReadError:
         return TensorReadError(self.checkpoint_path, f"tensor {self.key}: {one_line(problem)}")
 
     def _missing(self) -> TensorReadError:
         ref = f" (referenced as {self.referenced_as!r})" if self.referenced_as else ""
-        return self._fail(f"external {self.what} {self.path} not found{ref}")
+        return self._fail(f"{self.what} {self.blob.name} not found{ref}")
 
-    def _changed(self, now: FileIdentity | None) -> None:
-        """``SourceChangedError`` when the file is not the version the catalog saw (the first version seen is kept
-        when the catalog saw none)."""
-        if self.identity is None:
-            self.identity = now
-            return
-        why = "removed" if now is None else self.identity.difference(now)
-        if why:
-            raise SourceChangedError(self.checkpoint_path, f"tensor {self.key}: external {self.what} {self.path} "
-                                                           f"changed since it was opened ({why}); remount to serve "
-                                                           "the new version")
-
-    def _now(self, blob: LocalFile) -> FileIdentity | None:
-        try:
-            return blob.current_version()
-        except FileNotFoundError:
-            return None
-
-    def blob(self) -> LocalFile:
-        """The file (``RegionFile``), of the expected version (one ``stat`` of its path per read once it is open)."""
-        if not self.file.is_open and not self.path.exists():
-            raise self._missing()
-        try:
-            b = self.file.blob()
-        except RefusedReference as e:
-            raise self._fail(f"external reference refused: {e.problem}") from None
-        except FileNotFoundError:
-            raise self._missing() from None
-        except OSError as e:
-            raise self._fail(e) from e
-        now = self._now(b)
-        if now is None:  # gone since it was opened: as a file missing at the first read
-            raise self._missing()
-        self._changed(b.version)
-        self._changed(now)
-        return b
+    def _changed(self, now) -> None:
+        """``SourceChangedError`` when ``now`` (None: gone) is not the version expected."""
+        expected = self.identity if self.identity is not None else self.blob.version
+        if now != expected:
+            why = "removed" if now is None else (expected.difference(now) if hasattr(expected, "difference") else
+                                                 "another version")
+            raise SourceChangedError(self.checkpoint_path, f"tensor {self.key}: {self.what} {self.blob.name} changed "
+                                                           f"since it was opened ({why}); remount to serve the new "
+                                                           "version")
 
     def data_offset(self) -> int:
-        """Absolute offset of the first element in the file."""
+        """Absolute offset of the first element in the blob."""
         return self.offset
 
     def read(self, box: Box) -> np.ndarray:
         shape = box_shape(box)
         st = self.dtype.storage
-        runs = box_runs(self.shape, box)
-        item = st.itemsize
-        out = np.empty(math.prod(shape), dtype=st)
-        if not runs:
-            return out.reshape(shape)
-        base = self.data_offset()
-        b = self.blob()
-        spans = [(base + start * item, base + (start + n) * item) for start, n in runs]
+        out = np.empty(shape, dtype=st)
+        if out.size == 0:
+            return out
         try:
-            got, starts, _ = b.read_spans(spans, page_aligned, hint=False)
-            self._changed(self._now(b))
+            if self.verify:
+                self._changed(self.blob.version)  # the version opened (a file opened now: the catalog's)
+            base = self.data_offset()
+            if self.stride is None:
+                self._read_runs(base, box, out)
+            else:
+                fill_strided(self._read_exact, base, self.stride, st, box, out)
+            if self.verify:
+                try:
+                    now = self.blob.current_version()
+                except OSError:
+                    now = None
+                self._changed(now)
+        except (SourceChangedError, TensorReadError):
+            raise
+        except RefusedReference as e:
+            raise self._fail(f"external reference refused: {e.problem}") from None
+        except FileNotFoundError:
+            raise self._missing() from None
         except ShortRead:
-            raise self._fail(f"external {self.what} {self.path.name} is truncated") from None
+            raise self._fail(f"{self.what} {self.file_name} is truncated") from None
+        except StorageError as e:
+            raise self._fail(e.problem) from None
         except OSError as e:
-            raise self._fail(e) from e
-        flat = memoryview(out.view(np.uint8))
-        mv, pos = memoryview(got), 0
-        for (lo, end), at in zip(spans, starts):
-            flat[pos:pos + end - lo] = mv[at:at + end - lo]
+            raise self._fail(e.strerror or e) from e
+        return out
+
+    def _read_runs(self, base: int, box: Box, out: np.ndarray) -> None:
+        item = self.dtype.itemsize
+        spans = [(base + start * item, base + (start + n) * item) for start, n in box_runs(self.shape, box)]
+        buf, at = self.blob.read_spans(spans, self.scratch)  # the backend may announce what follows
+        src, dst, pos = memoryview(buf), memoryview(out.reshape(-1).view(np.uint8)), 0
+        for (lo, end), a in zip(spans, at):
+            dst[pos:pos + end - lo] = src[a:a + end - lo]
             pos += end - lo
-        return out.reshape(shape)
+
+    def _read_exact(self, offset: int, n: int) -> bytes:
+        buf, at = self.blob.read_spans([(offset, offset + n)], self.scratch, hint=False)
+        return bytes(memoryview(buf)[at[0]:at[0] + n])

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..storage.local import LocalFolder
 
 GLOBAL_FILE = "data_iter_checkpoint_state_file_global"
 _WORKER_RE = re.compile(r"^data_iter_state_file_worker_(\d+)_step_(\d+)\.txt$")
@@ -30,10 +31,14 @@ class DataloaderState:
     ignored: list  # .txt files that are not worker files of the data step
 
 
+#: the most bytes of a data-iterator file read (its first line is one integer)
+MAX_STATE_FILE_BYTES = 4096
+
+
 def _first_int(path: Path) -> int:
     try:
-        with open(path, "r") as f:
-            return int(f.readline())
+        text = LocalFolder(path.parent).read_text(path.name, MAX_STATE_FILE_BYTES)
+        return int(text.splitlines()[0] if text else "")
     except (OSError, ValueError) as e:
         raise ConfigError(path, f"cannot read the first line as an integer ({e})") from None
 

@@ -9,15 +9,12 @@ HEAD, as S3 answers). ``GET /__faults__`` answers how many times each call was a
 """
 from __future__ import annotations
 
-import http.client
 import json
-import os
 import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
 
-HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "upgrade", "te", "trailer"}
+from http_proxy import ForwardingHandler, serve
 
 
 def call_of(method: str, path: str, query: dict) -> tuple:
@@ -31,15 +28,10 @@ def call_of(method: str, path: str, query: dict) -> tuple:
     return ("GetObject" if method == "GET" else method), key
 
 
-class Proxy(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    upstream: tuple = ("127.0.0.1", 0)
+class Proxy(ForwardingHandler):
     rules_file = ""
     faults: dict = {}
     lock = threading.Lock()
-
-    def log_message(self, *args):
-        pass
 
     def _rule(self, call: str, key: str):
         try:
@@ -54,44 +46,18 @@ class Proxy(BaseHTTPRequestHandler):
         if url.path == "/__faults__":
             with self.lock:
                 body = json.dumps(self.faults).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-            return
-        length = int(self.headers.get("Content-Length") or 0)
-        data = self.rfile.read(length) if length else None
+            return self.answer(200, body)
+        data = self.read_body()
         call, key = call_of(self.command, url.path, parse_qs(url.query, keep_blank_values=True))
         rule = self._rule(call, key)
-        if rule is not None:
-            with self.lock:
-                self.faults[call] = self.faults.get(call, 0) + 1
-            body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{rule["code"]}</Code><Message>injected '
-                    f'{rule["code"]}</Message><RequestId>FAULT</RequestId></Error>').encode()
-            self.send_response(rule["status"])
-            self.send_header("Content-Type", "application/xml")
-            self.send_header("x-amz-request-id", "FAULT")
-            self.send_header("Content-Length", "0" if self.command == "HEAD" else str(len(body)))
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(body)
-            return
-        conn = http.client.HTTPConnection(*self.upstream, timeout=60)
-        try:
-            headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP}
-            conn.request(self.command, self.path, body=data, headers=headers)
-            r = conn.getresponse()
-            payload = r.read()
-            self.send_response(r.status, r.reason)
-            for k, v in r.getheaders():
-                if k.lower() not in HOP and k.lower() != "content-length":
-                    self.send_header(k, v)
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(payload)
-        finally:
-            conn.close()
+        if rule is None:
+            return self.forward(data)
+        with self.lock:
+            self.faults[call] = self.faults.get(call, 0) + 1
+        body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{rule["code"]}</Code><Message>injected '
+                f'{rule["code"]}</Message><RequestId>FAULT</RequestId></Error>').encode()
+        self.answer(rule["status"], body, {"Content-Type": "application/xml", "x-amz-request-id": "FAULT"},
+                    length=0 if self.command == "HEAD" else None)
 
     do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _handle
 
@@ -100,12 +66,7 @@ def main() -> None:
     upstream = urlsplit(sys.argv[1])
     Proxy.upstream = (upstream.hostname, upstream.port)
     Proxy.rules_file = sys.argv[3]
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
-    server.daemon_threads = True
-    with open(sys.argv[2] + ".tmp", "w") as f:
-        f.write(str(server.server_address[1]))
-    os.replace(sys.argv[2] + ".tmp", sys.argv[2])
-    server.serve_forever()
+    serve(Proxy, sys.argv[2])
 
 
 if __name__ == "__main__":

@@ -6,42 +6,31 @@ answers how many requests were held so far. The chosen port is written to PORT_F
 """
 from __future__ import annotations
 
-import http.client
 import json
-import os
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
+
+from http_proxy import ForwardingHandler, serve
 
 STALL: list = []
 HELD = [0]
 LOCK = threading.Lock()
 
 
-class Proxy(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args):  # quiet
-        pass
-
-    def _answer(self, code: int, body: bytes) -> None:
-        self.send_response(code)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+class Proxy(ForwardingHandler):
+    upstream_timeout = 120
 
     def _forward(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        body = self.rfile.read(length) if length else None
+        body = self.read_body()
         if self.path == "/__stall__":
             with LOCK:
                 STALL[:] = json.loads(body or b"[]")
-            return self._answer(200, b"")
+            return self.answer(200, b"")
         if self.path == "/__stalled__":
             with LOCK:
-                return self._answer(200, str(HELD[0]).encode())
+                return self.answer(200, str(HELD[0]).encode())
         path = unquote(urlsplit(self.path).path)
         with LOCK:
             stall = self.command == "GET" and any(s in path for s in STALL)
@@ -49,35 +38,15 @@ class Proxy(BaseHTTPRequestHandler):
         if stall:  # read, never answered: the client's read timeout is what ends it
             while True:
                 time.sleep(3600)
-        up = urlsplit(sys.argv[1])
-        conn = http.client.HTTPConnection(up.hostname, up.port, timeout=120)
-        try:
-            headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "keep-alive")}
-            conn.request(self.command, self.path, body=body, headers=headers)
-            r = conn.getresponse()
-            data = r.read()
-            self.send_response(r.status, r.reason)
-            for k, v in r.getheaders():
-                if k.lower() not in ("transfer-encoding", "connection", "content-length"):
-                    self.send_header(k, v)
-            head = self.command == "HEAD" and r.getheader("Content-Length")
-            self.send_header("Content-Length", head or str(len(data)))  # a HEAD says the object's size
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(data)
-        finally:
-            conn.close()
+        self.forward(body)
 
     do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
 
 
 def main() -> None:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
-    server.daemon_threads = True
-    with open(sys.argv[2] + ".tmp", "w") as f:
-        f.write(str(server.server_address[1]))
-    os.replace(sys.argv[2] + ".tmp", sys.argv[2])
-    server.serve_forever()
+    up = urlsplit(sys.argv[1])
+    Proxy.upstream = (up.hostname, up.port)
+    serve(Proxy, sys.argv[2])
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The storage contract: one set of tests every ``Blob`` passes (as zarr's ``StoreTests``), whatever holds its bytes —
-a local file, an S3 object over the real local endpoint, an S3 object over the in-memory endpoint (``faults.FakeS3``),
+a local file (opened at once, or on its first read as the region tensors open theirs: ``RegionFile``), an S3 object
+over the real local endpoint, an S3 object over the in-memory endpoint (``faults.FakeS3``),
 an in-memory blob, and a blob that delays every read (``faults.FaultyBlob``). A new backend adds one factory to
 ``BACKENDS``; what it must do is written here once.
 
@@ -20,6 +21,8 @@ from ckptfs.errors import CkptfsError, SourceChangedError, StorageError
 from ckptfs.storage.base import Blob, ShortRead
 from ckptfs.storage.local import LocalFile
 from ckptfs.storage.memory import MemoryBlob
+from ckptfs.guard.confine import Confinement
+from ckptfs.tensor.regions import RegionFile
 
 from helpers.faults import FakeS3, FaultyBlob, s3_object
 
@@ -44,6 +47,13 @@ def local(tmp_path, data) -> Opened:
         os.replace(q, p)
 
     return Opened(LocalFile(str(p)), replace)
+
+
+def region_file(tmp_path, data) -> Opened:
+    """A local file as the region tensors read it: opened on the first read, confined, as a regular file only."""
+    o = local(tmp_path, data)
+    o.blob.close()
+    return Opened(RegionFile(tmp_path / "blob.bin", Confinement.of(tmp_path / "blob.bin")), o.replace)
 
 
 def memory(tmp_path, data) -> Opened:
@@ -90,7 +100,7 @@ def real_s3(tmp_path, data, endpoint) -> Opened:
                   lambda new: c.put_object(Bucket="contract", Key=key, Body=new))
 
 
-BACKENDS = {"local": local, "memory": memory, "fake_s3": fake_s3, "delayed": delayed, "s3": real_s3}
+BACKENDS = {"local": local, "region_file": region_file, "memory": memory, "fake_s3": fake_s3, "delayed": delayed, "s3": real_s3}
 
 
 @pytest.fixture(params=[pytest.param(b, marks=pytest.mark.slow) if b == "s3" else b for b in sorted(BACKENDS)])  # s3: a server
@@ -129,16 +139,16 @@ def test_a_read_past_the_end_gives_what_there_is(opened):
 def test_read_spans_places_every_span(opened):
     spans = [(9 << 20, (9 << 20) + 5000), (0, 16), (100, 4196), (8 << 20, (8 << 20) + (1 << 20)), (17, 33),
              (len(DATA) - 7, len(DATA)), (3 << 20, (3 << 20) + (6 << 20))]
-    buf, starts, cached = opened.blob.read_spans(spans, bytearray)
+    buf, starts = opened.blob.read_spans(spans, bytearray)
     mv = memoryview(buf)
-    assert len(starts) == len(spans) and isinstance(cached, bool)
+    assert len(starts) == len(spans)
     for (lo, end), at in zip(spans, starts):
         assert bytes(mv[at:at + end - lo]) == DATA[lo:end]
 
 
 def test_read_scattered_places_every_span(opened):
     spans = [(k * 1_000_003, k * 1_000_003 + 256) for k in range(20)]
-    buf, starts, _ = opened.blob.read_scattered(spans, bytearray)
+    buf, starts = opened.blob.read_scattered(spans, bytearray)
     for (lo, end), at in zip(spans, starts):
         assert bytes(memoryview(buf)[at:at + end - lo]) == DATA[lo:end]
 
@@ -195,8 +205,9 @@ def test_close_can_be_called_twice(opened):
     opened.blob.close()
 
 
-def test_a_local_file_read_after_close_fails(tmp_path):
-    o = local(tmp_path, DATA[:1000])
+@pytest.mark.parametrize("make", [local, region_file])
+def test_a_local_file_read_after_close_fails(tmp_path, make):
+    o = make(tmp_path, DATA[:1000])
     o.blob.close()
     with pytest.raises((OSError, ValueError)):
         o.blob.read(0, 10)

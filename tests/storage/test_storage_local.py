@@ -5,6 +5,7 @@ import errno
 import mmap
 import os
 import random
+import threading
 
 import pytest
 
@@ -46,13 +47,12 @@ def _read_spans(f: LocalFile, spans) -> tuple[list, list]:
 
     f.read_into = read_into
     try:
-        buf, starts, buffered = f.read_spans(spans, lambda n: mmap.mmap(-1, max(n, 1)))
+        buf, starts = f.read_spans(spans, lambda n: mmap.mmap(-1, max(n, 1)))
     finally:
         del f.read_into
     for at, (lo, end) in zip(starts, spans):
         if end - lo >= local.DIRECT_MIN_BYTES:  # a large span's slot starts on a block boundary
             assert (at - lo % ALIGN) % ALIGN == 0
-    assert buffered == (not all(how))
     return [bytes(buf[at:at + end - lo]) for at, (lo, end) in zip(starts, spans)], how
 
 
@@ -106,12 +106,12 @@ def test_many_small_reads_need_no_more_buffer_than_their_bytes(tmp_path):
     f = LocalFile(str(path))
     spans = [(lo, lo + 17) for lo in range(5, 3 << 20, 70_001)]
     sizes = []
-    buf, starts, _ = f.read_spans(spans, lambda n: sizes.append(n) or mmap.mmap(-1, max(n, 1)))
+    buf, starts = f.read_spans(spans, lambda n: sizes.append(n) or mmap.mmap(-1, max(n, 1)))
     assert sizes == [17 * len(spans)]
     assert [bytes(buf[a:a + 17]) for a in starts] == [data[lo:end] for lo, end in spans]
     big = [(1, 1 + local.DIRECT_MIN_BYTES), (5, 9), (ALIGN + 3, ALIGN + 3 + local.DIRECT_MIN_BYTES)]
     sizes.clear()
-    buf, starts, _ = f.read_spans(big, lambda n: sizes.append(n) or mmap.mmap(-1, max(n, 1)))
+    buf, starts = f.read_spans(big, lambda n: sizes.append(n) or mmap.mmap(-1, max(n, 1)))
     assert sizes[0] <= sum(e - lo for lo, e in big) + 2 * 2 * ALIGN
     assert [bytes(buf[a:a + e - lo]) for a, (lo, e) in zip(starts, big)] == [data[lo:e] for lo, e in big]
 
@@ -269,7 +269,7 @@ def test_a_local_file_is_a_blob_with_its_size_and_version(tmp_path):
     assert isinstance(f, Blob) and f.name == str(path) and f.size == len(data)
     assert f.current_version() == f.version
     spans = [(1, 100), (ALIGN, 2 * ALIGN + 7), (3 * ALIGN, len(data))]
-    buf, starts, _ = Blob.read_spans(f, spans, lambda n: mmap.mmap(-1, max(n, 1)))
+    buf, starts = Blob.read_spans(f, spans, lambda n: mmap.mmap(-1, max(n, 1)))
     assert [bytes(buf[at:at + end - lo]) for at, (lo, end) in zip(starts, spans)] == [data[lo:end] for lo, end in spans]
     with pytest.raises(ShortRead):
         Blob.read_spans(f, [(len(data) - 3, len(data) + 1)], lambda n: mmap.mmap(-1, max(n, 1)))
@@ -347,8 +347,8 @@ def test_a_read_partly_straight_from_the_disk_announces_nothing(tmp_path, monkey
     if f.direct_fd is None:  # tmp_path on a file system without O_DIRECT: give the reads a direct descriptor
         f.direct_fd = f.fd
     scratch = lambda n: mmap.mmap(-1, max(n, 1))  # noqa: E731
-    _, _, buffered = f.read_spans([(0, small), (small, small + mib)], scratch)
-    assert buffered and calls == []  # the small span buffered, the large one direct: nothing announced
+    f.read_spans([(0, small), (small, small + mib)], scratch)
+    assert calls == []  # the small span buffered, the large one direct: nothing announced
     cold["now"] = False
     f.read_spans([(2 * mib, 2 * mib + small), (2 * mib + small, 3 * mib + small)], scratch)
     assert calls == [(3 * mib + small, local.HINT_AHEAD)]  # all from the page cache: the next bytes announced
@@ -385,3 +385,32 @@ def test_only_pages_cached_before_they_were_announced_count_as_served_from_memor
     cached["now"] = False
     assert f.read_into(view, 48 * ALIGN, n) == (n, True)  # from the disk
     assert counts() == (m + 2, w + 1)
+
+
+def test_a_folder_reads_a_regular_file_s_text_and_refuses_a_fifo_without_waiting(tmp_path):
+    """``Folder.read_text`` reads at most ``limit`` bytes of a regular file (a link to one too); a FIFO is refused at
+    once (opening it for reading would wait for a writer forever) — ``open_if_regular`` says None for it."""
+    (tmp_path / "latest").write_text("checkpoint_100.mdl\n" + "x" * 100)
+    (tmp_path / "link").symlink_to("latest")
+    os.mkfifo(tmp_path / "fifo")
+    folder = LocalFolder(tmp_path)
+    assert folder.read_text("latest", 18) == "checkpoint_100.mdl"
+    assert folder.read_text("link", 18) == "checkpoint_100.mdl"
+    got = {}
+
+    def read():
+        try:
+            folder.read_text("fifo")
+        except OSError as e:
+            got["error"] = e
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():  # unblock the reader before failing
+        os.close(os.open(tmp_path / "fifo", os.O_WRONLY | os.O_NONBLOCK))
+    assert "error" in got and got["error"].errno == errno.EINVAL
+    assert local.open_if_regular(tmp_path / "fifo") is None
+    f = local.open_if_regular(tmp_path / "link")
+    assert f is not None and f.read(0, 10) == b"checkpoint"
+    f.close()

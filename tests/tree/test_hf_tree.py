@@ -17,7 +17,7 @@ from ckptfs.errors import UsageError
 from ckptfs.tree.hf_source import build_hf_tree
 from ckptfs.views.options import MountOptions
 from ckptfs.readers import open_checkpoint
-from ckptfs.tensor.regions import FileRegionTensor
+from ckptfs.tensor.regions import BlobRegionTensor
 from helpers import run_ckptfs
 from ckptfs.mapping.hf_checkpoint import open_hf_checkpoint
 from helpers.hf import hf_env, identity_plan, llama_state, save_hf, save_llama
@@ -67,8 +67,8 @@ def test_sizes_are_exact_before_any_tensor_is_read(tmp_path, monkeypatch):
     st = llama_state()
     save_hf(tmp_path / "m", st, CONFIG)
     reads = []
-    orig = FileRegionTensor.read
-    monkeypatch.setattr(FileRegionTensor, "read", lambda self, box: reads.append(self.key) or orig(self, box))
+    orig = BlobRegionTensor.read
+    monkeypatch.setattr(BlobRegionTensor, "read", lambda self, box: reads.append(self.key) or orig(self, box))
     tree = build_hf_tree(tmp_path / "m", MountOptions(), planner=identity_plan)
     sizes = {p: tree.attr(p).size for p in tree.file_paths()}
     assert reads == [] and sizes["checkpoint.mdl"] > sum(t.numel() * 4 for t in st.values())

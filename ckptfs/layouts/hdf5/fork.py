@@ -117,7 +117,7 @@ def build_in_child(build: Build, buf: ScratchBuffer, fd: int) -> None:
         while data:
             data = data[os.write(fd, data):]
         code = 0
-    except BaseException:  # noqa: BLE001 - any failure: the parent builds itself and reports it
-        pass
+    except BaseException:  # noqa: BLE001 - any failure: the parent builds itself and reports it (no logging
+        pass  # here: a forked child may hold a copy of a logging lock another thread of the parent had taken)
     finally:
         os._exit(code)

@@ -7,14 +7,13 @@
   Its chunks can also be looked at as stored (``stored_layout``, ``stored_chunk``, ``read_stored_chunk``):
   ``ckptfs diff`` tells equal chunks apart without decoding them.
 * ``FullTensor``: a constant-fill tensor (DeferredFullTensor) with no data on disk.
-* ``FileRegionTensor``: raw little-endian C-order elements at an offset of a plain file
-  (a .safetensors data block, a legacy DeferredFileTensor file), read run by run.
+* ``BlobRegionTensor`` (``ckptfs.tensor.regions``): raw little-endian C-order elements at an offset of a plain
+  file (a .safetensors data block, a legacy DeferredFileTensor file), read run by run.
 
 Any failure while reading becomes ``TensorReadError(checkpoint path, "tensor <key>: <problem>")``.
 """
 from __future__ import annotations
 
-import itertools
 import math
 import threading
 from array import array
@@ -239,10 +238,6 @@ class StoredLayout:
 
     def __hash__(self) -> int:
         return hash(self._key())
-
-    def chunk_origins(self):
-        """The first element of every chunk of the grid, in C order of the grid."""
-        return itertools.product(*(range(0, n, c) for n, c in zip(self.shape, self.chunks)))
 
     def chunk_box(self, origin: tuple) -> Box:
         """The elements of the chunk starting at ``origin`` (edge chunks clipped to the shape)."""

@@ -25,7 +25,7 @@ from .dill_spec import decode_dtype_pickle, decode_legacy_spec
 from ...catalog.pytree import SpecError, build_tree, leaf_keys
 from .format_v05 import ReadResult, check_collisions, resolve_links
 from .serializers import Link
-from ...tensor.regions import FileRegionTensor, FullTensor
+from ...tensor.regions import BlobRegionTensor, FullTensor, RegionFile
 from .dataset_tensor import H5DatasetTensor
 from ...catalog.validate import shape_problem
 
@@ -253,5 +253,5 @@ class LegacyReader:
         elif ident.size < math.prod(shape) * dt.itemsize:
             return UnreadableLeaf(k, f"external tensor file {path} holds {ident.size} bytes but shape {list(shape)} "
                                      f"{dt.name} needs {math.prod(shape) * dt.itemsize}", shape=shape, dtype=dt.name)
-        return TensorLeaf(k, FileRegionTensor(path, 0, shape, dt, k, self.path, referenced_as=ref, what="tensor file",
-                                              identity=ident, confinement=self.externals.confinement))
+        return TensorLeaf(k, BlobRegionTensor(RegionFile(path, self.externals.confinement), 0, shape, dt, k, self.path,
+                                              referenced_as=ref, what="external tensor file", identity=ident))

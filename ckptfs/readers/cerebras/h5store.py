@@ -9,6 +9,7 @@ import os
 import struct
 import threading
 from collections import OrderedDict
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,7 +20,8 @@ from h5py import h5a, h5t
 from ckptfs.readers.cerebras.h5errors import open_problem
 
 from ...errors import CheckpointError, TensorReadError
-from ...storage.local import FileIdentity
+from ...storage.base import Blob
+from ...storage.local import FileIdentity, LocalFile
 from ...guard.confine import Confinement, RefusedReference, non_regular_kind
 from . import lz4chunks
 from .lz4filter import register_lz4
@@ -31,16 +33,14 @@ _SIGNATURE_OFFSETS = (0, 512, 1024, 2048, 4096, 8192)
 
 
 def sniff_non_hdf5(path: Path) -> str | None:
-    """Why ``path`` is not an HDF5 file (naming what it looks like), or None if it has the HDF5 signature."""
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        head = fh.read(16)
+    """Why the file ``path`` is not an HDF5 file (naming what it looks like), or None if it has the HDF5 signature."""
+    with closing(LocalFile(path)) as blob:
+        return what_blob_is(blob)
 
-        def signature_at(off: int) -> bool:
-            fh.seek(off)
-            return fh.read(8) == HDF5_SIGNATURE
 
-        return what_bytes_are(head, size, signature_at)
+def what_blob_is(blob: Blob) -> str | None:
+    """``what_bytes_are`` of a blob: why it is not an HDF5 file, or None when it has the HDF5 signature."""
+    return what_bytes_are(blob.read(0, 16), blob.size, lambda off: blob.read(off, 8) == HDF5_SIGNATURE)
 
 
 def what_bytes_are(head: bytes, size: int, signature_at) -> str | None:

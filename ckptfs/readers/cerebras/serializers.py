@@ -244,12 +244,12 @@ class LeafFactory:
     def _safetensors_header(self, path: Path) -> dict:
         """The header of a referenced .safetensors file, read once for all the keys that refer to it (the same
         exception again when it could not be read)."""
-        from ..safetensors_ref import read_safetensors_header
+        from ..safetensors_ref import read_safetensors_file_header
 
         got = self._safetensors_headers.get(path)
         if got is None:
             try:
-                got = read_safetensors_header(path)
+                got = read_safetensors_file_header(path)
             except (RefusedReference, OSError, ValueError) as e:
                 got = e
             self._safetensors_headers[path] = got

@@ -8,7 +8,7 @@ itself: the revision ``refs/main`` names), whose files are links into the reposi
 multi-folder models of Cerebras' converter (``image_model/`` + ``text_model/``, ``q_encoder/`` + ``ctx_encoder/``).
 
 Only metadata is read here: configs, indexes, safetensors headers, a ``.bin``'s zip directory and ``data.pkl``
-(decoded by ``safepickle``, nothing unpickled). Every tensor is a ``FileRegionTensor`` over its bytes (bf16 and
+(decoded by ``safepickle``, nothing unpickled). Every tensor is a ``BlobRegionTensor`` over its bytes (bf16 and
 every other dtype kept), read on demand, checked against the file's version at every read.
 
 Confinement: every file is opened only when, all links resolved, it is a regular file inside the folder given (for
@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...errors import CheckpointError
-from ...guard.confine import Confinement, RefusedReference, open_regular
+from ...guard.confine import Confinement, RefusedReference, open_regular_file
 from ...guard.safepickle import PickleRefused
 from ...guard.watch import FileIdentity
-from ...tensor.regions import FileRegionTensor, RegionFile
+from ...tensor.regions import BlobRegionTensor, RegionFile
 from ..safetensors_ref import read_safetensors_header
 from .names import (
     BIN_INDEX,
@@ -120,17 +121,19 @@ class _Reader:
     def read_small(self, path: Path, limit: int) -> bytes:
         real = self.resolve(path)
         try:
-            fd = open_regular(real)
+            blob = open_regular_file(real)
         except RefusedReference as e:
             raise CheckpointError(path, e.problem) from None
         except OSError as e:
             raise CheckpointError(path, f"cannot be read ({e.strerror or e})") from None
-        with open(fd, "rb") as fh:
-            st = os.fstat(fh.fileno())
-            self.mtime_ns = max(self.mtime_ns, st.st_mtime_ns)
-            if st.st_size > limit:
-                raise CheckpointError(path, f"is {st.st_size} bytes, more than the {limit} a {path.name} may have")
-            return fh.read(limit + 1)[:limit]
+        with closing(blob):
+            self.mtime_ns = max(self.mtime_ns, blob.version.mtime_ns)
+            if blob.size > limit:
+                raise CheckpointError(path, f"is {blob.size} bytes, more than the {limit} a {path.name} may have")
+            try:
+                return blob.read(0, blob.size)
+            except OSError as e:
+                raise CheckpointError(path, f"cannot be read ({e.strerror or e})") from None
 
     def read_json(self, path: Path, limit: int, what: str) -> dict:
         raw = self.read_small(path, limit)
@@ -157,9 +160,10 @@ def _safetensors_tensors(reader: _Reader, comp_dir: Path, shard: str, key_prefix
     real = reader.resolve(path)
     try:
         ident = reader.identity(real)
-        header = read_safetensors_header(real)
-        if FileIdentity.of_path(real) != ident:  # the offsets must belong to the version the tensors will check
-            raise CheckpointError(path, "changed while its header was read")
+        with closing(open_regular_file(real)) as blob:
+            header = read_safetensors_header(blob)
+            if not blob.version == ident == blob.current_version():  # the offsets must belong to the version the
+                raise CheckpointError(path, "changed while its header was read")  # tensors will check
     except RefusedReference as e:
         raise CheckpointError(path, e.problem) from None
     except FileNotFoundError:
@@ -168,8 +172,8 @@ def _safetensors_tensors(reader: _Reader, comp_dir: Path, shard: str, key_prefix
         raise CheckpointError(path, str(e)) from None
     reader.count(path, len(header))
     file = RegionFile(real, reader.confinement)  # opened on the first read, shared by the file's tensors
-    return {name: FileRegionTensor(real, e.offset, e.shape, e.dtype, key_prefix + name, root, None,
-                                   "safetensors file", identity=ident, confinement=reader.confinement, file=file)
+    return {name: BlobRegionTensor(file, e.offset, e.shape, e.dtype, key_prefix + name, root, what="safetensors file",
+                                   identity=ident)
             for name, e in header.items()}
 
 

@@ -18,6 +18,7 @@ import stat
 from pathlib import Path
 
 from ckptfs.errors import CheckpointError
+from ckptfs.guard.confine import RefusedReference, read_regular
 
 #: ``ORG/NAME`` as the Hub spells repository ids (``huggingface_hub``'s own check, with the namespace required)
 REPO_ID = re.compile(r"^(?P<org>[A-Za-z0-9][\w.-]{0,95})/(?P<name>[A-Za-z0-9][\w.-]{0,95})$")
@@ -63,8 +64,12 @@ def _ref(repo: Path, revision: str) -> str | None:
         raise CheckpointError(ref, f"cannot read the ref ({e.strerror or e})") from None
     if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_REF_BYTES:
         raise CheckpointError(ref, "is not a ref file (a regular file holding one commit hash)")
-    with open(ref, "rb") as f:
-        commit = f.read(MAX_REF_BYTES).decode("ascii", "replace").strip()
+    try:
+        commit = read_regular(ref, MAX_REF_BYTES).decode("ascii", "replace").strip()
+    except RefusedReference as e:  # swapped since the lstat above
+        raise CheckpointError(ref, e.problem) from None
+    except OSError as e:
+        raise CheckpointError(ref, f"cannot read the ref ({e.strerror or e})") from None
     if not re.fullmatch(r"[A-Za-z0-9._-]{1,200}", commit) or commit in (".", ".."):
         raise CheckpointError(ref, f"names revision {commit[:80]!r}, not a commit hash")
     return commit

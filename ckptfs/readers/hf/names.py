@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import CheckpointError
+from ...guard.confine import RefusedReference, read_regular
 
 #: folder layouts of the converter's multi-component models (each folder a complete HF model)
 COMPONENT_LAYOUTS = (("image_model", "text_model"), ("q_encoder", "ctx_encoder"))
@@ -62,7 +63,12 @@ def _read_ref(repo: Path, ref: Path) -> str:
                                    f"cache's refs are files of the repository")
     if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_REF_BYTES:
         raise CheckpointError(ref, f"is not a file of at most {MAX_REF_BYTES} bytes naming a revision")
-    rev = ref.read_text(errors="replace").strip()
+    try:
+        rev = read_regular(ref, MAX_REF_BYTES).decode("utf-8", "replace").strip()
+    except RefusedReference as e:  # swapped since the lstat above
+        raise CheckpointError(ref, e.problem) from None
+    except OSError as e:
+        raise CheckpointError(ref, f"cannot read the ref ({e.strerror or e})") from None
     if not _REVISION.fullmatch(rev) or rev in (".", ".."):
         raise CheckpointError(ref, f"names revision {rev[:80]!r}, not a snapshot name")
     return rev

@@ -2,8 +2,8 @@
 
 The archive's directory is decoded by ``zipdir``, its ``data.pkl`` by ``safepickle.loads_torch`` (nothing runs;
 only what a state dict of tensors needs is accepted). Each tensor becomes a byte range of the stored member
-``<archive>/data/<key>`` of its storage: a ``FileRegionTensor`` when its view is C-contiguous (every tensor
-``save_pretrained`` writes), a ``StridedRegionTensor`` otherwise. Every member must be stored uncompressed (torch
+``<archive>/data/<key>`` of its storage: a ``BlobRegionTensor``, C-order when its view is C-contiguous (every
+tensor ``save_pretrained`` writes), strided otherwise. Every member must be stored uncompressed (torch
 never compresses), lie inside the file, hold exactly its storage's bytes, and every view must fit in its storage.
 The legacy (before torch 1.6) non-zip format is refused in one line.
 """
@@ -13,19 +13,13 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
-from ...tensor.base import Box, box_shape
 from ...guard.confine import Confinement
 from ...guard.safepickle import PickleRefused, TorchStorage, TorchTensor, loads_torch, tensor_extent, torch_storage
-from ...storage.base import Blob
-from ...tensor.regions import FileRegionTensor, RegionFile
+from ...tensor.regions import BlobRegionTensor, RegionFile
 from . import zipdir
 
 #: the largest ``data.pkl`` read (a 100,000-tensor state dict pickles to ~10 MB)
 MAX_PICKLE_BYTES = 256 << 20
-#: a strided read fetches one span of the file when it is at most this long, else splits the box
-STRIDED_SPAN_BYTES = 8 << 20
 
 
 class TorchZipError(ValueError):
@@ -36,11 +30,6 @@ class TorchZipError(ValueError):
 class TorchZipTensors:
     tensors: dict  # name -> VirtualTensor, in the pickle's order
     notes: list = field(default_factory=list)
-
-
-def _read(blob: Blob, n: int, offset: int) -> bytes:
-    """``n`` bytes of ``blob`` from ``offset`` (fewer at its end), through the storage layer."""
-    return blob.read(offset, n)
 
 
 def contiguous(shape: tuple, stride: tuple) -> bool:
@@ -54,71 +43,6 @@ def contiguous(shape: tuple, stride: tuple) -> bool:
                 return False
             expected *= n
     return True
-
-
-class StridedRegionTensor(FileRegionTensor):
-    """A non-contiguous view (``stride`` in elements) of a storage stored at ``offset`` of a file: a box is read as
-    the file span it reaches when that span is at most ``STRIDED_SPAN_BYTES``, else split along its widest-strided
-    dimension (a transposed matrix is read in column bands)."""
-
-    __slots__ = ("stride",)
-
-    def __init__(self, *args, stride: tuple, **kw):
-        super().__init__(*args, **kw)
-        self.stride = tuple(int(s) for s in stride)
-
-    def describe(self) -> str:
-        return super().describe() + f" stride {list(self.stride)}"
-
-    def read(self, box: Box) -> np.ndarray:
-        shape = box_shape(box)
-        out = np.empty(shape, dtype=self.dtype.storage)
-        if out.size == 0:
-            return out
-        b = self.blob()
-        try:
-            self._fill(b, box, out)
-            self._changed(self._now(b))
-        except OSError as e:
-            raise self._fail(e) from e
-        return out
-
-    def _fill(self, blob: Blob, box: Box, out: np.ndarray) -> None:
-        def read(offset: int, n: int) -> bytes:
-            raw = _read(blob, n, offset)
-            if len(raw) != n:
-                raise self._fail(f"{self.what} {self.path.name} is truncated")
-            return raw
-
-        fill_strided(read, self.offset, self.stride, self.dtype.storage, box, out)
-
-
-def fill_strided(read, offset: int, stride: tuple, storage: np.dtype, box: Box, out: np.ndarray) -> None:
-    """Fill ``out`` with the elements under ``box`` of a view of ``stride`` (in elements of ``storage``) whose
-    first element is at byte ``offset``: each part is the span of bytes it reaches, ``read(offset, n)`` (exactly
-    ``n`` bytes or an exception), when that span is at most ``STRIDED_SPAN_BYTES``; otherwise the box is split along
-    its widest-strided dimension (a transposed matrix is read in column bands)."""
-    item = storage.itemsize
-    todo = [(box, out)]
-    while todo:
-        b, o = todo.pop()
-        first = sum(a * s for (a, _), s in zip(b, stride))
-        last = sum((e - 1) * s for (_, e), s in zip(b, stride))
-        span = (last - first + 1) * item
-        if span <= STRIDED_SPAN_BYTES or o.size == 1:
-            src = np.frombuffer(read(offset + first * item, span), dtype=storage)
-            o[...] = np.lib.stride_tricks.as_strided(src, shape=o.shape, strides=tuple(s * item for s in stride))
-            continue
-        # split the dimension that spreads the span most (among those longer than one)
-        d = max((i for i, (a, e) in enumerate(b) if e - a > 1), key=lambda i: stride[i] * (b[i][1] - b[i][0]))
-        a, e = b[d]
-        mid = (a + e) // 2
-        lo, hi = list(b), list(b)
-        lo[d], hi[d] = (a, mid), (mid, e)
-        sl_lo, sl_hi = [slice(None)] * len(b), [slice(None)] * len(b)
-        sl_lo[d], sl_hi[d] = slice(0, mid - a), slice(mid - a, e - a)
-        todo.append((tuple(lo), o[tuple(sl_lo)]))
-        todo.append((tuple(hi), o[tuple(sl_hi)]))
 
 
 @dataclass(frozen=True)
@@ -245,7 +169,7 @@ def read_torch_zip(real: Path, *, key_prefix: str = "", root: Path, confinement:
     blob = file.blob()
     try:
         identity = blob.version
-        state, storages = read_archive(lambda offset, n: _read(blob, n, offset), blob.size)
+        state, storages = read_archive(blob.read, blob.size)
     except BaseException:
         file.close()
         raise
@@ -258,18 +182,14 @@ def read_torch_zip(real: Path, *, key_prefix: str = "", root: Path, confinement:
         if not isinstance(desc, TorchTensor):
             out.notes.append(f"{real.name}: entry {name!r} is a {type(desc).__name__}, not a tensor: left out")
             continue
-        out.tensors[name] = _tensor(desc, storages[desc.storage.key][1], real, f"{key_prefix}{name}", root,
-                                    identity, confinement, what, file)
+        out.tensors[name] = _tensor(desc, storages[desc.storage.key][1], f"{key_prefix}{name}", root, identity, what,
+                                    file)
     return out
 
 
-def _tensor(d: TorchTensor, member: Member, real: Path, key: str, root: Path, identity, confinement,
-            what: str, file: RegionFile):
+def _tensor(d: TorchTensor, member: Member, key: str, root: Path, identity, what: str, file: RegionFile):
     check_view(d, member, key)
     item = d.dtype.itemsize
-    common = dict(identity=identity, confinement=confinement, file=file)
-    if contiguous(d.shape, d.stride):
-        return FileRegionTensor(real, member.offset + d.offset * item, d.shape, d.dtype, key, root, None, what,
-                                **common)
-    return StridedRegionTensor(real, member.offset + d.offset * item, d.shape, d.dtype, key, root, None, what,
-                               stride=d.stride, **common)
+    stride = None if contiguous(d.shape, d.stride) else d.stride
+    return BlobRegionTensor(file, member.offset + d.offset * item, d.shape, d.dtype, key, root, stride=stride,
+                            what=what, identity=identity)

@@ -14,17 +14,17 @@ work. ``is_legacy_torch`` tells such a file from its first bytes.
 """
 from __future__ import annotations
 
-import mmap
 import os
 from collections import OrderedDict
 from pathlib import Path
 
 from ...dtypes import DType
 from ...errors import CheckpointError, StorageError
-from ...storage.base import Blob, ShortRead
+from ...storage.base import Blob
 from ...storage.local import LocalFile
 from ...catalog.model import Checkpoint, Container, TensorLeaf, UnreadableLeaf, ValueLeaf
-from ..blob_region import BlobRegionTensor
+from ...tensor.regions import BlobRegionTensor
+from ..cerebras.lz4chunks.pool import scratch
 from ...guard.confine import non_regular_kind
 from ..cerebras.catalog import metadata_release
 from ..cerebras.format_v05 import check_collisions
@@ -87,21 +87,8 @@ def open_legacy_torch_blob(location, blob: Blob) -> Checkpoint:
     return ckpt
 
 
-def _read(blob: Blob):
-    """``read(offset, n) -> bytes`` of the blob (fewer bytes only at its end), through page-aligned buffers as the
-    storage layer's direct reads need."""
-    def read(offset: int, n: int) -> bytes:
-        n = max(0, min(n, blob.size - offset))
-        if n == 0:
-            return b""
-        buf, at, _ = blob.read_spans([(offset, offset + n)], lambda size: mmap.mmap(-1, max(size, 1)), hint=False)
-        return bytes(memoryview(buf)[at[0]:at[0] + n])
-
-    return read
-
-
 def _catalog(path, blob: Blob, *, verify: bool = True) -> Checkpoint:
-    read = _read(blob)
+    read = blob.read  # fewer bytes only at the end of the blob; OSError when it ends before its size
     head = read(0, HEAD_BYTES)
     if head.startswith(LEGACY_PICKLE_MAGIC):
         raise CheckpointError(path, _PRE_16.format(what="a pickle stream"))
@@ -113,8 +100,6 @@ def _catalog(path, blob: Blob, *, verify: bool = True) -> Checkpoint:
         raise CheckpointError(path, f"torch.save zip refused: data.pkl: {e}") from None
     except (TorchZipError, ZipFormatError) as e:
         raise CheckpointError(path, f"torch.save zip refused: {e}") from None
-    except ShortRead:
-        raise CheckpointError(path, "the file ended while it was read (truncated meanwhile?)") from None
     except StorageError as e:
         raise CheckpointError(e.path, e.problem) from None
     except OSError as e:
@@ -175,8 +160,13 @@ class _Builder:
         stride = None if contiguous(d.shape, d.stride) else d.stride
         tensor = BlobRegionTensor(self.blob, member.offset + d.offset * d.dtype.itemsize, d.shape, d.dtype, key,
                                   self.path, stride=stride, what=f"torch.save member data/{d.storage.key}",
-                                  verify=self.verify)
+                                  verify=self.verify, scratch=_scratch)
         return TensorLeaf(key, tensor)
+
+
+def _scratch(n: int):
+    """This thread's page-aligned buffer for one read of a tensor's bytes (copied out before the next read)."""
+    return scratch("blob_region", n)
 
 
 def _child(prefix: str, name: str) -> str:

@@ -21,7 +21,7 @@ from datetime import datetime
 from pathlib import Path
 
 from ...errors import CheckpointError
-from ...guard.confine import Confinement
+from ...guard.confine import Confinement, RefusedReference, open_regular_file
 from ckptfs.readers.tf.locate import is_tf_source, resolve_tf_index
 
 #: a ``latest`` pointer file is at most this long (it holds one name)
@@ -60,21 +60,20 @@ def _pointer_text(p: Path) -> str:
     """The name a ``latest`` pointer file holds: its first line, from at most ``MAX_POINTER_BYTES`` (a FIFO or a
     device is refused before it is read)."""
     try:
-        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        blob = open_regular_file(p)
+    except RefusedReference:
+        raise CheckpointError(p, "the 'latest' pointer is not a regular file, a symlink or a directory") from None
     except OSError as e:
         raise CheckpointError(p, f"cannot read the 'latest' pointer ({e.strerror or e})") from None
     try:
-        st = os.fstat(fd)
-        if not stat_mod.S_ISREG(st.st_mode):
-            raise CheckpointError(p, "the 'latest' pointer is not a regular file, a symlink or a directory")
-        if st.st_size > MAX_POINTER_BYTES:
-            raise CheckpointError(p, f"the 'latest' pointer file holds {st.st_size} bytes, more than a pointer's "
+        if blob.size > MAX_POINTER_BYTES:
+            raise CheckpointError(p, f"the 'latest' pointer file holds {blob.size} bytes, more than a pointer's "
                                      f"{MAX_POINTER_BYTES}")
-        data = os.read(fd, MAX_POINTER_BYTES)
+        data = blob.read(0, MAX_POINTER_BYTES)
     except OSError as e:
         raise CheckpointError(p, f"cannot read the 'latest' pointer ({e.strerror or e})") from None
     finally:
-        os.close(fd)
+        blob.close()
     lines = data.decode("utf-8", "replace").strip().splitlines()
     if not lines or not lines[0].strip():
         raise CheckpointError(p, "the 'latest' pointer file is empty")

@@ -30,17 +30,18 @@ leaves the listing (``KeepNCheckpoints`` deletes its objects); an incomplete one
 from __future__ import annotations
 
 import os
-import stat as stat_mod
 import re
 import threading
 import time
+from contextlib import closing
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Hashable
 
 from ...errors import CheckpointError
-from ...storage.base import Folder
+from ...storage.base import Blob, Folder
+from ...storage.local import open_if_regular
 from ...storage.locate import folder_of
 from ...storage.s3url import is_s3_url
 from ckptfs.readers.cerebras.h5errors import open_problem
@@ -151,32 +152,32 @@ def probe(path) -> tuple:
 
 def probe_torch_zip(path) -> tuple | None:
     """``(complete, status)`` of a legacy-mode checkpoint file (``legacy_torch.is_legacy_torch``): complete once its
-    zip end record is there (torch.save writes it last); None for any other file. ``path``: a path, or a file
-    object over a blob."""
+    zip end record is there (torch.save writes it last); None for any other file. ``path``: a path, or a
+    ``RangedFile`` over a blob (whose blob is read)."""
     try:
         if not isinstance(path, (str, os.PathLike)):
-            return _probe_torch(path, path.seek(0, os.SEEK_END))
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not block the open
-        with open(fd, "rb", buffering=0) as f:
-            st = os.fstat(fd)
-            return _probe_torch(f, st.st_size) if stat_mod.S_ISREG(st.st_mode) else None
+            return _probe_torch(path.blob)
+        blob = open_if_regular(path)
+        if blob is None:
+            return None
+        with closing(blob):
+            return _probe_torch(blob)
     except OSError as e:
         return False, f"cannot be read ({one_line(e)})"
 
 
-def _probe_torch(f, size: int) -> tuple | None:
+def _probe_torch(blob: Blob) -> tuple | None:
     from ..legacy_torch.reader import HEAD_BYTES, ZIP_MAGIC, is_legacy_torch
 
-    f.seek(0)
-    head = f.read(HEAD_BYTES)
+    head = blob.read(0, HEAD_BYTES)
     if not is_legacy_torch(head):
         return None
     if not head.startswith(ZIP_MAGIC):
         return False, "torch's format before torch 1.6: not read (re-save it with torch>=1.6)"
+    size = blob.size
     n = min(zipdir.TAIL_SIZE, size)
-    f.seek(size - n)
     try:
-        zipdir.locate_directory(f.read(n), size)
+        zipdir.locate_directory(blob.read(size - n, n), size)
     except zipdir.ZipFormatError as e:
         return False, f"partial torch.save zip ({e})"
     return True, COMPLETE

@@ -192,7 +192,7 @@ class S3ObjectTensor(VirtualTensor):
                 if self.compressed:
                     self._read_compressed(spans, memoryview(out.view(np.uint8)))
                 else:
-                    buf, at, _ = self.blob.read_spans(spans, bytearray)
+                    buf, at = self.blob.read_spans(spans, bytearray)
                     dst, pos = memoryview(out.view(np.uint8)), 0
                     for (lo, end), a in zip(spans, at):
                         dst[pos:pos + end - lo] = memoryview(buf)[a:a + end - lo]

@@ -27,7 +27,7 @@ from ...storage.s3object import PartPool, S3Object
 from ...storage.s3url import S3Location
 from ...catalog.model import Checkpoint
 from ...guard.confine import RefusedReference
-from ..cerebras.h5store import CHUNK_CACHE_BYTES, CHUNK_CACHE_SLOTS, HDF5_SIGNATURE, H5Store, what_bytes_are
+from ..cerebras.h5store import CHUNK_CACHE_BYTES, CHUNK_CACHE_SLOTS, H5Store, what_blob_is
 from ..cerebras.catalog import read_hdf5_catalog
 from ..legacy_torch.reader import HEAD_BYTES, is_legacy_torch, open_legacy_torch_blob
 from ..run.scan import RunScanner
@@ -80,8 +80,7 @@ def open_hdf5_object(location: S3Location, blob: S3Object, *, allow_partial: boo
     """The catalog of an HDF5 checkpoint stored as one object, read by ranges."""
     store = BlobH5Store(location, blob)
     try:
-        head = blob.read(0, 16) if blob.size else b""
-        why = what_bytes_are(head, blob.size, lambda off: blob.read(off, 8) == HDF5_SIGNATURE)
+        why = what_blob_is(blob)
         if why:
             raise CheckpointError(location, why)
         f = store.file("the checkpoint")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ckptfs.errors import CheckpointError
 from ckptfs.guard.confine import non_regular_kind
-from ...storage.local import LocalFile
+from ...storage.local import open_if_regular
 
 #: the name of the state file TF writes beside its checkpoints
 STATE_FILE = "checkpoint"
@@ -79,13 +79,10 @@ def is_index_file(path: Path) -> bool:
     if not str(path).endswith(INDEX_SUFFIX) or not _regular(path):
         return False
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        blob = open_if_regular(path)
     except OSError:
         return False
-    try:
-        blob = LocalFile(str(path), fd=fd)  # owns the descriptor from here
-    except OSError:
-        os.close(fd)
+    if blob is None:
         return False
     try:
         return blob.size >= 48 and blob.read(blob.size - 8, 8) == TABLE_MAGIC
@@ -121,25 +118,19 @@ def latest_prefix(folder: Path) -> str:
     """The ``model_checkpoint_path`` of the folder's ``checkpoint`` file (its text, unresolved)."""
     p = folder / STATE_FILE
     try:
-        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:
-        raise CheckpointError(p, f"cannot read the TensorFlow 'checkpoint' file ({e.strerror or e})") from None
-    try:
-        st = os.fstat(fd)
-        kind = non_regular_kind(st)
-        if kind is not None:
+        blob = open_if_regular(p)
+        if blob is None:
+            kind = non_regular_kind(os.stat(p)) or "something else"
             raise CheckpointError(p, f"the TensorFlow 'checkpoint' file is {kind}, not a regular file")
-        if st.st_size > MAX_STATE_BYTES:
-            raise CheckpointError(p, f"the TensorFlow 'checkpoint' file holds {st.st_size:,} bytes, more than the "
-                                     f"{MAX_STATE_BYTES:,} a list of checkpoint prefixes needs")
-        blob, fd = LocalFile(str(p), fd=fd), None  # owns the descriptor from here
         try:
+            if blob.size > MAX_STATE_BYTES:
+                raise CheckpointError(p, f"the TensorFlow 'checkpoint' file holds {blob.size:,} bytes, more than "
+                                         f"the {MAX_STATE_BYTES:,} a list of checkpoint prefixes needs")
             data = blob.read(0, MAX_STATE_BYTES)
         finally:
             blob.close()
-    finally:
-        if fd is not None:
-            os.close(fd)
+    except OSError as e:
+        raise CheckpointError(p, f"cannot read the TensorFlow 'checkpoint' file ({e.strerror or e})") from None
     for line in data.decode("utf-8", "surrogateescape").splitlines():
         m = _FIELD.match(line)
         if m is None:

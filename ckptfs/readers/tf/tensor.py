@@ -12,7 +12,6 @@ the outcome is remembered for this version of the shard. Then each read takes on
 from __future__ import annotations
 
 import math
-import os
 import threading
 from pathlib import Path
 
@@ -77,7 +76,7 @@ class TfShard:
         ends inside one or changed."""
         f = self.file(key)
         try:
-            buf, starts, _ = f.read_spans(spans, _scratch, hint=False)
+            buf, starts = f.read_spans(spans, _scratch, hint=False)
             now = f.current_version()
         except ShortRead as e:
             raise TensorReadError(self.checkpoint_path, f"tensor {key}: data file {self.path.name} is truncated (it "

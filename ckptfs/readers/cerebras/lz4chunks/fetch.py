@@ -44,7 +44,7 @@ def fetch_found(grid: ChunkGrid, dset, file: Blob | None, found: list) -> tuple:
         else:
             spans.append([off, off + size, [k]])
     try:
-        buf, at, _ = file.read_spans([(lo, end) for lo, end, _ in spans], scratch_raw)
+        buf, at = file.read_spans([(lo, end) for lo, end, _ in spans], scratch_raw)
     except ShortRead as e:
         lo, end, ks = spans[e.k]
         raise CorruptChunkError(grid.coords(found[ks[0]][3]),
@@ -59,7 +59,7 @@ def fetch_scattered(grid: ChunkGrid, file: Blob, spans: list, chunk_of) -> tuple
     """``file.read_scattered(spans)``: ``(buffer, positions)``; ``chunk_of(k)`` names the grid indices of the chunk
     span ``k`` belongs to, should the file end inside it."""
     try:
-        buf, at, _ = file.read_scattered(spans, scratch_raw)
+        buf, at = file.read_scattered(spans, scratch_raw)
     except ShortRead as e:
         raise CorruptChunkError(grid.coords(chunk_of(e.k)),
                                 f"file ends inside the chunk ({e.got} of {spans[e.k][1] - spans[e.k][0]} bytes)"
@@ -79,7 +79,7 @@ def fetch_sorted(grid: ChunkGrid, file: Blob, offs: np.ndarray, sizes: np.ndarra
     span_lo = o[starts]
     span_len = np.maximum.reduceat(ends, starts) - span_lo
     try:
-        buf, at, _ = file.read_spans(zip(span_lo.tolist(), (span_lo + span_len).tolist()), scratch_raw)
+        buf, at = file.read_spans(zip(span_lo.tolist(), (span_lo + span_len).tolist()), scratch_raw)
     except ShortRead as e:
         first = int(starts[e.k]) if order is None else int(order[starts[e.k]])
         raise CorruptChunkError(grid.coords(grid.chunk_idx(int(li[first]))),

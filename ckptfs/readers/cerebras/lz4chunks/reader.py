@@ -258,7 +258,7 @@ class LZ4ChunkReader:
         if file is None:
             return False
         try:
-            buf, at, _ = file.read_spans([(first, int(offs[-1]) + raw_size)], scratch_raw)
+            buf, at = file.read_spans([(first, int(offs[-1]) + raw_size)], scratch_raw)
         except ShortRead:
             return False  # reported, naming the chunk, by the general path
         pos = offs - (first - at[0])
