@@ -348,6 +348,11 @@ class Elementwise(VirtualTensor):
     def chunk_shape(self):
         return self.src.chunk_shape()
 
+    def will_need(self, start: int, stop: int) -> None:
+        """The input's bytes of the same elements (element for element: only their size may differ)."""
+        mine, theirs = self.dtype.itemsize, self.src.dtype.itemsize
+        self.src.will_need(start // mine * theirs, -(-stop // mine) * theirs)
+
 
 class Affine(Elementwise):
     """Elementwise ``x * s``, ``x / s``, ``x + c``, ``x - c`` steps, exactly as torch computes them.
