@@ -15,7 +15,7 @@ The policy, decided in ``advance`` after each read ``[offset, end)``:
   tree's ``cache.read_ahead`` after the end) and bytes announced to the storage beyond those (up to
   ``cache.announce_ahead`` after the end, once the stream is ``read_ahead`` long; past the tensor being read only for
   a stream that went on from one tensor into the next, not a loader reading each tensor whole in its own order).
-  Each starts at ``FIRST_WINDOW`` and doubles at every extension, up to its cap.
+  Each starts at ``FIRST_WINDOW`` and doubles at every extension after the first, up to its cap.
 * **Backpressure.** A window is extended only once the reader has consumed half of what was prepared ahead of it
   (mountpoint-s3's rule): a reader that does not consume what was prepared (it rereads, or stays put) gets nothing
   more queued and no growth. Blocks the read-ahead queue refused (full: what was queued earlier is not computed
@@ -54,26 +54,29 @@ FROM_MEMORY_RUN = 8
 
 @dataclass
 class Window:
-    """Bytes prepared ahead of a stream: up to file offset ``to``, ``size`` the next extension's length."""
+    """Bytes prepared ahead of a stream: up to file offset ``to``; ``size`` the window kept ahead of the reader (how
+    far after the reader an extension reaches); ``extended``: whether anything was prepared yet."""
 
     to: int = 0
     size: int = FIRST_WINDOW
+    extended: bool = False
 
     def extend(self, end: int, cap: int, skip: int = 0, limit: int | None = None) -> tuple | None:
         """``(a, b)``: the file bytes to prepare now for a reader at ``end`` — those from ``end + skip`` on not
-        prepared yet, up to a window after ``end + skip`` and at most ``limit`` — or None while at least half a
-        window prepared earlier is still ahead. An extension doubles the window for the next one, up to ``cap``."""
+        prepared yet, up to a window after ``end + skip`` and at most ``limit`` — or None while more than half a
+        window prepared earlier is still ahead. Each extension after the first doubles the window, up to ``cap``."""
         base = end + skip
         size = min(self.size, cap)
         if self.to - base > size // 2:
             return None  # backpressure: what was prepared is not consumed yet
+        if self.extended:
+            size = min(size * 2, cap)
         a, b = max(self.to, base), base + size
         if limit is not None:
             b = min(b, limit)
         if b <= a:
             return None
-        self.to = b
-        self.size = min(size * 2, cap)
+        self.to, self.size, self.extended = b, size, True
         return a, b
 
     def refused(self, a: int) -> None:
