@@ -121,10 +121,10 @@ class TensorBytes:
         """Queue bytes ``[a, b)`` of the piece for the read-ahead thread (``VirtualTensor.prefetch``)."""
         return self.tensor.prefetch(self.start + a, self.start + min(b, self.size), cache, done)
 
-    def will_need(self, a: int, b: int) -> None:
+    def will_need(self, a: int, b: int, continuing: bool = False) -> None:
         """Announce bytes ``[a, b)`` of the piece to the tensor's storage (``VirtualTensor.will_need``)."""
         if a < self.size:
-            self.tensor.will_need(self.start + a, self.start + min(b, self.size))
+            self.tensor.will_need(self.start + a, self.start + min(b, self.size), continuing)
 
     def explain(self, a: int) -> list:
         t = self.tensor
@@ -221,14 +221,14 @@ class TensorRun:
             i += 1
         return True
 
-    def will_need(self, a: int, b: int) -> None:
+    def will_need(self, a: int, b: int, continuing: bool = False) -> None:
         """Announce the tensors' bytes overlapping bytes ``[a, b)`` of the piece to their storage."""
         offsets = self.offsets
         i = self._at(a)
         while i < len(self.tensors) and offsets[i] < b:
             begin, end = offsets[i], offsets[i + 1]
             if end > begin:
-                self.tensors[i].will_need(max(a, begin) - begin, min(b, end) - begin)
+                self.tensors[i].will_need(max(a, begin) - begin, min(b, end) - begin, continuing)
             i += 1
 
     def explain(self, a: int) -> list:
@@ -457,8 +457,11 @@ class PiecedFile(VirtualFile):
                 refused = _read_ahead(plan, i - 1, *step.prepare, cache, cursor.block_computed)
                 if refused is not None:
                     cursor.refused(refused)
-            if step.announce is not None:
-                _announce(plan, i - 1, *step.announce)
+            if step.announce is not None:  # the tensor being read first: its bytes continue the stream
+                a, b = step.announce
+                mine = _tensor_end(plan, end - 1)
+                _announce(plan, i - 1, a, min(b, mine), continuing=True)
+                _announce(plan, i - 1, max(a, mine), b)
         return end - offset
 
     def explain(self, offset: int) -> Explanation:
@@ -490,22 +493,30 @@ def _announce_limit(plan: Plan, start: int, end: int) -> int:
     on from one tensor into the next, else at the end of the tensor they are in (a loader reading each tensor whole
     in its own order: the tensors after it in the file are not what comes next)."""
     first, last = plan.tensor_from(start), plan.tensor_from(end - 1)
-    if first is None or last is None:
-        return end
-    if first != last:
+    if first is not None and last is not None and first != last:
         return plan.size
-    i, k = last
+    return _tensor_end(plan, end - 1)
+
+
+def _tensor_end(plan: Plan, offset: int) -> int:
+    """The file byte after the tensor bytes holding byte ``offset`` (or the first ones after it; ``offset + 1`` when
+    there are none)."""
+    at = plan.tensor_from(offset)
+    if at is None:
+        return offset + 1
+    i, k = at
     piece = plan.pieces[i]
     offsets, ends = getattr(piece, "offsets", None), getattr(piece, "ends", None)
     rel = offsets[k + 1] if offsets is not None else ends[k] if ends is not None and k < len(ends) else piece.size
     return plan.starts[i] + rel
 
 
-def _announce(plan: Plan, i: int, a: int, b: int) -> None:
-    """Announce the tensor bytes of file bytes ``[a, b)`` to their storage (pieces from ``i`` on)."""
+def _announce(plan: Plan, i: int, a: int, b: int, continuing: bool = False) -> None:
+    """Announce the tensor bytes of file bytes ``[a, b)`` to their storage (pieces from ``i`` on); ``continuing``:
+    they continue the tensor the stream reads now (``VirtualTensor.will_need``)."""
     while i < len(plan.pieces) and plan.starts[i] < b:
         piece, start = plan.pieces[i], plan.starts[i]
         will_need = getattr(piece, "will_need", None)  # tensor bytes
         if will_need is not None and start + piece.size > a:
-            will_need(max(a - start, 0), b - start)
+            will_need(max(a - start, 0), b - start, continuing)
         i += 1

@@ -307,10 +307,11 @@ class VirtualTensor(ABC):
         out[:b - a] = data[a - e0 * item:b - e0 * item]
         return b - a
 
-    def will_need(self, start: int, stop: int) -> None:
+    def will_need(self, start: int, stop: int, continuing: bool = False) -> None:
         """Announce that bytes [start, stop) of the image will be read soon, without reading them: a tensor whose
         storage fetches ahead (an object in S3) starts fetching them. Best effort, never waits; nothing by default (a
-        local file's storage announces its next bytes itself, and a computed tensor's sources are read when it is)."""
+        local file's storage announces its next bytes itself, and a computed tensor's sources are read when it is).
+        ``continuing``: they continue a stream reading this tensor now (``Blob.will_need(announced=False)``)."""
 
     def prefetch(self, start: int, stop: int, cache: BlockCache, done=None) -> bool:
         """Queue the cache blocks under bytes [start, stop) for the read-ahead thread (``ckptfs.tensor.readahead``),

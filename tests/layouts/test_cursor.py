@@ -207,3 +207,35 @@ def test_announcing_starts_once_the_stream_is_a_read_ahead_long_and_stays_within
     assert got and got[0][0] >= 4 * MiB
     assert all(a >= end + 4 * MiB and b <= 40 * MiB for end, (a, b) in got), got
     assert got[-1][1][1] == 40 * MiB  # grew up to the limit
+
+
+def test_announcements_continuing_the_tensor_being_read_say_so():
+    """Announced bytes of the tensor the stream is reading continue it (``continuing``: a storage holding back
+    announcements after some went unread still fetches these, as an object's own read-ahead used to); the tensors
+    after it in the file are plain announcements."""
+    class Noted(ArrayTensor):
+        __slots__ = ("name", "noted")
+
+        def will_need(self, start, stop, continuing=False):
+            self.noted.append((start, stop, continuing))
+
+    tensors = []
+    for k in range(3):
+        t = Noted(np.zeros(12 * MiB, dtype=np.uint8))
+        t.name, t.noted = f"t{k}", []
+        tensors.append(t)
+    cache = BlockCache(0)
+    cache.read_ahead, cache.announce_ahead = 4 * MiB, 64 * MiB
+    f = PiecedFile([TensorRun(["t0", "t1", "t2"], tensors, array("q", [0, 12 * MiB, 24 * MiB, 36 * MiB]))],
+                   name="w", cache=cache)
+    c = ReadCursor()
+    buf = memoryview(bytearray(MiB))
+    t0, t1, t2 = tensors
+    for off in range(0, 8 * MiB, MiB):  # inside t0: announced up to its end only, all continuing it
+        f.readinto(off, buf, c)
+    assert t0.noted and all(cont and stop <= 12 * MiB for _, stop, cont in t0.noted), t0.noted
+    assert t1.noted == t2.noted == []
+    for off in range(8 * MiB, 20 * MiB, MiB):  # on into t1: the stream is in file order, t2 is announced too
+        f.readinto(off, buf, c)
+    assert t1.noted and all(cont for *_, cont in t1.noted), t1.noted  # announced while t1 was being read
+    assert t2.noted and not any(cont for *_, cont in t2.noted), t2.noted  # the tensor after it

@@ -96,13 +96,13 @@ class _Body:
             i += 1
         return True
 
-    def will_need(self, a: int, b: int) -> None:
+    def will_need(self, a: int, b: int, continuing: bool = False) -> None:
         """Announce the tensors' bytes under bytes ``[a, b)`` to their storage (``VirtualTensor.will_need``)."""
         i = max(bisect.bisect_right(self.starts, a) - 1, 0)
         while i < len(self.starts) and self.starts[i] < b:
             lo, hi = self.starts[i], self.ends[i]
             if a < hi:
-                self.tensors[i].will_need(max(a, lo) - lo, min(b, hi) - lo)
+                self.tensors[i].will_need(max(a, lo) - lo, min(b, hi) - lo, continuing)
             i += 1
 
     def _at(self, a: int) -> int:

@@ -389,7 +389,7 @@ def test_only_a_stream_through_the_file_announces_what_follows():
     announced = []
 
     class Noted(ArrayTensor):
-        def will_need(self, start, stop):
+        def will_need(self, start, stop, continuing=False):
             announced.append((self.name, start, stop))
 
     import numpy as np
@@ -554,6 +554,35 @@ def test_an_object_fetches_nothing_ahead_by_itself(tmp_path, monkeypatch):
         time.sleep(0.3)  # a fetch ahead would have been sent by now
         gets = sorted(r.range for r in srv.requests() if r.kind == "GET")
         assert gets == sorted(f"bytes={i * part}-{(i + 1) * part - 1}" for i in range(3)), gets
+    finally:
+        srv.stop()
+        s3object._pool.reset()
+
+
+def test_a_streams_own_continuation_is_fetched_while_announcements_pause(tmp_path, monkeypatch):
+    """While fetching ahead is paused, announcements of other bytes (``will_need``) fetch nothing, but a reader's
+    cursor announcing the continuation of the tensor its stream reads (``announced=False``) still has those parts
+    fetched ahead (a loader reading a tensor whole after its first pass would otherwise wait for every part)."""
+    from helpers.s3 import LocalS3
+
+    from ckptfs.storage import s3object
+
+    part = _small_parts(monkeypatch, 4, 8)
+    srv = LocalS3(tmp_path / "s3")
+    try:
+        body = bytes(range(256)) * (16 * part // 256)
+        blob = _endpoint_blob(srv, monkeypatch, "own", "ahead", body)
+        s3object._pool.paused = 1 << 40
+        srv.reset()
+        blob.will_need(8 * part, 4 * part)
+        assert srv.counts()["GET"] == 0, srv.requests()  # announced: paused
+        out = bytearray(part)
+        for i in range(2):  # two parts in order: a sequential read, its continuation announced by its cursor
+            blob.read_into(memoryview(out), i * part, part)
+            assert bytes(out) == body[i * part:(i + 1) * part]
+        blob.will_need(2 * part, 2 * part, announced=False)
+        gets = _wait_for_gets(srv, 3)
+        assert f"bytes={2 * part}-{4 * part - 1}" in [r.range for r in gets], gets  # parts 2-3, fetched ahead
     finally:
         srv.stop()
         s3object._pool.reset()

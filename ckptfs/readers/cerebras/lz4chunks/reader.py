@@ -143,12 +143,12 @@ class LZ4ChunkReader:
             file = self._file = self._open_file(self.dset, *probe) or False
         return file or None
 
-    def will_need(self, e0: int, e1: int) -> None:
+    def will_need(self, e0: int, e1: int, continuing: bool = False) -> None:
         """Announce to the chunk file (``Blob.will_need``) the stored chunks holding elements ``[e0, e1)`` of the
         dataset in C order: every chunk of the chunk rows under those elements, as the file ranges they are stored
         in (neighbours less than ``ANNOUNCE_GAP`` apart as one, at most ``ANNOUNCE_RANGES`` ranges). Bounded work:
         the chunk index (built once per dataset, as a read builds it) and slices of it; nothing is read. Nothing is
-        announced when chunks come through HDF5 (no file)."""
+        announced when chunks come through HDF5 (no file). ``continuing``: as ``VirtualTensor.will_need``."""
         g = self.grid
         row = math.prod(g.shape[1:])  # elements of one row along the first dimension
         if e1 <= e0 or not g.shape or row == 0 or not self.dset.id.valid:
@@ -168,7 +168,7 @@ class LZ4ChunkReader:
         firsts = np.concatenate(([0], np.flatnonzero(at[1:] > end[:-1] + ANNOUNCE_GAP) + 1))[:ANNOUNCE_RANGES]
         lasts = np.concatenate((firsts[1:], [len(at)])) - 1
         for a, b in zip(at[firsts].tolist(), end[lasts].tolist()):
-            file.will_need(a, b - a)
+            file.will_need(a, b - a, announced=not continuing)
 
     def read(self, box) -> np.ndarray | None:
         """The box as a C-contiguous array of ``dset.dtype``; None if the caller must use h5py for this box (out of
