@@ -76,7 +76,7 @@ def test_two_handles_reading_one_file_interleaved_keep_a_stream_each():
     """Two readers of one file, their 64 KiB reads interleaved (each continuing its own previous read): each handle's
     cursor sees its own stream, so the blocks after both readers are computed ahead. With the stream kept by the
     file, each read looked like a jump and neither got read-ahead."""
-    tree, t, expected = _tree(40 * BLOCK)
+    tree, t, expected = _tree(40 * BLOCK, read_ahead=2 * BLOCK)  # both windows fit the read-ahead queue at once
     e = tree.lookup("m.safetensors")
     a, b = tree.open(e), tree.open(e)
     assert a != b and tree.handle(a).cursor is not tree.handle(b).cursor
@@ -86,9 +86,8 @@ def test_two_handles_reading_one_file_interleaved_keep_a_stream_each():
             assert _read(tree, fh, pos[fh], 64 * KiB) == expected[pos[fh]:pos[fh] + 64 * KiB]
             pos[fh] += 64 * KiB
     assert READ_AHEAD.wait_idle(30)
-    # the blocks after where each reader stopped (a in block 2, b in block 22), which neither read itself
-    assert {3, 4} <= set(t.ahead), t.ahead
-    assert {23, 24} <= set(t.ahead), t.ahead
+    # the block after where each reader stopped (a in block 2, b in block 22), which neither read itself
+    assert 3 in t.ahead and 23 in t.ahead, t.ahead
     assert set(t.ahead.values()) == {1}
     tree.release(a)
     with pytest.raises(Exception):
