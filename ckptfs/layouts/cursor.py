@@ -15,7 +15,9 @@ The policy, decided in ``advance`` after each read ``[offset, end)``:
   tree's ``cache.read_ahead`` after the end) and bytes announced to the storage beyond those (up to
   ``cache.announce_ahead`` after the end, once the stream is ``read_ahead`` long; past the tensor being read only for
   a stream that went on from one tensor into the next, not a loader reading each tensor whole in its own order).
-  Each starts at ``FIRST_WINDOW`` and doubles at every extension after the first, up to its cap.
+  The first starts at ``FIRST_WINDOW`` and doubles at every extension after the first, up to its cap; the second,
+  which only a stream already ``read_ahead`` long reaches, starts whole (objects a few MB into a copy must be asked
+  for before the reader gets there).
 * **Backpressure.** A window is extended only once the reader has consumed half of what was prepared ahead of it
   (mountpoint-s3's rule): a reader that does not consume what was prepared (it rereads, or stays put) gets nothing
   more queued and no growth. Blocks the read-ahead queue refused (full: what was queued earlier is not computed
@@ -61,12 +63,14 @@ class Window:
     size: int = FIRST_WINDOW
     extended: bool = False
 
-    def extend(self, end: int, cap: int, skip: int = 0, limit: int | None = None) -> tuple | None:
+    def extend(self, end: int, cap: int, skip: int = 0, limit: int | None = None,
+               whole: bool = False) -> tuple | None:
         """``(a, b)``: the file bytes to prepare now for a reader at ``end`` — those from ``end + skip`` on not
         prepared yet, up to a window after ``end + skip`` and at most ``limit`` — or None while more than half a
-        window prepared earlier is still ahead. Each extension after the first doubles the window, up to ``cap``."""
+        window prepared earlier is still ahead. Each extension after the first doubles the window, up to ``cap``;
+        ``whole``: the first one is the whole ``cap`` already."""
         base = end + skip
-        size = min(self.size, cap)
+        size = cap if whole and not self.extended else min(self.size, cap)
         if self.to - base > size // 2:
             return None  # backpressure: what was prepared is not consumed yet
         if self.extended:
@@ -157,7 +161,7 @@ class ReadCursor:
                 prepare = self.prepared.extend(self.end, read_ahead)
             if announce_ahead > read_ahead and self.end - self.start >= read_ahead:
                 limit = None if announce_limit is None else announce_limit(self.start, self.end)
-                announce = self.announced.extend(self.end, announce_ahead - read_ahead, read_ahead, limit)
+                announce = self.announced.extend(self.end, announce_ahead - read_ahead, read_ahead, limit, whole=True)
             return Step(prepare, announce) if prepare or announce else NOTHING
 
     def refused(self, a: int) -> None:

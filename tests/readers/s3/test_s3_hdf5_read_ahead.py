@@ -42,13 +42,13 @@ def test_a_sequential_copy_announces_the_chunks_ahead_to_the_object(tmp_path, mo
     from ckptfs.storage import s3object
     from helpers.s3 import LocalS3
 
-    announced, lock = [], threading.Lock()
+    noted, lock = [], threading.Lock()
     real = s3object.S3Object.will_need
 
-    def noting(self, offset, length=None, announced_=True):
+    def noting(self, offset, length=None, announced=True):
         with lock:
-            announced.append((offset, length))
-        return real(self, offset, length, announced_)
+            noted.append((offset, length))
+        return real(self, offset, length, announced)
 
     s3object._pool.reset()
     srv = LocalS3(tmp_path / "s3")
@@ -64,13 +64,13 @@ def test_a_sequential_copy_announces_the_chunks_ahead_to_the_object(tmp_path, mo
             got += tree.read(name, off, MiB, cursor)
         assert bytes(got) == local.read(name, 0, size)
         if not with_cursor:
-            assert announced == []
+            assert noted == []
             return
-        assert len(announced) >= 4, announced
+        assert len(noted) >= 4, noted
         blob_size = (tmp_path / "ck" / "checkpoint_0.mdl").stat().st_size
-        assert all(0 <= a and a + n <= blob_size for a, n in announced), announced
+        assert all(0 <= a and a + n <= blob_size for a, n in noted), noted
         # ranges of stored chunks ahead of the reader: together they span most of the object
-        assert sum(n for _, n in announced) > blob_size // 4, (sum(n for _, n in announced), blob_size)
+        assert sum(n for _, n in noted) > blob_size // 4, (sum(n for _, n in noted), blob_size)
         tree.close()
     finally:
         srv.stop()
