@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from ..errors import CkptfsError, UsageError
+from ..layouts.cursor import ReadCursor
 from ..state.outfiles import OutputDir
 from ..tree.base import Tree, VirtualPathError, split_path
 from .export_tree import export_tree, read_failed
@@ -62,10 +63,11 @@ def resolve_file(tree: Tree, vpath: str):
 def _copy(tree: Tree, e, out, bar, block: int) -> None:
     """Stream file entry ``e`` into the binary stream ``out``, ``block`` bytes at a time; the next block is prepared
     in the background while one is written (1 GB bf16 safetensors, cold: 3.5-4.0 s against 5.3-5.6 s without)."""
+    cursor = ReadCursor()  # one stream: what it prepares ahead follows this copy alone
     with tree.cache.sequential(block) if tree.cache is not None else contextlib.nullcontext():
         for off in range(0, e.size, block):
             try:
-                data = tree.read(e, off, block)
+                data = tree.read(e, off, block, cursor)
             except Exception as err:
                 raise read_failed(e.path, off, err) from err
             out.write(data)

@@ -238,20 +238,25 @@ class CkptfsOperations:
         return fh
 
     def read(self, path, size, offset, fh):
-        return self._serve(path, fh, lambda e: self._tree.read(e, offset, size))
+        return self._serve(path, fh, lambda e, cursor: self._tree.read(e, offset, size, cursor))
 
     def readinto(self, path, out, offset, fh) -> int:
         """``read`` into libfuse's reply buffer ``out`` (``ReadIntoFUSE.read``; not a FUSE operation name)."""
-        return self._serve(path, fh, lambda e: self._tree.readinto(e, offset, out))
+        return self._serve(path, fh, lambda e, cursor: self._tree.readinto(e, offset, out, cursor))
 
     def _serve(self, path, fh, reader):
-        """``reader(entry)`` for the open handle ``fh`` (or ``path``); any failure is EIO for this read only."""
+        """``reader(entry, cursor)`` for the open handle ``fh`` and its cursor (or ``path``, without one); any failure
+        is EIO for this read only."""
         try:
-            e = self._tree.entry_by_handle(fh) if fh else self._tree.lookup(path)
+            if fh:
+                h = self._tree.handle(fh)
+                e, cursor = h.entry, h.cursor
+            else:
+                e, cursor = self._tree.lookup(path), None
         except VirtualPathError:
             raise _oserror(errno.EBADF) from None
         try:
-            return reader(e)
+            return reader(e, cursor)
         except Exception as err:  # never wrong bytes
             self._report(e, err)
             raise _oserror(errno.EIO) from None

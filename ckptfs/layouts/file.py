@@ -1,5 +1,6 @@
 """The virtual file: what every generated file offers the tree above it — an exact ``size`` from the first ``stat``,
-and ``readinto(offset, out)`` filling a caller's buffer.
+and ``readinto(offset, out, cursor)`` filling a caller's buffer (``cursor``: the reader's ``ReadCursor``, what a file
+may prepare after the read; a file that prepares nothing ignores it).
 
 Implementations (a layout's ``PiecedFile``, a view's ``BytesFile``, an overlay file) fill exactly the range asked
 for; they never see a range that runs past their end: ``fill`` is the one place a request is clipped to the file
@@ -21,9 +22,9 @@ class VirtualFile(ABC):
     deferred = False
 
     @abstractmethod
-    def readinto(self, offset: int, out: memoryview) -> int:
+    def readinto(self, offset: int, out: memoryview, cursor=None) -> int:
         """Fill ``out`` with bytes ``[offset, offset + len(out))``, a range inside the file (``fill`` clipped it);
-        returns ``len(out)``."""
+        returns ``len(out)``. ``cursor``: the reader's ``ckptfs.layouts.cursor.ReadCursor`` (None: a one-off read)."""
 
     def read(self, offset: int, n: int) -> bytes:
         """Bytes ``[offset, offset + n)``, fewer at the file's end."""
@@ -35,14 +36,14 @@ class VirtualFile(ABC):
         return bytes(buf)
 
 
-def fill(vf: VirtualFile, offset: int, out: memoryview, where: str, size: int | None = None) -> int:
+def fill(vf: VirtualFile, offset: int, out: memoryview, where: str, size: int | None = None, cursor=None) -> int:
     """Fill ``out`` from byte ``offset`` (at least 0) of ``vf``, clipped at its end (``size``: the size its tree
     fixed, default ``vf.size``): the count, exactly the clipped length, or ``TensorReadError(where, …)`` when the
-    file produced another count."""
+    file produced another count. ``cursor``: the reader's, handed to the file."""
     want = max(0, min(len(out), (vf.size if size is None else size) - offset))
     if want == 0:
         return 0
-    got = vf.readinto(offset, out[:want])
+    got = vf.readinto(offset, out[:want], cursor)
     if got != want:
         raise TensorReadError(where, f"produced {got} bytes for a read of {want} at offset {offset}")
     return want

@@ -20,9 +20,10 @@ repetitive) is kept compressed: ``packed(data)`` returns ``data`` itself below `
 ``PackedBytes`` (independent zlib chunks, sliced like bytes, the last chunk used kept decompressed).
 
 ``PiecedFile(pieces, name=…, cache=…)`` is a ``VirtualFile`` with an exact ``size`` and the single read loop,
-``readinto(offset, out)`` (the range already clipped to the file by ``virtual_file.fill``): it finds the first piece
-with one bisect, lets each overlapping piece fill its share of the one buffer ``out``, and checks that every piece
-produced exactly its share (an error names the file and the piece). A file
+``readinto(offset, out, cursor)`` (the range already clipped to the file by ``virtual_file.fill``): it finds the first
+piece with one bisect, lets each overlapping piece fill its share of the one buffer ``out``, and checks that every
+piece produced exactly its share (an error names the file and the piece); the reader's ``ReadCursor``
+(``ckptfs.layouts.cursor``) then says which bytes after it to compute ahead and announce to the storage. A file
 whose plan is expensive passes ``plan=`` instead of ``pieces`` and is planned on first use, once (under a lock of
 its own); a file whose plan is cheap and pure (one per tensor: an .npy file) overrides ``_own_pieces()`` instead and is
 planned when read, without a lock (two first readers may both plan it; either plan serves); only the plans of the
@@ -47,6 +48,7 @@ from typing import Callable, Sequence
 from ..tensor.cache import BlockCache
 from ..errors import TensorReadError
 from ..storage.base import waited_reads
+from .cursor import ReadCursor
 from .file import VirtualFile
 from ..tensor.base import VirtualTensor, trace_element, unravel
 
@@ -115,14 +117,14 @@ class TensorBytes:
             self.on_read(a, out[:n])
         return n
 
-    def prefetch(self, a: int, b: int, cache) -> None:
-        """Queue bytes ``[a, b)`` of the piece for the read-ahead thread."""
-        self.tensor.prefetch(self.start + a, self.start + min(b, self.size), cache)
+    def prefetch(self, a: int, b: int, cache, done=None) -> bool:
+        """Queue bytes ``[a, b)`` of the piece for the read-ahead thread (``VirtualTensor.prefetch``)."""
+        return self.tensor.prefetch(self.start + a, self.start + min(b, self.size), cache, done)
 
-    def will_need(self, a: int, b: int) -> None:
+    def will_need(self, a: int, b: int, continuing: bool = False) -> None:
         """Announce bytes ``[a, b)`` of the piece to the tensor's storage (``VirtualTensor.will_need``)."""
         if a < self.size:
-            self.tensor.will_need(self.start + a, self.start + min(b, self.size))
+            self.tensor.will_need(self.start + a, self.start + min(b, self.size), continuing)
 
     def explain(self, a: int) -> list:
         t = self.tensor
@@ -207,24 +209,26 @@ class TensorRun:
             i += 1
         return pos
 
-    def prefetch(self, a: int, b: int, cache) -> None:
-        """Queue the tensors' bytes overlapping bytes ``[a, b)`` of the piece for the read-ahead thread."""
+    def prefetch(self, a: int, b: int, cache, done=None) -> bool:
+        """Queue the tensors' bytes overlapping bytes ``[a, b)`` of the piece for the read-ahead thread; False when
+        the queue refused some (``VirtualTensor.prefetch``)."""
         offsets = self.offsets
         i = self._at(a)
         while i < len(self.tensors) and offsets[i] < b:
             begin, end = offsets[i], offsets[i + 1]
-            if end > begin:
-                self.tensors[i].prefetch(max(a, begin) - begin, min(b, end) - begin, cache)
+            if end > begin and not self.tensors[i].prefetch(max(a, begin) - begin, min(b, end) - begin, cache, done):
+                return False
             i += 1
+        return True
 
-    def will_need(self, a: int, b: int) -> None:
+    def will_need(self, a: int, b: int, continuing: bool = False) -> None:
         """Announce the tensors' bytes overlapping bytes ``[a, b)`` of the piece to their storage."""
         offsets = self.offsets
         i = self._at(a)
         while i < len(self.tensors) and offsets[i] < b:
             begin, end = offsets[i], offsets[i + 1]
             if end > begin:
-                self.tensors[i].will_need(max(a, begin) - begin, min(b, end) - begin)
+                self.tensors[i].will_need(max(a, begin) - begin, min(b, end) - begin, continuing)
             i += 1
 
     def explain(self, a: int) -> list:
@@ -302,20 +306,6 @@ Piece = Literal | Zeros | TensorBytes | Computed | TensorRun
 
 # -- the file ---------------------------------------------------------------------------------------------------
 
-#: a read at least this large is taken as part of a sequential stream (the kernel's read-ahead requests are 128 KiB
-#: to 1 MiB; a 4 KiB peek is not) and prepares the bytes after it when the cache has ``read_ahead`` on
-SEQUENTIAL_READ = 128 << 10
-#: a smaller read counts as sequential only when it starts where the previous one ended and is at least this large:
-#: the kernel follows a 4 KiB peek with a 16 KiB read of the next bytes (its initial read-ahead), which must not
-#: queue megabytes of decoding for a reader that only peeks; a reader that goes on gets 32, 64, 128 KiB requests
-SEQUENTIAL_CONTINUATION = 64 << 10
-#: a read within this distance of the stream of reads in order (inside it, or at most this far before its start or
-#: after its end) continues it, and widens it: libfuse's multi-threaded loop (a mount of a checkpoint in object
-#: storage, ``fusefs.loop_threads``) hands the kernel's read-ahead requests of one stream (1 MiB each, a few in
-#: flight) to several threads, which finish out of order, one late by more than its neighbours when the machine is
-#: busy
-STREAM_SLACK = 2 << 20
-
 #: how many files that plan themselves keep their plan (the most recently planned; older ones plan again if read)
 KEEP_OWN_PLANS = 256
 #: those files (weak references: a closed tree's files are not kept), oldest first; a file may appear twice
@@ -389,11 +379,11 @@ class _Deferred:
 class PiecedFile(VirtualFile):
     """A generated file made of pieces: exact ``size``, ``readinto(offset, out)`` and ``explain(offset)``.
 
-    Slotted (a mount of 100,000 tensors has ~100,000 .npy files): a file holds its name, cache, where its last read
-    ended and its plan — a ``Plan``, a ``_Deferred`` (given ``plan=``: the only files with a lock) or None (a file
-    that plans itself, not read lately)."""
+    Slotted (a mount of 100,000 tensors has ~100,000 .npy files): a file holds its name, cache and plan — a
+    ``Plan``, a ``_Deferred`` (given ``plan=``: the only files with a lock) or None (a file that plans itself, not
+    read lately). What its readers' streams prepare ahead is theirs (``ckptfs.layouts.cursor``), not the file's."""
 
-    __slots__ = ("name", "cache", "_plan", "_last_end", "_stream_from", "__weakref__")
+    __slots__ = ("name", "cache", "_plan", "__weakref__")
 
     def __init__(self, pieces: Sequence | None = None, *, name: str, cache: BlockCache | None = None,
                  plan: Callable[[], Sequence] | None = None):
@@ -405,8 +395,6 @@ class PiecedFile(VirtualFile):
         self.cache = cache
         self._plan: Plan | _Deferred | None = (Plan.of(pieces) if pieces is not None
                                                else _Deferred(plan) if plan is not None else None)
-        self._last_end = -1  # where the last read ended: a read starting there is sequential (read-ahead)
-        self._stream_from = 0  # where the reads in order that end at ``_last_end`` began
 
     def _own_pieces(self) -> Sequence:
         """The pieces of a file that plans itself (a subclass's cheap, pure plan)."""
@@ -437,11 +425,13 @@ class PiecedFile(VirtualFile):
     def size(self) -> int:
         return self.plan().size
 
-    def readinto(self, offset: int, out: memoryview) -> int:
+    def readinto(self, offset: int, out: memoryview, cursor: ReadCursor | None = None) -> int:
         """Fill ``out`` with bytes ``[offset, offset + len(out))`` of the file, a range inside it; returns the count.
 
         The one read loop of every pieced file: one bisect, then each overlapping piece fills its share of ``out``
-        and must produce exactly that many bytes."""
+        and must produce exactly that many bytes. With the reader's ``cursor`` (its open handle's), the bytes after
+        the read that the cursor asks for are then queued for the read-ahead threads and announced to the storage;
+        without one nothing is prepared."""
         plan = self.plan()
         end = offset + len(out)
         if offset >= end:
@@ -458,49 +448,21 @@ class PiecedFile(VirtualFile):
                 raise TensorReadError(self.name, f"{piece.what} produced {got} bytes for its bytes [{a}, {a + k})")
             pos += k
             i += 1
-        last = self._last_end
-        continues = last >= 0 and end >= self._stream_from - STREAM_SLACK and offset <= last + STREAM_SLACK
-        self._stream_from = min(self._stream_from, offset) if continues else offset
         cache = self.cache
-        if cache is not None and cache.read_ahead and (len(out) >= SEQUENTIAL_READ or (
-                offset == self._last_end and len(out) >= SEQUENTIAL_CONTINUATION)):
-            if cache.from_memory and waited_reads() > waited:  # this read's own blocks came from the storage
-                cache.from_memory = False
-            if not cache.from_memory:  # from the last piece read: one piece may hold many tensors (a TensorRun)
-                self._read_ahead(plan, i - 1, end, end + cache.read_ahead, cache)
-            if cache.announce_ahead > cache.read_ahead and self._in_file_order(plan, end, cache.read_ahead):
-                self._announce(plan, i - 1, end + cache.read_ahead, end + cache.announce_ahead)
-        self._last_end = max(last, end) if continues else end
+        if cursor is not None and cache is not None and (cache.read_ahead or cache.announce_ahead):
+            step = cursor.advance(offset, end, waited=waited_reads() > waited, read_ahead=cache.read_ahead,
+                                  announce_ahead=cache.announce_ahead,
+                                  announce_limit=lambda a, b: _announce_limit(plan, a, b))
+            if step.prepare is not None:  # from the last piece read: one piece may hold many tensors (a TensorRun)
+                refused = _read_ahead(plan, i - 1, *step.prepare, cache, cursor.block_computed)
+                if refused is not None:
+                    cursor.refused(refused)
+            if step.announce is not None:  # the tensor being read first: its bytes continue the stream
+                a, b = step.announce
+                mine = _tensor_end(plan, end - 1)
+                _announce(plan, i - 1, a, min(b, mine), continuing=True)
+                _announce(plan, i - 1, max(a, mine), b)
         return end - offset
-
-    def _read_ahead(self, plan: Plan, i: int, a: int, b: int, cache) -> None:
-        """Queue the tensor bytes of file bytes ``[a, b)`` (pieces from ``i`` on, piece ``i`` holding or preceding
-        byte ``a``) for the read-ahead thread."""
-        while i < len(plan.pieces) and plan.starts[i] < b:
-            piece, start = plan.pieces[i], plan.starts[i]
-            prefetch = getattr(piece, "prefetch", None)  # tensor bytes
-            if prefetch is not None:
-                prefetch(max(a - start, 0), b - start, cache)
-            i += 1
-
-    def _in_file_order(self, plan: Plan, end: int, least: int) -> bool:
-        """Whether the reads in order ending at ``end`` are a stream through the file: at least ``least`` bytes (not
-        the kernel's read-ahead after a peek) that went on from one tensor into the next (not a loader reading each
-        tensor whole in its own order, for which the tensors after it in the file are not what comes next)."""
-        start = self._stream_from
-        if end - start < least:
-            return False
-        first, last = plan.tensor_from(start), plan.tensor_from(end - 1)
-        return first is not None and last is not None and first != last
-
-    def _announce(self, plan: Plan, i: int, a: int, b: int) -> None:
-        """Announce the tensor bytes of file bytes ``[a, b)`` to their storage (pieces from ``i`` on)."""
-        while i < len(plan.pieces) and plan.starts[i] < b:
-            piece, start = plan.pieces[i], plan.starts[i]
-            will_need = getattr(piece, "will_need", None)  # tensor bytes
-            if will_need is not None and start + piece.size > a:
-                will_need(max(a - start, 0), b - start)
-            i += 1
 
     def will_need(self, a: int, b: int) -> None:
         """Announce the tensor bytes of file bytes ``[a, b)`` to their storage, in the file's order (best effort,
@@ -511,7 +473,7 @@ class PiecedFile(VirtualFile):
         plan = self.plan()
         a, b = max(0, a), min(b, plan.size)
         if a < b:
-            self._announce(plan, bisect_right(plan.starts, a) - 1, a, b)
+            _announce(plan, bisect_right(plan.starts, a) - 1, a, b)
 
     def explain(self, offset: int) -> Explanation:
         plan = self.plan()
@@ -521,3 +483,51 @@ class PiecedFile(VirtualFile):
         piece, start = plan.pieces[i], plan.starts[i]
         return Explanation(self.name, offset, plan.size, i, len(plan.pieces), start, start + piece.size,
                            piece.explain(offset - start))
+
+
+def _read_ahead(plan: Plan, i: int, a: int, b: int, cache, done) -> int | None:
+    """Queue the tensor bytes of file bytes ``[a, b)`` (pieces from ``i`` on, piece ``i`` holding or preceding byte
+    ``a``) for the read-ahead threads, each block reported to ``done`` once computed: None, or the first file byte of
+    a piece whose blocks the queue refused (full)."""
+    while i < len(plan.pieces) and plan.starts[i] < b:
+        piece, start = plan.pieces[i], plan.starts[i]
+        prefetch = getattr(piece, "prefetch", None)  # tensor bytes
+        if prefetch is not None and start + piece.size > a:
+            if prefetch(max(a - start, 0), b - start, cache, done) is False:
+                return max(a, start)
+        i += 1
+    return None
+
+
+def _announce_limit(plan: Plan, start: int, end: int) -> int:
+    """Where announcing stops for the reads in order ``[start, end)``: nowhere before the file's end when they went
+    on from one tensor into the next, else at the end of the tensor they are in (a loader reading each tensor whole
+    in its own order: the tensors after it in the file are not what comes next)."""
+    first, last = plan.tensor_from(start), plan.tensor_from(end - 1)
+    if first is not None and last is not None and first != last:
+        return plan.size
+    return _tensor_end(plan, end - 1)
+
+
+def _tensor_end(plan: Plan, offset: int) -> int:
+    """The file byte after the tensor bytes holding byte ``offset`` (or the first ones after it; ``offset + 1`` when
+    there are none)."""
+    at = plan.tensor_from(offset)
+    if at is None:
+        return offset + 1
+    i, k = at
+    piece = plan.pieces[i]
+    offsets, ends = getattr(piece, "offsets", None), getattr(piece, "ends", None)
+    rel = offsets[k + 1] if offsets is not None else ends[k] if ends is not None and k < len(ends) else piece.size
+    return plan.starts[i] + rel
+
+
+def _announce(plan: Plan, i: int, a: int, b: int, continuing: bool = False) -> None:
+    """Announce the tensor bytes of file bytes ``[a, b)`` to their storage (pieces from ``i`` on); ``continuing``:
+    they continue the tensor the stream reads now (``VirtualTensor.will_need``)."""
+    while i < len(plan.pieces) and plan.starts[i] < b:
+        piece, start = plan.pieces[i], plan.starts[i]
+        will_need = getattr(piece, "will_need", None)  # tensor bytes
+        if will_need is not None and start + piece.size > a:
+            will_need(max(a - start, 0), b - start, continuing)
+        i += 1

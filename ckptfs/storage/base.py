@@ -14,7 +14,8 @@ Two kinds of thing, each one declared here and implemented once per backend (``l
 A backend that waits for a device or the network on a read (a read straight from the disk, a GET) says so with
 ``count_waited_read()``: the read-ahead (``ckptfs.tensor.readahead``) runs a second worker while blocks wait
 (``waited_reads``, the hook it is given). A read the backend knows was served from memory says so with
-``count_memory_read()``: while blocks come from memory alone, nothing is computed ahead (``memory_reads``).
+``count_memory_read()``: a reader's cursor whose blocks come from memory alone computes nothing ahead
+(``memory_reads``; the decision is the cursor's, ``ckptfs.layouts.cursor``).
 
 Adding a backend is one module in this package implementing both classes (docs/architecture.md, "Layers").
 """
@@ -124,9 +125,11 @@ class Blob(ABC):
         issue them together rather than one after the other."""
         return self.read_spans(spans, scratch, hint=False)
 
-    def will_need(self, offset: int, length: int | None = None) -> None:
+    def will_need(self, offset: int, length: int | None = None, announced: bool = True) -> None:
         """Announce that the ``length`` bytes from ``offset`` on (None: as many as the backend reads ahead by itself)
-        will be read soon: a backend may start fetching them. Never waits."""
+        will be read soon: a backend may start fetching them. Never waits. ``announced=False``: they continue what a
+        reader's stream is reading in this blob (a backend holding back announcements after some were not read
+        fetches these all the same)."""
 
     def close(self) -> None:
         """Release what the blob holds (descriptors, connections); reads after ``close`` fail."""

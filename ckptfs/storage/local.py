@@ -253,7 +253,7 @@ class LocalFile(Blob):
                 hint_will_need(self.fd, lo, end - lo)
         return self.read_spans(spans, scratch, hint=False)
 
-    def will_need(self, offset: int, length: int | None = None) -> None:
+    def will_need(self, offset: int, length: int | None = None, announced: bool = True) -> None:
         """Announce ``[offset, offset + length)`` (None: ``HINT_AHEAD``) to the kernel, minus what the last announcement
         covered.
 

@@ -13,12 +13,10 @@ fail with ``SourceChangedError`` instead of returning bytes of another version.
   requests at once for one pool, ``MAX_IN_FLIGHT_PER_OBJECT`` of them for one object: an object that does not
   answer leaves request threads to the others) and kept in the cache of the object's ``PartPool`` (least recently
   used first out): the pool of the tree that opened it, whose budget is that tree's share of its ``--cache-size``
-  (``tree.memory``), never another tree's (an object opened alone: its own, of the defaults). Once reads have continued
-  each other over a whole part (sequential access: ``cp``, a loader), each also queues the
-  next ``READ_AHEAD_PARTS`` parts, so the endpoint is busy while the caller
-  converts; a peek, whose few blocks the kernel's and ckptfs's own read-ahead ask for in order, stays within the
-  parts it touches. ``will_need`` queues parts explicitly (a sequential read of a generated file announces the
-  objects after the one it reads: ``VirtualTensor.will_need``).
+  (``tree.memory``), never another tree's (an object opened alone: its own, of the defaults). The object keeps no
+  stream state of its own: a reader's cursor (``ckptfs.layouts.cursor``) announces what its stream reads next
+  through ``will_need`` (``VirtualTensor.will_need``), so the endpoint is busy while the caller converts, and a
+  peek stays within the parts it touches.
 * **Parts asked for ahead** (``will_need``) are fetched by aligned groups of ``FETCH_PARTS`` parts, one request
   per group: a request has a cost of its own at the endpoint (moto copies the whole object for every range it serves;
   S3 bills and answers each request on its own), and a stream reads every part of the group anyway. At most the
@@ -334,8 +332,6 @@ class S3Object(Blob):
         self.bucket, self.key = bucket, key
         self._size, self.etag, self.mtime_ns = int(size), normal_etag(etag), int(mtime_ns)
         self._id = (bucket, key, etag)
-        self._last_end: int | None = None  # where the last large read ended
-        self._streak = 0  # bytes read by large reads that continued each other (a part's worth: read ahead)
         self.user_metadata: dict | None = None  # the object's user metadata, from the first answer
 
     @property
@@ -441,12 +437,7 @@ class S3Object(Blob):
         to be waited for."""
         end = offset + need
         first, last = offset // PART_BYTES, (end - 1) // PART_BYTES
-        sequential = self._last_end is not None and abs(offset - self._last_end) <= PART_BYTES
-        self._streak = self._streak + need if sequential else need
         futures = [self._part(i) for i in range(first, last + 1)]
-        if sequential and self._streak >= PART_BYTES:
-            self.will_need(end, READ_AHEAD_PARTS * PART_BYTES, announced=False)
-        self._last_end = end
         pos, waited = 0, False
         for i, fut in zip(range(first, last + 1), futures):
             waited |= not fut.done()

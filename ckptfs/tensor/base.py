@@ -307,23 +307,28 @@ class VirtualTensor(ABC):
         out[:b - a] = data[a - e0 * item:b - e0 * item]
         return b - a
 
-    def will_need(self, start: int, stop: int) -> None:
+    def will_need(self, start: int, stop: int, continuing: bool = False) -> None:
         """Announce that bytes [start, stop) of the image will be read soon, without reading them: a tensor whose
         storage fetches ahead (an object in S3) starts fetching them. Best effort, never waits; nothing by default (a
-        local file's storage announces its next bytes itself, and a computed tensor's sources are read when it is)."""
+        local file's storage announces its next bytes itself, and a computed tensor's sources are read when it is).
+        ``continuing``: they continue a stream reading this tensor now (``Blob.will_need(announced=False)``)."""
 
-    def prefetch(self, start: int, stop: int, cache: BlockCache) -> None:
-        """Queue the cache blocks under bytes [start, stop) for the read-ahead thread (``ckptfs.tensor.readahead``)."""
+    def prefetch(self, start: int, stop: int, cache: BlockCache, done=None) -> bool:
+        """Queue the cache blocks under bytes [start, stop) for the read-ahead thread (``ckptfs.tensor.readahead``),
+        each reported to ``done(from_memory_alone)`` once computed (the reader's cursor); False when the queue was
+        full and refused some."""
         from .readahead import READ_AHEAD
 
         stop = min(stop, self.nbytes)
         if start >= stop:
-            return
+            return True
         be = self.block_elems()
         bb = be * self.dtype.itemsize
         key = self.cache_key
         for blk in range(start // bb, (stop - 1) // bb + 1):
-            READ_AHEAD.submit(cache, (key, blk), lambda blk=blk: self._block(blk, be))
+            if not READ_AHEAD.submit(cache, (key, blk), lambda blk=blk: self._block(blk, be), done):
+                return False
+        return True
 
     def read_bytes(self, start: int, stop: int, cache: "BlockCache | None" = None) -> bytes:
         """Bytes [start, stop) of the tensor's C-order little-endian image (see ``read_into``)."""

@@ -30,11 +30,6 @@ BLOCK_OVERHEAD = 512
 #: the read-ahead decode that region again for nobody). ~100 bytes each.
 REMEMBER_CONSUMED = 8192
 
-#: blocks in a row the read-ahead computed from memory alone before a cache counts as ``from_memory`` (a cold read
-#: meets short runs of pages the kernel read ahead of its own accord; a checkpoint in the page cache is one long run)
-FROM_MEMORY_RUN = 8
-
-
 def _cost(val) -> int:
     return len(val) + BLOCK_OVERHEAD
 
@@ -64,11 +59,10 @@ class BlockCache:
         # were read (``taken``), and a small read of a block not kept decodes only its own chunks
         # (``VirtualTensor.read_into``) instead of the whole block
         self.streaming = False
-        self.read_ahead = 0  # bytes a sequential read of a pieced file prepares after itself (``ckptfs.tensor.readahead``)
-        # blocks in a row the read-ahead computed from memory alone (``ckptfs.tensor.readahead``, ``from_memory``); set
-        # without a lock (a hint: a race costs one block either way)
-        self.memory_run = 0
-        self.announce_ahead = 0  # bytes after it whose storage it asks to fetch ahead (``VirtualTensor.will_need``)
+        # the most a sequential reader's cursor prepares after its reads (``ckptfs.layouts.cursor``, computed by
+        # ``ckptfs.tensor.readahead``), and the most whose storage it asks to fetch ahead (``VirtualTensor.will_need``)
+        self.read_ahead = 0
+        self.announce_ahead = 0
         self.remote = False  # the tree's tensors are in object storage (``tree.memory.tree_cache``)
         self._size = 0
         self._lock = threading.Lock()
@@ -78,21 +72,6 @@ class BlockCache:
     @property
     def size(self) -> int:
         return self._size
-
-    @property
-    def from_memory(self) -> bool:
-        """The last ``FROM_MEMORY_RUN`` blocks computed ahead came from memory alone (``storage.base.memory_reads``):
-        a sequential read then computes its own next blocks (a thread computing ahead only takes turns with it for the
-        GIL: docs/measurements.md, "Cache blocks of 2 MiB") until one of its own reads waits for the storage."""
-        return self.memory_run >= FROM_MEMORY_RUN
-
-    @from_memory.setter
-    def from_memory(self, value: bool) -> None:
-        self.memory_run = FROM_MEMORY_RUN if value else 0
-
-    def block_computed(self, from_memory_alone: bool) -> None:
-        """A block computed ahead (``ckptfs.tensor.readahead``): one more in the run of blocks from memory, or the run ends."""
-        self.memory_run = self.memory_run + 1 if from_memory_alone else 0
 
     def peek(self, key: Hashable) -> bool:
         """True when ``key`` is kept or being computed (no LRU update, no counting)."""

@@ -319,8 +319,8 @@ class Alias(VirtualTensor):
     def read(self, box):
         return self.target.read(box)
 
-    def will_need(self, start: int, stop: int) -> None:
-        self.target.will_need(start, stop)
+    def will_need(self, start: int, stop: int, continuing: bool = False) -> None:
+        self.target.will_need(start, stop, continuing)
 
     def sources(self):
         return [self.target]
@@ -347,6 +347,11 @@ class Elementwise(VirtualTensor):
 
     def chunk_shape(self):
         return self.src.chunk_shape()
+
+    def will_need(self, start: int, stop: int, continuing: bool = False) -> None:
+        """The input's bytes of the same elements (element for element: only their size may differ)."""
+        mine, theirs = self.dtype.itemsize, self.src.dtype.itemsize
+        self.src.will_need(start // mine * theirs, -(-stop // mine) * theirs, continuing)
 
 
 class Affine(Elementwise):

@@ -5,10 +5,11 @@ checkpoint's immutable ``VirtualTree`` (``tree/virtual.py``) and a training run'
 a new kind of tree (a bucket of runs…) implements the abstract methods below and every frontend serves it.
 
 An entry (``TreeEntry``) is what ``lookup`` returns: a file, a directory or a symbolic link, with a path, an inode
-number and a size. Handles (``open``/``entry_by_handle``/``release``) let a tree keep what an open file reads from
-alive until it is closed (a run pins the checkpoint a file was opened in). Reads go through ``read_entry`` and
-``readinto_entry`` below, which refuse a directory or link and a negative offset, then hand the file to
-``virtual_file.fill`` — the one place a request is clipped to the file and its count checked.
+number and a size. Handles (``open``/``handle``/``release``) let a tree keep what an open file reads from alive until
+it is closed (a run pins the checkpoint a file was opened in); each open handle owns its reader's ``ReadCursor``
+(``ckptfs.layouts.cursor``: what its stream prepares ahead), which reads through the handle pass down. Reads go
+through ``read_entry`` and ``readinto_entry`` below, which refuse a directory or link and a negative offset, then
+hand the file to ``virtual_file.fill`` — the one place a request is clipped to the file and its count checked.
 """
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ import errno
 import os
 import stat as stat_mod
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Protocol
 
 from ..errors import CkptfsError
+from ..layouts.cursor import ReadCursor
 from ..layouts.file import fill
 
 FILE_MODE = stat_mod.S_IFREG | 0o444
@@ -86,23 +88,33 @@ def _check_file(e: TreeEntry) -> None:
                                errno.EISDIR if is_dir else errno.EINVAL)
 
 
-def readinto_entry(e: TreeEntry, offset: int, out: memoryview) -> int:
+def readinto_entry(e: TreeEntry, offset: int, out: memoryview, cursor: ReadCursor | None = None) -> int:
     """Fill ``out`` from byte ``offset`` of the file of entry ``e``, clipped at its end; the count (exactly the
-    clipped length, or an exception naming the path)."""
+    clipped length, or an exception naming the path). ``cursor``: the reader's (its handle's), None for a one-off
+    read (nothing prepared ahead)."""
     _check_file(e)
     if offset < 0:
         raise VirtualPathError("/" + e.path, f"invalid read at offset {offset}", errno.EINVAL)
-    return fill(e.file, offset, out, "/" + e.path, e.size)
+    return fill(e.file, offset, out, "/" + e.path, e.size, cursor)
 
 
-def read_entry(e: TreeEntry, offset: int, n: int) -> bytes:
+def read_entry(e: TreeEntry, offset: int, n: int, cursor: ReadCursor | None = None) -> bytes:
     """Bytes ``[offset, offset + n)`` of the file of entry ``e``, clipped at its end."""
     _check_file(e)
     if offset < 0 or n < 0:
         raise VirtualPathError("/" + e.path, f"invalid read of {n} bytes at offset {offset}", errno.EINVAL)
     buf = bytearray(max(0, min(n, e.size - offset)))
-    fill(e.file, offset, memoryview(buf), "/" + e.path, e.size)
+    fill(e.file, offset, memoryview(buf), "/" + e.path, e.size, cursor)
     return bytes(buf)
+
+
+@dataclass
+class Handle:
+    """An open file: the entry it serves and the cursor of the stream read through it (one per handle: two
+    readers of one file never share one)."""
+
+    entry: TreeEntry
+    cursor: ReadCursor = field(default_factory=ReadCursor)
 
 
 class Tree(ABC):
@@ -132,8 +144,12 @@ class Tree(ABC):
         storage announces the file's tensor bytes to their storage (``VirtualTree.opened``). Nothing by default."""
 
     @abstractmethod
+    def handle(self, fh: int) -> Handle:
+        """The open handle ``fh`` (``VirtualPathError`` EBADF when it is not open)."""
+
     def entry_by_handle(self, fh: int) -> TreeEntry:
         """The entry an open handle serves (``VirtualPathError`` when it is not open)."""
+        return self.handle(fh).entry
 
     @abstractmethod
     def release(self, fh: int) -> None:
@@ -177,20 +193,22 @@ class Tree(ABC):
             raise VirtualPathError("/" + e.path, "not a directory", errno.ENOTDIR)
         return list(e.children)
 
-    def read(self, path_or_entry, offset: int, n: int) -> bytes:
-        """Bytes ``[offset, offset + n)`` of a file, clipped at its end; exactly that many or an exception."""
-        return read_entry(self.entry(path_or_entry), offset, n)
+    def read(self, path_or_entry, offset: int, n: int, cursor: ReadCursor | None = None) -> bytes:
+        """Bytes ``[offset, offset + n)`` of a file, clipped at its end; exactly that many or an exception.
+        ``cursor``: the reader's stream (an open handle's, a copied file's), None for a one-off read."""
+        return read_entry(self.entry(path_or_entry), offset, n, cursor)
 
-    def readinto(self, path_or_entry, offset: int, out: memoryview) -> int:
+    def readinto(self, path_or_entry, offset: int, out: memoryview, cursor: ReadCursor | None = None) -> int:
         """Fill ``out`` with bytes ``[offset, offset + len(out))`` of a file, clipped at its end; the count. The FUSE
         server's read: the bytes go straight into the request's buffer."""
-        return readinto_entry(self.entry(path_or_entry), offset, out)
+        return readinto_entry(self.entry(path_or_entry), offset, out, cursor)
 
     def iter_blocks(self, path_or_entry, block: int = 8 << 20) -> Iterator[bytes]:
-        """A whole file in order, ``block`` bytes at a time (bounded memory)."""
+        """A whole file in order, ``block`` bytes at a time (bounded memory), one stream (its own cursor)."""
         e = self.entry(path_or_entry)
+        cursor = ReadCursor()
         for off in range(0, e.size, block):
-            yield self.read(e, off, block)
+            yield self.read(e, off, block, cursor)
 
     def walk(self, path: str = "", *, dirs: bool = False) -> Iterator[str]:
         """The path of every file under ``path`` (and of every directory, with ``dirs``), depth first in name

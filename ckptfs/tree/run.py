@@ -53,7 +53,7 @@ from ..storage.locate import locate
 from ..storage.s3url import is_s3_url
 from ..views.base import README_NAME, BytesFile
 from .assemble import TreeBuilder, build_tree
-from .base import (DIR_MODE, FILE_MODE, LINK_MODE, Attr, Tree, VirtualPathError, read_entry, readinto_entry,
+from .base import (DIR_MODE, FILE_MODE, LINK_MODE, Attr, Handle, Tree, VirtualPathError, read_entry, readinto_entry,
                    split_path)
 from .memory import RunParts, tree_cache
 from .virtual import Entry, VirtualTree
@@ -154,7 +154,7 @@ class RunTree(Tree):
         self._held: list = []  # RunCheckpoints not listed until the previous version under their name is closed
         self._last_mtime: dict = {}  # folder name -> mtime_ns its entries last reported
         self._built: OrderedDict = OrderedDict()  # Slot -> None for every built tree, least recently used first
-        self._handles: dict = {}  # file handle -> RunEntry
+        self._handles: dict = {}  # file handle -> Handle (a RunEntry and its reader's cursor)
         self._listing = RunListing(self.model_dir, ())
         self._readme = BytesFile(b"")
         self._changed_ns = time.time_ns()
@@ -365,24 +365,26 @@ class RunTree(Tree):
         return e.link
 
     # -- data -------------------------------------------------------------------------------------------------
-    def read(self, path_or_entry, offset: int, n: int) -> bytes:
-        """Bytes ``[offset, offset+n)`` of a file, from the tree its entry was looked up in."""
+    def read(self, path_or_entry, offset: int, n: int, cursor=None) -> bytes:
+        """Bytes ``[offset, offset+n)`` of a file, from the tree its entry was looked up in (``cursor``: the
+        reader's stream, as ``Tree.read``)."""
         e = self.entry(path_or_entry)
         if e.inner is not None:
             with self._using(e):
-                return e.tree.read(e.inner, offset, n)
-        return read_entry(e, offset, n)
+                return e.tree.read(e.inner, offset, n, cursor)
+        return read_entry(e, offset, n, cursor)
 
-    def readinto(self, path_or_entry, offset: int, out: memoryview) -> int:
+    def readinto(self, path_or_entry, offset: int, out: memoryview, cursor=None) -> int:
         """``read`` straight into ``out`` (the FUSE server's read); the count."""
         e = self.entry(path_or_entry)
         if e.inner is not None:
             with self._using(e):
-                return e.tree.readinto(e.inner, offset, out)
-        return readinto_entry(e, offset, out)
+                return e.tree.readinto(e.inner, offset, out, cursor)
+        return readinto_entry(e, offset, out, cursor)
 
     def open(self, entry: RunEntry) -> int:
-        """A file handle: until ``release`` it serves the tree ``entry`` was looked up in (kept open)."""
+        """A file handle: until ``release`` it serves the tree ``entry`` was looked up in (kept open), with its
+        reader's cursor."""
         if entry.is_dir or entry.is_link:
             raise VirtualPathError("/" + entry.path, "not a regular file", errno.EISDIR if entry.is_dir else errno.ELOOP)
         with self._lock:
@@ -391,7 +393,7 @@ class RunTree(Tree):
                     raise VirtualPathError("/" + entry.path, "stale: its checkpoint tree was released", errno.ESTALE)
                 entry.slot.pins += 1
             fh = next(self._handles_ids)
-            self._handles[fh] = entry
+            self._handles[fh] = Handle(entry)
             return fh
 
     def opened(self, entry: RunEntry) -> None:
@@ -399,24 +401,24 @@ class RunTree(Tree):
         if entry.inner is not None:
             entry.tree.opened(entry.inner)
 
-    def entry_by_handle(self, fh: int) -> RunEntry:
+    def handle(self, fh: int) -> Handle:
         with self._lock:
-            e = self._handles.get(fh)
-        if e is None:
+            h = self._handles.get(fh)
+        if h is None:
             raise VirtualPathError(f"handle {fh}", "no such open file", errno.EBADF)
-        return e
+        return h
 
     def open_entry(self, path: str) -> RunEntry | None:
         """The entry an open handle serves at ``path`` (its checkpoint may have left the listing since), or None."""
         key = "/".join(split_path(path))
         with self._lock:
-            return next((e for e in self._handles.values() if e.path == key), None)
+            return next((h.entry for h in self._handles.values() if h.entry.path == key), None)
 
     def release(self, fh: int) -> None:
         with self._lock:
-            e = self._handles.pop(fh, None)
-        if e is not None and e.slot is not None:
-            self._unpin(e.slot)
+            h = self._handles.pop(fh, None)
+        if h is not None and h.entry.slot is not None:
+            self._unpin(h.entry.slot)
 
     # -- the whole run ------------------------------------------------------------------------------------------
     def all_paths(self) -> list:

@@ -8,6 +8,7 @@ first ``getattr``), every entry's mtime is the checkpoint's mtime, files are mod
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import time
 from array import array
@@ -18,7 +19,7 @@ from typing import Any, Iterable, Iterator, Mapping
 from ..tensor.cache import BlockCache
 from ..errors import CkptfsError
 from ..layouts.file import VirtualFile
-from .base import DIR_MODE, FILE_MODE, NAME_MAX, Attr, Tree, VirtualPathError, split_path
+from .base import DIR_MODE, FILE_MODE, NAME_MAX, Attr, Handle, Tree, VirtualPathError, split_path
 
 log = logging.getLogger("ckptfs.tree")
 
@@ -121,6 +122,8 @@ class VirtualTree(Tree):
         self._place(items)
         self._recent_dirs: dict = {}  # normalised path -> inode of directories recently looked into (bounded)
         self._announced: dict = {}  # inodes of the files ``opened`` announced, oldest first (bounded)
+        self._handles: dict = {}  # file handle -> Handle (its entry and reader's cursor), until released
+        self._handle_ids = itertools.count(1)
 
     def _place(self, items: list) -> None:
         """Number the nodes of the sorted ``items`` (and the directories they imply) in path order and fill the
@@ -299,8 +302,11 @@ class VirtualTree(Tree):
 
     # -- handles (the FUSE adapter's open/read/release; a run tree, tree/run.py, pins a checkpoint per handle) --
     def open(self, entry: Entry) -> int:
-        """A file handle for ``entry``: here its inode number (an immutable tree has nothing to keep alive)."""
-        return entry.ino
+        """A file handle for ``entry``, owning its reader's cursor until ``release`` (an immutable tree has nothing
+        else to keep alive). Dict operations are atomic: FUSE threads open and release concurrently."""
+        fh = next(self._handle_ids)
+        self._handles[fh] = Handle(entry)
+        return fh
 
     def opened(self, entry: Entry) -> None:
         """Announce the whole file's tensor bytes to their storage, in the file's order, when the tree's tensors are
@@ -323,11 +329,15 @@ class VirtualTree(Tree):
                 break
         will_need(0, entry.size)
 
-    def entry_by_handle(self, fh: int) -> Entry:
-        return self.entry_by_ino(fh)
+    def handle(self, fh: int) -> Handle:
+        h = self._handles.get(fh)
+        if h is None:
+            raise VirtualPathError(f"handle {fh}", "no such open file", errno.EBADF)
+        return h
 
     def release(self, fh: int) -> None:
-        """Nothing to release (see ``open``)."""
+        """Drop the handle and its cursor."""
+        self._handles.pop(fh, None)
 
     def readlink(self, path: str) -> str:
         """A checkpoint tree has no symbolic links."""

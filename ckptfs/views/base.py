@@ -27,7 +27,7 @@ class BytesFile(VirtualFile):
         self.data = data.encode() if isinstance(data, str) else bytes(data)
         self.size = len(self.data)
 
-    def readinto(self, offset: int, out: memoryview) -> int:
+    def readinto(self, offset: int, out: memoryview, cursor=None) -> int:
         out[:] = self.data[offset:offset + len(out)]
         return len(out)
 
@@ -73,8 +73,8 @@ class DeferredFile(VirtualFile):
     def size(self) -> int:
         return self.resolve().size
 
-    def readinto(self, offset: int, out: memoryview) -> int:
-        return self.resolve().readinto(offset, out)
+    def readinto(self, offset: int, out: memoryview, cursor=None) -> int:
+        return self.resolve().readinto(offset, out, cursor)
 
 
 @dataclass

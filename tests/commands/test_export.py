@@ -152,11 +152,12 @@ def test_a_file_export_reads_ahead_while_it_writes_and_leaves_the_tree_as_it_was
     try:
         seen = []
         real = tree.read
-        monkeypatch.setattr(tree, "read", lambda e, off, n: seen.append((tree.cache.streaming, tree.cache.read_ahead))
-                            or real(e, off, n))
+        monkeypatch.setattr(tree, "read", lambda e, off, n, cursor=None: seen.append(
+            (tree.cache.streaming, tree.cache.read_ahead, cursor)) or real(e, off, n, cursor))
         size = export_file(tree, "model.safetensors", tmp_path / "m.safetensors", block=4096)
         assert (tmp_path / "m.safetensors").read_bytes() == real("model.safetensors", 0, size)
-        assert len(seen) == -(-size // 4096) and set(seen) == {(True, 4096)}
+        assert len(seen) == -(-size // 4096) and {s[:2] for s in seen} == {(True, 4096)}
+        assert len({id(s[2]) for s in seen}) == 1 and seen[0][2] is not None  # one stream: one cursor
         assert not tree.cache.streaming and tree.cache.read_ahead == 0
     finally:
         tree.close()

@@ -48,7 +48,7 @@ class PatternFile(VirtualFile):
     def __init__(self, size: int, seed: int):
         self.size, self.seed = size, seed
 
-    def readinto(self, offset: int, out: memoryview) -> int:
+    def readinto(self, offset: int, out: memoryview, cursor=None) -> int:
         n = max(0, min(len(out), self.size - offset))  # a test may shrink ``size`` after its tree fixed it
         out[:n] = pattern(offset, n, self.seed)
         return n
@@ -61,7 +61,7 @@ class FailingFile(PatternFile):
         super().__init__(size, seed)
         self.fail_from = fail_from
 
-    def readinto(self, offset: int, out: memoryview) -> int:
+    def readinto(self, offset: int, out: memoryview, cursor=None) -> int:
         if offset + len(out) > self.fail_from:
             raise TensorReadError("model.layers.1.weight", "corrupt chunk (synthetic failure)")
         return super().readinto(offset, out)

@@ -227,8 +227,8 @@ def test_hashing_for_the_central_directory_reads_ahead_like_a_sequential_read(mo
 
     queued = []
     real = readahead.READ_AHEAD.submit
-    monkeypatch.setattr(readahead.READ_AHEAD, "submit", lambda cache, key, compute: queued.append(key) or
-                        real(cache, key, compute))
+    monkeypatch.setattr(readahead.READ_AHEAD, "submit", lambda cache, key, compute, done=None: queued.append(key) or
+                        real(cache, key, compute, done))
     cache = BlockCache(256 << 20)
     cache.read_ahead = 4 << 20
     obj = make_obj()

@@ -15,6 +15,7 @@ import pytest
 
 from ckptfs.tensor import base as tensor_mod
 from ckptfs.tensor.cache import BlockCache
+from ckptfs.layouts.cursor import FROM_MEMORY_RUN, ReadCursor
 from ckptfs.layouts.pieces import Literal, PiecedFile, TensorRun
 from ckptfs.tensor.readahead import READ_AHEAD
 from ckptfs.layouts.file import fill
@@ -41,6 +42,7 @@ class CountingTensor(ArrayTensor):
 def small_blocks(monkeypatch):
     monkeypatch.setattr(tensor_mod, "BLOCK_BYTES", BLOCK)
     yield
+    _cursors.clear()
     assert READ_AHEAD.wait_idle(30), "read-ahead still busy after 30 s"
 
 
@@ -66,10 +68,15 @@ def _blocks(t) -> int:
     return -(-t.nbytes // bb)
 
 
-def _read(f, offset, n) -> bytes:
-    """What a FUSE read of ``n`` bytes at ``offset`` gets (clipped at the end as the tree clips it)."""
+#: the stream the tests' reads belong to (an open handle's cursor), one per file
+_cursors: dict = {}
+
+
+def _read(f, offset, n, cursor=None) -> bytes:
+    """What a FUSE read of ``n`` bytes at ``offset`` through an open handle gets (clipped at the end as the tree clips
+    it): the handle's cursor is the file's own one unless given."""
     buf = bytearray(n)
-    got = fill(f, offset, memoryview(buf), "f")
+    got = fill(f, offset, memoryview(buf), "f", cursor=cursor or _cursors.setdefault(id(f), ReadCursor()))
     return bytes(buf[:got])
 
 
@@ -237,10 +244,10 @@ def test_an_idle_worker_is_not_woken_for_a_block_it_may_not_take():
     assert CountingCondition.waits <= 6, CountingCondition.waits
 
 
-def test_a_block_computed_from_memory_alone_marks_its_cache_and_one_that_waited_clears_it():
-    """The worker marks the cache ``from_memory`` after ``FROM_MEMORY_RUN`` blocks in a row whose reads were all known
-    to come from memory (the ``memory_reads`` hook counted them, ``waited_reads`` did not move), and clears it at any
-    other block."""
+def test_a_block_computed_from_memory_alone_marks_its_cursor_and_one_that_waited_clears_it():
+    """The worker reports each block to the cursor that queued it: ``FROM_MEMORY_RUN`` blocks in a row whose reads
+    were all known to come from memory (the ``memory_reads`` hook counted them, ``waited_reads`` did not move) make
+    the cursor ``from_memory``, and any other block clears it. The cache holds no such state."""
     from ckptfs.tensor.readahead import ReadAhead
 
     counts = threading.local()
@@ -254,36 +261,37 @@ def test_a_block_computed_from_memory_alone_marks_its_cache_and_one_that_waited_
             return b"x"
         return run
 
-    from ckptfs.tensor.cache import FROM_MEMORY_RUN
-
     ra = ReadAhead(workers=1, waited_reads=counter("waited"), memory_reads=counter("memory"))
     cache = BlockCache(1 << 20)
+    cursor, other = ReadCursor(), ReadCursor()
     blocks = iter(range(10_000))
 
     def run(kind, n=1):
         for _ in range(n):
-            ra.submit(cache, ("m", next(blocks)), compute(kind))
+            assert ra.submit(cache, ("m", next(blocks)), compute(kind), cursor.block_computed)
             assert ra.wait_idle(30)
-        return cache.from_memory
+        return cursor.from_memory
 
     assert not run("memory", FROM_MEMORY_RUN - 1)  # a short run: what a cold read meets between its own waits
     assert not run("waited")
     assert not run("memory", FROM_MEMORY_RUN - 1)
     assert run("memory")  # the run is long enough
-    assert not run("waited") and cache.memory_run == 0
+    assert not run("waited") and cursor.memory_run == 0
     assert run("memory", FROM_MEMORY_RUN)
+    assert not other.from_memory  # another stream of the same cache is not told
     assert not run("neither")  # reads the storage could not tell about: read ahead as before
 
 
 def test_sequential_reads_queue_nothing_while_blocks_come_from_memory_until_one_of_their_own_waits(monkeypatch):
-    """With the cache ``from_memory``, a sequential read computes its own blocks and queues none (a thread computing
+    """With its cursor ``from_memory``, a sequential read computes its own blocks and queues none (a thread computing
     ahead only took turns with the reader); once a read of the reader's own waits for the storage, the blocks after
     it are queued again. Bytes are exact either way."""
     from ckptfs.layouts import pieces
 
     f, tensors, expected = _run_file([24 * BLOCK])
     t = tensors[0]
-    f.cache.from_memory = True
+    cursor = _cursors.setdefault(id(f), ReadCursor())
+    cursor.from_memory = True
     for off in range(0, 100 + 8 * BLOCK, BLOCK):
         assert _read(f, off, BLOCK) == expected[off:off + BLOCK]
     assert READ_AHEAD.wait_idle(30)
@@ -293,6 +301,6 @@ def test_sequential_reads_queue_nothing_while_blocks_come_from_memory_until_one_
     off = 100 + 8 * BLOCK
     assert _read(f, off, BLOCK) == expected[off:off + BLOCK]
     assert READ_AHEAD.wait_idle(30)
-    assert not f.cache.from_memory
+    assert not cursor.from_memory
     ahead = sorted(blk for (who, blk) in t.computed if who == "ckptfs-readahead")
     assert ahead and min(ahead) >= 9, ahead

@@ -89,7 +89,7 @@ def test_reads_are_exact_and_clipped():
 
 
 class Short(PatternFile):
-    def readinto(self, offset, out):
+    def readinto(self, offset, out, cursor=None):
         return super().readinto(offset, out[:-1])
 
 

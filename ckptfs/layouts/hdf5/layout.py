@@ -86,13 +86,29 @@ class _Body:
             pos += k
         return pos
 
-    def prefetch(self, a: int, b: int, cache) -> None:
+    def prefetch(self, a: int, b: int, cache, done=None) -> bool:
+        """Queue the tensors' bytes under bytes ``[a, b)`` for the read-ahead (False: the queue refused some)."""
+        i = max(bisect.bisect_right(self.starts, a) - 1, 0)
+        while i < len(self.starts) and self.starts[i] < b:
+            lo, hi = self.starts[i], self.ends[i]
+            if a < hi and not self.tensors[i].prefetch(max(a, lo) - lo, min(b, hi) - lo, cache, done):
+                return False
+            i += 1
+        return True
+
+    def will_need(self, a: int, b: int, continuing: bool = False) -> None:
+        """Announce the tensors' bytes under bytes ``[a, b)`` to their storage (``VirtualTensor.will_need``)."""
         i = max(bisect.bisect_right(self.starts, a) - 1, 0)
         while i < len(self.starts) and self.starts[i] < b:
             lo, hi = self.starts[i], self.ends[i]
             if a < hi:
-                self.tensors[i].prefetch(max(a, lo) - lo, min(b, hi) - lo, cache)
+                self.tensors[i].will_need(max(a, lo) - lo, min(b, hi) - lo, continuing)
             i += 1
+
+    def _at(self, a: int) -> int:
+        """The tensor region holding byte ``a``, or the first after it (a stream's tensors: ``Plan.tensor_from``)."""
+        i = bisect.bisect_right(self.starts, a) - 1
+        return i if i >= 0 and a < self.ends[i] else i + 1
 
     def explain(self, a: int) -> list:
         i = bisect.bisect_right(self.starts, a) - 1

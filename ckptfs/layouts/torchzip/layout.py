@@ -249,7 +249,7 @@ class _Records:
             pos += k
         return pos
 
-    def prefetch(self, a: int, b: int, cache) -> None:
+    def prefetch(self, a: int, b: int, cache, done=None) -> bool:
         zf = self.zf
         i = self._at(a)
         while i < zf._count and zf._starts[i] < b:
@@ -257,9 +257,10 @@ class _Records:
             if tensor is not None:
                 rec = zf._record(i)
                 lo, hi = rec.data_offset, rec.data_end
-                if a < hi and b > lo:
-                    tensor.prefetch(max(a, lo) - lo, min(b, hi) - lo, cache)
+                if a < hi and b > lo and not tensor.prefetch(max(a, lo) - lo, min(b, hi) - lo, cache, done):
+                    return False
             i += 1
+        return True
 
     def explain(self, a: int) -> list:
         zf = self.zf

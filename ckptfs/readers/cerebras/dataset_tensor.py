@@ -106,6 +106,20 @@ class H5DatasetTensor(VirtualTensor):
             return o[1]
         return lz4chunks.plan(d, open_file=self.store.chunk_file) if self.ndim else None
 
+    def will_need(self, start: int, stop: int, continuing: bool = False) -> None:
+        """Announce bytes ``[start, stop)`` of the image to the storage as the stored chunks under them
+        (``LZ4ChunkReader.will_need``: chunk index lookups only, nothing read or decoded). Best effort: a failure is
+        left for the read that needs the bytes to report."""
+        if self.ndim == 0 or stop <= start:
+            return
+        item = self.dtype.itemsize
+        try:
+            reader = self._opened()[1]
+            if reader is not None:
+                reader.will_need(start // item, -(-stop // item), continuing)
+        except (TensorReadError, OSError, KeyError, ValueError, RuntimeError, TypeError):
+            pass
+
     def chunk_shape(self):
         """The dataset's chunk shape: cache blocks are whole chunk rows (``VirtualTensor.block_elems``), so that
         consecutive blocks never decode the same chunk."""

@@ -171,11 +171,11 @@ class S3ObjectTensor(VirtualTensor):
     def chunk_shape(self):
         return self.shape if self.compressed and self.ndim else None
 
-    def will_need(self, start: int, stop: int) -> None:
+    def will_need(self, start: int, stop: int, continuing: bool = False) -> None:
         """An uncompressed object holds the image's bytes as they are: the same range of the object is fetched
         ahead (a compressed one is decoded as a stream from its front: nothing to announce)."""
         if not self.compressed and stop > start:
-            self.blob.will_need(start, stop - start)
+            self.blob.will_need(start, stop - start, announced=not continuing)
 
     def _fail(self, problem: str) -> TensorReadError:
         return TensorReadError(self.checkpoint, f"tensor {self.key}: {problem}")

@@ -50,7 +50,7 @@ class OverlayFile(VirtualFile):
         if FileIdentity.of_stat(st) != self.stamp:
             raise OverlayError(self.path, "changed since the mount was made; remount to serve the new content")
 
-    def readinto(self, offset: int, out: memoryview) -> int:
+    def readinto(self, offset: int, out: memoryview, cursor=None) -> int:
         want = len(out)
         try:
             # never blocks: a FIFO swapped in for the file fails the identity check below

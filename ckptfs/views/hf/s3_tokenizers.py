@@ -48,7 +48,7 @@ class S3TokenizerFile(VirtualFile):
     def name(self) -> str:
         return self.blob.name
 
-    def readinto(self, offset: int, out: memoryview) -> int:
+    def readinto(self, offset: int, out: memoryview, cursor=None) -> int:
         got, _ = self.blob.read_into(out, offset, len(out))
         if got != len(out):
             raise StorageError(self.blob.name, f"the object ended at byte {offset + got}, before the {self.size} "

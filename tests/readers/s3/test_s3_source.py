@@ -120,9 +120,10 @@ def test_a_silent_endpoint_fails_within_the_bound_then_at_once(monkeypatch):
 
 
 @pytest.mark.slow  # starts an S3 server
-def test_a_peek_reads_no_part_ahead_and_a_sequential_read_does(tmp_path, monkeypatch):
+def test_a_peek_reads_no_part_ahead_and_a_sequential_read_is_announced_by_its_reader(tmp_path, monkeypatch):
     """Against a local endpoint: a few large reads in order (the blocks a 4 KiB peek's read-ahead asks for) fetch
-    only the part under them; reads continuing each other over a whole part queue the parts ahead, by groups."""
+    only the part under them; reads continuing each other over whole parts fetch the parts they read, and the parts
+    ahead once their reader announces them (``will_need``: a cursor's window), by groups."""
     import time
 
     from helpers.s3 import LocalS3
@@ -153,7 +154,8 @@ def test_a_peek_reads_no_part_ahead_and_a_sequential_read_does(tmp_path, monkeyp
         read_in_order(blobs["peek"], 2 * PART_MIN, 6 * PART_MIN)  # three blocks in order, inside the first part
         assert srv.counts()["GET"] == 1, srv.requests()
         srv.reset()
-        read_in_order(blobs["sequential"], PART_BYTES // 4, 2 * PART_BYTES)  # two whole parts in order
+        read_in_order(blobs["sequential"], PART_BYTES // 4, PART_BYTES)  # a whole part in order
+        blobs["sequential"].will_need(PART_BYTES, PART_BYTES)  # what its reader's cursor announces next
         deadline = time.monotonic() + 10
         while srv.counts()["GET"] < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -326,6 +328,8 @@ def test_a_sequential_read_fetches_the_next_objects_ahead_and_no_byte_twice(tmp_
 
     import ckptfs
     from ckptfs.fuse import operations as fusefs
+    from ckptfs.layouts.cursor import ReadCursor
+    from ckptfs.storage import s3object
 
     from helpers.s3 import generated_checkpoint
 
@@ -342,9 +346,10 @@ def test_a_sequential_read_fetches_the_next_objects_ahead_and_no_byte_twice(tmp_
         first = min((v["data_offsets"] for k, v in header.items() if k != "__metadata__"), key=lambda o: o[0])
         srv.reset()
         got = bytearray()
+        cursor = ReadCursor()  # one stream, as an open handle reads it
         upto = 8 + n + first[1] + (1 << 20)  # the header, the first tensor and a MiB of the next: in file order
         for off in range(0, upto, 1 << 20):
-            got += tree.read("model.safetensors", off, 1 << 20)
+            got += tree.read("model.safetensors", off, 1 << 20, cursor)
         reach = upto + (1 << 20) + fusefs.SERVER_READ_AHEAD  # what the server's own read-ahead may have read
         near = sum(1 for k, v in header.items() if k != "__metadata__" and 8 + n + v["data_offsets"][0] < reach)
         deadline = time.monotonic() + 10
@@ -354,7 +359,7 @@ def test_a_sequential_read_fetches_the_next_objects_ahead_and_no_byte_twice(tmp_
             time.sleep(0.05)
         assert len(objects) > near, (near, objects)  # objects of tensors further on, asked for ahead
         for off in range(len(got), len(local), 1 << 20):
-            got += tree.read("model.safetensors", off, 1 << 20)
+            got += tree.read("model.safetensors", off, 1 << 20, cursor)
         assert bytes(got) == local
         asked: dict = {}
         for r in srv.requests():
@@ -377,13 +382,14 @@ def test_only_a_stream_through_the_file_announces_what_follows():
 
     from ckptfs.tensor.cache import BlockCache
     from ckptfs.dtypes import BY_NAME
+    from ckptfs.layouts.cursor import ReadCursor
     from ckptfs.layouts.pieces import PiecedFile, TensorRun
     from ckptfs.tensor.base import ArrayTensor
 
     announced = []
 
     class Noted(ArrayTensor):
-        def will_need(self, start, stop):
+        def will_need(self, start, stop, continuing=False):
             announced.append((self.name, start, stop))
 
     import numpy as np
@@ -397,16 +403,17 @@ def test_only_a_stream_through_the_file_announces_what_follows():
     cache.streaming, cache.read_ahead, cache.announce_ahead = True, 4 << 20, 16 << 20
     run = TensorRun([t.name for t in tensors], tensors, array("q", [k * (3 << 20) for k in range(5)]))
     f = PiecedFile([run], name="weights", cache=cache)
-    f.readinto(100 << 10, memoryview(bytearray(4096)))  # a peek, then the kernel's read-ahead in order
+    peek, loader, stream = ReadCursor(), ReadCursor(), ReadCursor()  # three handles
+    f.readinto(100 << 10, memoryview(bytearray(4096)), peek)  # a peek, then the kernel's read-ahead in order
     for off in range((100 << 10) + 4096, (100 << 10) + (2 << 20), 256 << 10):
-        f.readinto(off, memoryview(bytearray(256 << 10)))
+        f.readinto(off, memoryview(bytearray(256 << 10)), peek)
     assert announced == []
     for k in (2, 0, 3):  # a loader reading tensors whole in its own order: what follows in the file is not next
         for off in range(k * (3 << 20), (k + 1) * (3 << 20), 1 << 20):
-            f.readinto(off, memoryview(bytearray(1 << 20)))
+            f.readinto(off, memoryview(bytearray(1 << 20)), loader)
     assert announced == []
     for off in range(0, 5 << 20, 1 << 20):  # a stream through the file
-        f.readinto(off, memoryview(bytearray(1 << 20)))
+        f.readinto(off, memoryview(bytearray(1 << 20)), stream)
     assert {name for name, *_ in announced} >= {"t2", "t3"}
 
 
@@ -524,10 +531,38 @@ def test_parts_fetched_ahead_and_dropped_unread_pause_fetching_ahead(tmp_path, m
 
 
 @pytest.mark.slow  # starts an S3 server
-def test_an_objects_own_read_ahead_goes_on_while_announcements_pause(tmp_path, monkeypatch):
-    """While fetching ahead is paused, a reader's announcements (``will_need``) fetch nothing, but a sequential read
-    still has the parts after it fetched ahead by its object (a loader reading a tensor whole after its first pass
-    would otherwise wait for every part)."""
+def test_an_object_fetches_nothing_ahead_by_itself(tmp_path, monkeypatch):
+    """The object keeps no stream state: reads in order, part after part, fetch the parts they read and nothing
+    after them (what comes next is the reader's cursor's to announce, ``will_need``)."""
+    import time
+
+    from helpers.s3 import LocalS3
+
+    from ckptfs.storage import s3object
+
+    part, pool = _small_parts(monkeypatch, 4, 8)
+    srv = LocalS3(tmp_path / "s3")
+    try:
+        body = bytes(range(256)) * (16 * part // 256)
+        blob = _endpoint_blob(srv, monkeypatch, "own", "ahead", body, pool)
+        srv.reset()
+        out = bytearray(part)
+        for i in range(3):  # three parts in order: a sequential read
+            blob.read_into(memoryview(out), i * part, part)
+            assert bytes(out) == body[i * part:(i + 1) * part]
+        time.sleep(0.3)  # a fetch ahead would have been sent by now
+        gets = sorted(r.range for r in srv.requests() if r.kind == "GET")
+        assert gets == sorted(f"bytes={i * part}-{(i + 1) * part - 1}" for i in range(3)), gets
+    finally:
+        srv.stop()
+        pool.close()
+
+
+@pytest.mark.slow  # starts an S3 server
+def test_a_streams_own_continuation_is_fetched_while_announcements_pause(tmp_path, monkeypatch):
+    """While fetching ahead is paused, announcements of other bytes (``will_need``) fetch nothing, but a reader's
+    cursor announcing the continuation of the tensor its stream reads (``announced=False``) still has those parts
+    fetched ahead (a loader reading a tensor whole after its first pass would otherwise wait for every part)."""
     from helpers.s3 import LocalS3
 
     from ckptfs.storage import s3object
@@ -542,11 +577,12 @@ def test_an_objects_own_read_ahead_goes_on_while_announcements_pause(tmp_path, m
         blob.will_need(8 * part, 4 * part)
         assert srv.counts()["GET"] == 0, srv.requests()  # announced: paused
         out = bytearray(part)
-        for i in range(2):  # two parts in order: a sequential read
+        for i in range(2):  # two parts in order: a sequential read, its continuation announced by its cursor
             blob.read_into(memoryview(out), i * part, part)
             assert bytes(out) == body[i * part:(i + 1) * part]
+        blob.will_need(2 * part, 2 * part, announced=False)
         gets = _wait_for_gets(srv, 3)
-        assert f"bytes={2 * part}-{4 * part - 1}" in [r.range for r in gets], gets  # parts 2-3, read ahead
+        assert f"bytes={2 * part}-{4 * part - 1}" in [r.range for r in gets], gets  # parts 2-3, fetched ahead
     finally:
         srv.stop()
         pool.close()

@@ -47,6 +47,10 @@ FEW_RAW_CHUNKS = 64
 MERGE_ROWS_GAP = 4096
 #: ``_read_few``'s answer when the read has more compressed chunks than it takes: use the batch
 _BATCH = object()
+#: stored chunks less than this far apart are announced ahead as one range (``will_need``)
+ANNOUNCE_GAP = 1 << 20
+#: the most separate ranges one ``will_need`` announces (chunks of consecutive rows are usually stored in order: one)
+ANNOUNCE_RANGES = 16
 
 _memory_types: dict = {}  # numpy dtype -> its HDF5 memory type (``h5t.py_create``), made once per dtype
 
@@ -138,6 +142,33 @@ class LZ4ChunkReader:
                 return None
             file = self._file = self._open_file(self.dset, *probe) or False
         return file or None
+
+    def will_need(self, e0: int, e1: int, continuing: bool = False) -> None:
+        """Announce to the chunk file (``Blob.will_need``) the stored chunks holding elements ``[e0, e1)`` of the
+        dataset in C order: every chunk of the chunk rows under those elements, as the file ranges they are stored
+        in (neighbours less than ``ANNOUNCE_GAP`` apart as one, at most ``ANNOUNCE_RANGES`` ranges). Bounded work:
+        the chunk index (built once per dataset, as a read builds it) and slices of it; nothing is read. Nothing is
+        announced when chunks come through HDF5 (no file). ``continuing``: as ``VirtualTensor.will_need``."""
+        g = self.grid
+        row = math.prod(g.shape[1:])  # elements of one row along the first dimension
+        if e1 <= e0 or not g.shape or row == 0 or not self.dset.id.valid:
+            return
+        c0, c1 = e0 // row // g.chunks[0], (-(-e1 // row) - 1) // g.chunks[0] + 1  # the chunk rows under them
+        offs, sizes, _ = self.index.arrays()
+        file = self._chunk_file(lambda: self.index.first_stored(offs, sizes))
+        if file is None:
+            return
+        lo, hi = c0 * g.gstride[0], min(c1 * g.gstride[0], g.nchunks)
+        stored = sizes[lo:hi] >= 0
+        if not stored.any():
+            return
+        at, size = offs[lo:hi][stored], sizes[lo:hi][stored]
+        order = np.argsort(at, kind="stable")
+        at, end = at[order], np.maximum.accumulate((at + size)[order])
+        firsts = np.concatenate(([0], np.flatnonzero(at[1:] > end[:-1] + ANNOUNCE_GAP) + 1))[:ANNOUNCE_RANGES]
+        lasts = np.concatenate((firsts[1:], [len(at)])) - 1
+        for a, b in zip(at[firsts].tolist(), end[lasts].tolist()):
+            file.will_need(a, b - a, announced=not continuing)
 
     def read(self, box) -> np.ndarray | None:
         """The box as a C-contiguous array of ``dset.dtype``; None if the caller must use h5py for this box (out of
