@@ -1,0 +1,89 @@
+"""Which bytes of each fetched part of an object reads have used: a part whose bytes were all read is *spent*.
+
+A file generated from one object (a safetensors file from an ``.mdl``) reads the object's tensors in the file's
+order, not the object's: a part holding the end of one tensor and the start of another is read twice, far apart in
+time. The part pool (``s3object.PartPool``) keeps a part some of whose bytes no read used yet before one that reads
+used up, and remembers the spent parts it let go of, so that neither a read of their last bytes nor an announcement
+ahead fetches them whole again.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+def add_range(ranges: list, lo: int, hi: int) -> list:
+    """``ranges`` (sorted, disjoint ``(lo, hi)``) with ``[lo, hi)`` added, merged where they touch."""
+    out, placed = [], False
+    for a, b in ranges:
+        if b < lo:
+            out.append((a, b))
+        elif hi < a:
+            if not placed:
+                out.append((lo, hi))
+                placed = True
+            out.append((a, b))
+        else:
+            lo, hi = min(lo, a), max(hi, b)
+    if not placed:
+        out.append((lo, hi))
+    return sorted(out)
+
+
+def inside(ranges: list, lo: int, hi: int) -> bool:
+    """Whether every byte of ``[lo, hi)`` lies in ``ranges`` (sorted, disjoint, merged)."""
+    return any(a <= lo and hi <= b for a, b in ranges)
+
+
+def covered(ranges: list) -> int:
+    return sum(b - a for a, b in ranges)
+
+
+class PartReads:
+    """The bytes reads used of each part (keyed as the pool keys them, offsets within the part), and the spent parts
+    let go of (at most ``keep`` of them remembered, oldest forgotten first). Not thread-safe: the pool's lock guards
+    it."""
+
+    def __init__(self, slack: int, keep: int = 1 << 16):
+        self.slack = slack  # a part is spent once fewer bytes than this are unread (HDF5 metadata between datasets)
+        self.keep = keep
+        self.used: dict = {}  # part key -> ranges read, for parts held by the pool
+        self.gone: OrderedDict = OrderedDict()  # part key -> ranges read, for spent parts let go of
+
+    def read(self, key, lo: int, hi: int, size: int) -> bool:
+        """Note that a read used ``[lo, hi)`` of held part ``key`` (``size`` bytes): whether it is spent now."""
+        ranges = self.used[key] = add_range(self.used.get(key, []), lo, hi)
+        return size - covered(ranges) < self.slack
+
+    def spent(self, key, size: int) -> bool:
+        return size - covered(self.used.get(key, [])) < self.slack
+
+    def dropped(self, key, size: int) -> None:
+        """Part ``key`` left the pool: remembered if it was spent."""
+        ranges = self.used.pop(key, None)
+        if ranges is not None and size - covered(ranges) < self.slack:
+            self.gone[key] = ranges
+            self.gone.move_to_end(key)
+            while len(self.gone) > self.keep:
+                self.gone.popitem(last=False)
+
+    def was_spent(self, key) -> bool:
+        """Whether ``key`` was let go of spent (and no read has come back to its bytes since)."""
+        return key in self.gone
+
+    def read_gone(self, key, lo: int, hi: int) -> bool:
+        """A read needs ``[lo, hi)`` of the spent part ``key``, which the pool let go of: True (fetch just that range)
+        when some are bytes no read used yet (merged requests also cover the bytes between the ranges asked for);
+        False when a read comes back to bytes it used, all of them (a second pass: the part is forgotten as spent, and
+        fetched whole as any other)."""
+        ranges = self.gone.get(key)
+        if ranges is None:
+            return False
+        if inside(ranges, lo, hi):
+            del self.gone[key]
+            return False
+        self.gone[key] = add_range(ranges, lo, hi)
+        return True
+
+    def clear(self) -> None:
+        self.used.clear()
+        self.gone.clear()
