@@ -39,8 +39,8 @@ def covered(ranges: list) -> int:
 
 
 class PartReads:
-    """The bytes reads used of each part (keyed as the pool keys them, offsets within the part), and the spent parts
-    let go of (at most ``keep`` of them remembered, oldest forgotten first). Not thread-safe: the pool's lock guards
+    """The bytes reads used of each part (keyed as the pool keys them, offsets within the part), of the parts held and
+    of those let go of (at most ``keep`` of them remembered, oldest forgotten first). Not thread-safe: the pool's lock guards
     it."""
 
     def __init__(self, slack: int, keep: int = 1 << 16):
@@ -58,20 +58,23 @@ class PartReads:
         return size - covered(self.used.get(key, [])) < self.slack
 
     def dropped(self, key, size: int) -> None:
-        """Part ``key`` left the pool: remembered if it was spent."""
+        """Part ``key`` left the pool: the bytes reads used of it remembered (a later read of the others fetches just
+        those)."""
         ranges = self.used.pop(key, None)
-        if ranges is not None and size - covered(ranges) < self.slack:
+        if ranges:
             self.gone[key] = ranges
             self.gone.move_to_end(key)
             while len(self.gone) > self.keep:
                 self.gone.popitem(last=False)
 
-    def was_spent(self, key) -> bool:
-        """Whether ``key`` was let go of spent (and no read has come back to its bytes since)."""
+    def was_read(self, key) -> bool:
+        """Whether ``key`` was let go of after reads used some of it (and no read has come back to those bytes
+        since): what is left of it is fetched by the reads that need it, not ahead, whole, again."""
         return key in self.gone
 
     def read_gone(self, key, lo: int, hi: int) -> bool:
-        """A read needs ``[lo, hi)`` of the spent part ``key``, which the pool let go of: True (fetch just that range)
+        """A read needs ``[lo, hi)`` of part ``key``, which the pool let go of after reads used some of it: True (fetch
+        just that range)
         when some are bytes no read used yet (merged requests also cover the bytes between the ranges asked for);
         False when a read comes back to bytes it used, all of them (a second pass: the part is forgotten as spent, and
         fetched whole as any other)."""

@@ -28,8 +28,8 @@ fail with ``SourceChangedError`` instead of returning bytes of another version.
 * **Parts read out of order** (a safetensors file generated from one ``.mdl`` object reads the object's tensors in
   the file's order): the pool notes which bytes of each part reads used (``partreads.PartReads``). A part some of
   whose bytes no read used yet is let go of after the spent ones, and only while the pool is over its whole budget
-  (another tensor lies there, read later); a spent part let go of is not fetched ahead again, and a read of its
-  remaining bytes fetches just those: each byte of the object is fetched about once.
+  (another tensor lies there, read later); a spent part let go of is not fetched ahead again, and a read of the
+  bytes no read used of a part let go of fetches just those: each byte of the object is fetched about once.
 
 Memory, per pool: its budget (``PartPool.set_memory``: parts read, and parts asked for ahead and not read yet), the
 parts in flight for reads waiting (at most ``MAX_IN_FLIGHT`` × ``PART_BYTES``) and ``BODY_STEP`` per answer arriving
@@ -126,8 +126,8 @@ class PartPool:
 
     def part(self, key, fetch, size: int, need: tuple | None = None) -> Future | None:
         """The future of part ``key`` (``fetch(buffers)`` submitted when it is neither cached nor in flight). None,
-        nothing submitted, when the read needs just ``need`` (``(lo, hi)`` within the part) of a spent part let go of,
-        bytes no read used yet (``PartReads.read_gone``): the caller fetches that range alone."""
+        nothing submitted, when the read needs just ``need`` (``(lo, hi)`` within the part) of a part let go of after
+        reads used some of it, bytes no read used yet (``PartReads.read_gone``): the caller fetches that range alone."""
         with self.lock:
             got = self.parts.get(key)
             if got is not None:
@@ -262,10 +262,10 @@ class PartPool:
             if got is not None:
                 self.reads.read(key, lo, hi, got[1])
 
-    def was_spent(self, key) -> bool:
-        """Whether part ``key`` was let go of once reads had used all its bytes (not worth fetching ahead again)."""
+    def was_read(self, key) -> bool:
+        """Whether part ``key`` was let go of after reads used some of its bytes (not fetched ahead, whole, again)."""
         with self.lock:
-            return key not in self.parts and self.reads.was_spent(key)
+            return key not in self.parts and self.reads.was_read(key)
 
     def forget(self, key, fut: Future, size: int) -> None:
         with self.lock:
@@ -436,7 +436,7 @@ class S3Object(Blob):
         first, last = offset // PART_BYTES, (self.size - 1) // PART_BYTES
         for g in range(first // FETCH_PARTS, (min(self.size, offset + length) - 1) // PART_BYTES // FETCH_PARTS + 1):
             parts = range(max(first, g * FETCH_PARTS), min(last, (g + 1) * FETCH_PARTS - 1) + 1)  # not behind
-            for run in _runs([i for i in parts if not self.pool.was_spent((*self._id, i))]):  # read up: not again
+            for run in _runs([i for i in parts if not self.pool.was_read((*self._id, i))]):  # not whole again
                 if not self.pool.ahead([(*self._id, i) for i in run], [self._part_range(i) for i in run], self._get,
                                        announced):
                     return  # enough in flight ahead: a later read announces the rest again
@@ -497,7 +497,7 @@ class S3Object(Blob):
         pos, waited = 0, False
         for i, fut in zip(range(first, last + 1), futures):
             lo, hi = _within(i, offset, end)
-            if fut is None:  # the last bytes of a spent part: just those
+            if fut is None:  # bytes no read used of a part let go of: just those
                 self._get(i * PART_BYTES + lo, i * PART_BYTES + hi, view[pos:pos + hi - lo])
                 waited = True
             else:
