@@ -47,7 +47,7 @@ class PartReads:
         self.slack = slack  # a part is spent once fewer bytes than this are unread (HDF5 metadata between datasets)
         self.keep = keep
         self.used: dict = {}  # part key -> ranges read, for parts held by the pool
-        self.gone: OrderedDict = OrderedDict()  # part key -> ranges read, for spent parts let go of
+        self.gone: OrderedDict = OrderedDict()  # part key -> (ranges read, bytes read again), for parts let go of
 
     def read(self, key, lo: int, hi: int, size: int) -> bool:
         """Note that a read used ``[lo, hi)`` of held part ``key`` (``size`` bytes): whether it is spent now."""
@@ -62,7 +62,7 @@ class PartReads:
         those)."""
         ranges = self.used.pop(key, None)
         if ranges:
-            self.gone[key] = ranges
+            self.gone[key] = (ranges, 0)  # the bytes used, and how many of them reads came back to
             self.gone.move_to_end(key)
             while len(self.gone) > self.keep:
                 self.gone.popitem(last=False)
@@ -72,19 +72,21 @@ class PartReads:
         since): what is left of it is fetched by the reads that need it, not ahead, whole, again."""
         return key in self.gone
 
-    def read_gone(self, key, lo: int, hi: int) -> bool:
-        """A read needs ``[lo, hi)`` of part ``key``, which the pool let go of after reads used some of it: True (fetch
-        just that range)
-        when some are bytes no read used yet (merged requests also cover the bytes between the ranges asked for);
-        False when a read comes back to bytes it used, all of them (a second pass: the part is forgotten as spent, and
-        fetched whole as any other)."""
-        ranges = self.gone.get(key)
-        if ranges is None:
+    def read_gone(self, key, lo: int, hi: int, size: int) -> bool:
+        """A read needs ``[lo, hi)`` of part ``key`` (``size`` bytes), which the pool let go of after reads used some of
+        it: True (fetch just that range) unless reads have come back to bytes they used, half a part of them (a
+        second pass over the object: the part is forgotten, False, and fetched whole as any other). A block converted
+        twice (two threads at once, or evicted from the block cache) reads a few of its bytes again."""
+        got = self.gone.get(key)
+        if got is None:
             return False
+        ranges, again = got
         if inside(ranges, lo, hi):
-            del self.gone[key]
-            return False
-        self.gone[key] = add_range(ranges, lo, hi)
+            again += hi - lo
+            if 2 * again >= size:
+                del self.gone[key]
+                return False
+        self.gone[key] = (add_range(ranges, lo, hi), again)
         return True
 
     def clear(self) -> None:

@@ -134,7 +134,7 @@ class PartPool:
                 self.parts.move_to_end(key)
                 self.unread.discard(key)
                 return got[0]
-            if need is not None and self.reads.read_gone(key, *need):
+            if need is not None and self.reads.read_gone(key, *need, size):
                 return None
             self.reads.gone.pop(key, None)
             self.paused = max(0, self.paused - size)
