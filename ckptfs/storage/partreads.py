@@ -58,10 +58,11 @@ class PartReads:
         return size - covered(self.used.get(key, [])) < self.slack
 
     def dropped(self, key, size: int) -> None:
-        """Part ``key`` left the pool: the bytes reads used of it remembered (a later read of the others fetches just
-        those)."""
+        """Part ``key`` left the pool: the bytes reads used of it remembered when they are half of it or more (a later
+        read of the others fetches just those). A part of which reads used less (a loader's look at a tensor's first
+        and last pages, before it reads every tensor) is fetched whole again, ahead of the reads that follow."""
         ranges = self.used.pop(key, None)
-        if ranges:
+        if ranges and 2 * covered(ranges) >= size:
             self.gone[key] = (ranges, 0)  # the bytes used, and how many of them reads came back to
             self.gone.move_to_end(key)
             while len(self.gone) > self.keep:
