@@ -23,6 +23,11 @@ fail with ``SourceChangedError`` instead of returning bytes of another version.
   ahead budget (``AHEAD_BYTES`` unless set) of them are in flight or unread at once; until a read uses them they are
   the last parts the cache lets go of (a window of parts announced ahead must not push out the parts announced
   before it, not read yet). Once one is dropped unread all the same, fetching ahead pauses (``PAUSE_AHEADS``).
+* **Parts read out of order** (a safetensors file generated from one ``.mdl`` object reads the object's tensors in
+  the file's order): the pool notes which bytes of each part reads used (``partreads.PartReads``). A part some of
+  whose bytes no read used yet is let go of after the spent ones, and only while the pool is over its whole budget
+  (another tensor lies there, read later); a spent part let go of is not fetched ahead again, and a read of the
+  bytes no read used of a part let go of fetches just those: each byte of the object is fetched about once.
 
 Memory, per pool: its budget (``PartPool.set_memory``: parts read, and parts asked for ahead and not read yet), the
 parts in flight for reads waiting (at most ``MAX_IN_FLIGHT`` × ``PART_BYTES``) and ``BODY_STEP`` per answer arriving
@@ -38,6 +43,7 @@ from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .base import Blob, ShortRead, count_waited_read
+from .partreads import PartReads
 from ckptfs.storage.etag import normal_etag
 from .s3client import S3Client
 
@@ -90,6 +96,7 @@ class PartPool:
         self.paused = 0  # bytes of parts reads must fetch before anything is fetched ahead again (``PAUSE_AHEADS``)
         self.sent: dict = {}  # object id -> its requests given to the request threads and not finished
         self.waiting: dict = {}  # object id -> deque of its requests waiting for one of those to finish
+        self.reads = PartReads(PART_MIN)  # the bytes reads used of each part; the spent parts let go of
 
     @property
     def budget(self) -> int:
@@ -115,14 +122,19 @@ class PartPool:
         """Whether the calling thread is one of this pool's request threads."""
         return threading.get_ident() in self.request_threads
 
-    def part(self, key, fetch, size: int) -> Future:
-        """The future of part ``key`` (``fetch(buffers)`` submitted when it is neither cached nor in flight)."""
+    def part(self, key, fetch, size: int, need: tuple | None = None) -> Future | None:
+        """The future of part ``key`` (``fetch(buffers)`` submitted when it is neither cached nor in flight). None,
+        nothing submitted, when the read needs just ``need`` (``(lo, hi)`` within the part) of a part let go of after
+        reads used some of it, bytes no read used yet (``PartReads.read_gone``): the caller fetches that range alone."""
         with self.lock:
             got = self.parts.get(key)
             if got is not None:
                 self.parts.move_to_end(key)
                 self.unread.discard(key)
                 return got[0]
+            if need is not None and self.reads.read_gone(key, *need, size):
+                return None
+            self.reads.gone.pop(key, None)
             self.paused = max(0, self.paused - size)
             request = self._register([key], [size], ahead=False)
         return self._launch(request, fetch)[0]
@@ -241,32 +253,62 @@ class PartPool:
         with self.lock:
             return key in self.parts
 
+    def used(self, key, lo: int, hi: int) -> None:
+        """A read used bytes ``[lo, hi)`` (within the part) of part ``key``, held by the pool."""
+        with self.lock:
+            got = self.parts.get(key)
+            if got is not None:
+                self.reads.read(key, lo, hi, got[1])
+
+    def was_read(self, key) -> bool:
+        """Whether part ``key`` was let go of after reads used some of its bytes (not fetched ahead, whole, again)."""
+        with self.lock:
+            return key not in self.parts and self.reads.was_read(key)
+
     def forget(self, key, fut: Future, size: int) -> None:
         with self.lock:
             got = self.parts.get(key)
             if got is not None and got[0] is fut:
                 del self.parts[key]
                 self.unread.discard(key)
+                self.reads.used.pop(key, None)
                 self.bytes -= size
 
     def _trim(self) -> None:
         """Drop the least recently used finished parts beyond the budgets: ``keep_bytes`` for parts reads used,
         ``ahead_limit`` for parts fetched ahead and not read yet (a reader that stopped leaves them). Parts in flight
-        stay."""
+        stay. Of the parts reads used, the spent ones (``PartReads``) go first; one with bytes no read used yet goes
+        only while the pool is over its whole budget: another tensor of a generated file, read later, lies there."""
         unread = sum(self.parts[k][1] for k in self.unread)
-        over = {False: self.bytes - unread - self.keep_bytes, True: unread - self.ahead_limit}
-        if over[False] <= 0 and over[True] <= 0:
+        over_read, over_unread = self.bytes - unread - self.keep_bytes, unread - self.ahead_limit
+        if over_read <= 0 and over_unread <= 0:
             return
         for key in list(self.parts):
             fut, size = self.parts[key]
-            is_unread = key in self.unread
-            if over[is_unread] > 0 and fut.done():
-                if is_unread:
+            if not fut.done():
+                continue
+            if key in self.unread:
+                if over_unread > 0:
                     self.paused = PAUSE_AHEADS * self.ahead_limit
-                del self.parts[key]
-                self.unread.discard(key)
-                self.bytes -= size
-                over[is_unread] -= size
+                    self._drop(key, size)
+                    over_unread -= size
+            elif over_read > 0 and self.reads.spent(key, size):
+                self._drop(key, size)
+                over_read -= size
+        for key in list(self.parts):
+            if over_read <= 0 or self.bytes <= self.budget:
+                break
+            fut, size = self.parts[key]
+            if fut.done() and key not in self.unread:
+                self._drop(key, size)
+                over_read -= size
+
+    def _drop(self, key, size: int) -> None:
+        """Let go of finished part ``key`` (called with the lock held)."""
+        del self.parts[key]
+        self.unread.discard(key)
+        self.bytes -= size
+        self.reads.dropped(key, size)
 
     def set_memory(self, budget: int) -> None:
         """Bound the parts by ``budget`` bytes: a quarter for parts reads used, the rest for parts fetched ahead and
@@ -284,6 +326,7 @@ class PartPool:
             waiting, self.waiting = self.waiting, {}
             self.parts.clear()
             self.unread.clear()
+            self.reads.clear()
             self.bytes = 0
         if ex is not None:
             ex.shutdown(wait=False, cancel_futures=True)
@@ -371,9 +414,11 @@ class S3Object(Blob):
     def _part_range(self, i: int) -> tuple:
         return i * PART_BYTES, min(self.size, (i + 1) * PART_BYTES)
 
-    def _part(self, i: int) -> Future:
+    def _part(self, i: int, need: tuple | None = None) -> Future | None:
+        """Part ``i``'s future; None when the read needs only ``need`` of it, bytes of a spent part no read used yet
+        (``PartPool.part``)."""
         lo, hi = self._part_range(i)
-        return self.pool.part((*self._id, i), lambda bufs: self._get(lo, hi, bufs), hi - lo)
+        return self.pool.part((*self._id, i), lambda bufs: self._get(lo, hi, bufs), hi - lo, need)
 
     def will_need(self, offset: int, length: int | None = None, announced: bool = True) -> None:
         """Queue the parts under ``[offset, offset + length)`` (None: ``READ_AHEAD_PARTS`` parts) that are neither
@@ -387,9 +432,10 @@ class S3Object(Blob):
         first, last = offset // PART_BYTES, (self.size - 1) // PART_BYTES
         for g in range(first // FETCH_PARTS, (min(self.size, offset + length) - 1) // PART_BYTES // FETCH_PARTS + 1):
             parts = range(max(first, g * FETCH_PARTS), min(last, (g + 1) * FETCH_PARTS - 1) + 1)  # not behind
-            if not self.pool.ahead([(*self._id, i) for i in parts], [self._part_range(i) for i in parts], self._get,
-                               announced):
-                return  # enough in flight ahead: a later read announces the rest again
+            for run in _runs([i for i in parts if not self.pool.was_read((*self._id, i))]):  # not whole again
+                if not self.pool.ahead([(*self._id, i) for i in run], [self._part_range(i) for i in run], self._get,
+                                       announced):
+                    return  # enough in flight ahead: a later read announces the rest again
 
     # -- reads ---------------------------------------------------------------------------------------------------
     def read_into(self, view: memoryview, offset: int, need: int) -> tuple[int, bool]:
@@ -419,6 +465,7 @@ class S3Object(Blob):
             return False
         lo = offset - i * PART_BYTES
         view[:need] = memoryview(data)[lo:lo + need]
+        self.pool.used((*self._id, i), lo, lo + need)
         return True
 
     def _through_parts(self, need: int) -> bool:
@@ -437,14 +484,18 @@ class S3Object(Blob):
         to be waited for."""
         end = offset + need
         first, last = offset // PART_BYTES, (end - 1) // PART_BYTES
-        futures = [self._part(i) for i in range(first, last + 1)]
+        futures = [self._part(i, _within(i, offset, end)) for i in range(first, last + 1)]
         pos, waited = 0, False
         for i, fut in zip(range(first, last + 1), futures):
-            waited |= not fut.done()
-            data = fut.result()
-            lo = max(offset, i * PART_BYTES) - i * PART_BYTES
-            hi = min(end, (i + 1) * PART_BYTES) - i * PART_BYTES
-            view[pos:pos + hi - lo] = memoryview(data)[lo:hi]
+            lo, hi = _within(i, offset, end)
+            if fut is None:  # bytes no read used of a part let go of: just those
+                self._get(i * PART_BYTES + lo, i * PART_BYTES + hi, view[pos:pos + hi - lo])
+                waited = True
+            else:
+                waited |= not fut.done()
+                data = fut.result()
+                view[pos:pos + hi - lo] = memoryview(data)[lo:hi]
+                self.pool.used((*self._id, i), lo, hi)
             pos += hi - lo
         return waited
 
@@ -514,6 +565,23 @@ def _one_part(lo: int, hi: int) -> int | None:
     """The part holding all of ``[lo, hi)``, or None when the range crosses a part boundary."""
     i = lo // PART_BYTES
     return i if (hi - 1) // PART_BYTES == i else None
+
+
+def _within(i: int, lo: int, hi: int) -> tuple:
+    """``[lo, hi)`` of the object cut to part ``i``, as offsets within the part."""
+    base = i * PART_BYTES
+    return max(lo, base) - base, min(hi, base + PART_BYTES) - base
+
+
+def _runs(parts: list) -> list:
+    """``parts`` (ascending part numbers) cut where they do not follow each other."""
+    runs: list = []
+    for i in parts:
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
 
 
 def _merge(spans: list) -> list:
