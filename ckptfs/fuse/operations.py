@@ -406,7 +406,11 @@ def serve(tree: Tree, mountpoint, *, fsname: str = "ckptfs", allow_other: bool =
     if cache is not None:  # the kernel's page cache keeps what was read: blocks read whole are not kept twice
         cache.streaming = True
         cache.read_ahead = SERVER_READ_AHEAD
-        cache.announce_ahead = SERVER_ANNOUNCE_AHEAD if cache.remote else 0
+        # a window the parts' ahead budget cannot hold is not announced: its parts would be let go of unread and
+        # fetched again (docs/measurements.md, "S3: an .mdl object read in the safetensors file's order")
+        parts = getattr(tree, "parts", None)
+        ahead = SERVER_ANNOUNCE_AHEAD if parts is None or parts.ahead_limit >= SERVER_ANNOUNCE_AHEAD else 0
+        cache.announce_ahead = ahead if cache.remote else 0
     mountpoint = os.path.abspath(str(mountpoint))
     ops = CkptfsOperations(tree, mount_target(mountpoint))
     opts = dict(foreground=True, nothreads=not threads, ro=True, default_permissions=True, kernel_cache=True,
