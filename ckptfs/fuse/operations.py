@@ -408,8 +408,8 @@ def serve(tree: Tree, mountpoint, *, fsname: str = "ckptfs", allow_other: bool =
         cache.read_ahead = SERVER_READ_AHEAD
         # a window the parts' ahead budget cannot hold is not announced: its parts would be let go of unread and
         # fetched again (docs/measurements.md, "S3: an .mdl object read in the safetensors file's order")
-        parts = getattr(tree, "parts", None)
-        ahead = SERVER_ANNOUNCE_AHEAD if parts is None or parts.ahead_limit >= SERVER_ANNOUNCE_AHEAD else 0
+        budget = getattr(getattr(tree, "parts", None), "ahead_limit", None)  # a run's pools: its checkpoints' own
+        ahead = SERVER_ANNOUNCE_AHEAD if budget is None or budget >= SERVER_ANNOUNCE_AHEAD else 0
         cache.announce_ahead = ahead if cache.remote else 0
     mountpoint = os.path.abspath(str(mountpoint))
     ops = CkptfsOperations(tree, mount_target(mountpoint))
