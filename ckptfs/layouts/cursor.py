@@ -18,8 +18,9 @@ The policy, decided in ``advance`` after each read ``[offset, end)``:
   The first starts at ``FIRST_WINDOW`` and doubles at every extension after the first, up to its cap; the second,
   which only a stream already ``read_ahead`` long reaches, starts whole (objects a few MB into a copy must be asked
   for before the reader gets there).
-* **Backpressure.** A window is extended only once the reader has consumed half of what was prepared ahead of it
-  (mountpoint-s3's rule): a reader that does not consume what was prepared (it rereads, or stays put) gets nothing
+* **Backpressure.** A window is extended only once the reader has consumed some of what was prepared ahead of it,
+  so a whole window stays ahead of a reader that goes on (extending at half, mountpoint-s3's rule, made a cold copy
+  slower: docs/read-path.md): a reader that does not consume what was prepared (it rereads, or stays put) gets nothing
   more queued and no growth. Blocks the read-ahead queue refused (full: what was queued earlier is not computed
   yet) are not counted as prepared and stop the growth; the next read asks for them again.
 * **From memory.** The read-ahead threads report each block they computed for this cursor (``block_computed``):
@@ -66,13 +67,13 @@ class Window:
     def extend(self, end: int, cap: int, skip: int = 0, limit: int | None = None,
                whole: bool = False) -> tuple | None:
         """``(a, b)``: the file bytes to prepare now for a reader at ``end`` — those from ``end + skip`` on not
-        prepared yet, up to a window after ``end + skip`` and at most ``limit`` — or None while more than half a
-        window prepared earlier is still ahead. Each extension after the first doubles the window, up to ``cap``;
+        prepared yet, up to a window after ``end + skip`` and at most ``limit`` — or None while a whole window
+        prepared earlier is still ahead (the reader consumed none of it). Each extension after the first doubles the window, up to ``cap``;
         ``whole``: the first one is the whole ``cap`` already."""
         base = end + skip
         size = cap if whole and not self.extended else min(self.size, cap)
-        if self.to - base > size // 2:
-            return None  # backpressure: what was prepared is not consumed yet
+        if self.to - base >= size:
+            return None  # backpressure: nothing prepared was consumed yet
         if self.extended:
             size = min(size * 2, cap)
         a, b = max(self.to, base), base + size
