@@ -362,3 +362,28 @@ def test_the_check_sees_a_reader_opening_a_checkpoint_itself(tmp_path, line):
                       f"    mmap.mmap(-1, 8)\n    return {line}\n")
     assert list(unexpected_file_accesses(tmp_path)) == ["ckptfs/readers/probe.py"]
     assert len(unexpected_file_accesses(tmp_path)["ckptfs/readers/probe.py"]) == 1
+
+
+#: modules one package folder may hold directly: past that, a folder no longer shows what its parts are
+MAX_MODULES_PER_FOLDER = 20
+
+
+def _crowded_folders(package: Path) -> dict:
+    """``{folder: module count}`` of the folders under ``package`` holding more than ``MAX_MODULES_PER_FOLDER``
+    modules directly."""
+    counts = {d: len(list(d.glob("*.py"))) for d in [package, *package.rglob("*")]
+              if d.is_dir() and d.name != "__pycache__"}
+    return {str(d.relative_to(package.parent)): n for d, n in counts.items() if n > MAX_MODULES_PER_FOLDER}
+
+
+def test_no_package_folder_holds_more_than_twenty_modules():
+    assert _crowded_folders(ROOT / "ckptfs") == {}
+
+
+def test_the_check_sees_a_crowded_folder(tmp_path):
+    crowded = tmp_path / "pkg" / "flat"
+    crowded.mkdir(parents=True)
+    for k in range(MAX_MODULES_PER_FOLDER + 1):
+        (crowded / f"m{k}.py").write_text("")
+    (tmp_path / "pkg" / "few.py").write_text("")
+    assert _crowded_folders(tmp_path / "pkg") == {"pkg/flat": MAX_MODULES_PER_FOLDER + 1}
