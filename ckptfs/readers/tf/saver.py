@@ -14,19 +14,18 @@ from __future__ import annotations
 
 import math
 import os
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
 from ckptfs import dtypes
 from ckptfs.errors import CheckpointError
 from ckptfs.catalog.model import TF_SAVER, Checkpoint, Container, TensorLeaf, UnreadableLeaf
-from ckptfs.guard.confine import Confinement, RefusedReference, open_regular
+from ckptfs.guard.confine import Confinement, RefusedReference, open_regular_file
 from ckptfs.readers.tf.locate import prefix_of
 from ckptfs.readers.tf.tensor import TfBundleTensor, TfShard, TfSlicedTensor, tiling_problem
 from ckptfs.catalog.validate import shape_problem
-from ckptfs.storage.local import FileIdentity
 from ckptfs.tfbundle import BundleFormatError, data_file_name, encode_slice_key, parse_index
-from ...storage.local import LocalFile
 
 @dataclass(eq=False)
 class TfFiles:
@@ -48,28 +47,18 @@ MAX_INDEX_BYTES = 1 << 30
 def _read_index(index: Path) -> tuple:
     """``(bytes, FileIdentity)`` of the ``.index`` file, read as a regular file of at most ``MAX_INDEX_BYTES``."""
     try:
-        fd = open_regular(index)
+        blob = open_regular_file(index)
     except RefusedReference as e:
         raise CheckpointError(index, e.problem) from None
     except OSError as e:
         raise CheckpointError(index, f"cannot open ({e.strerror or e})") from None
-    try:
-        st = os.fstat(fd)
-        if st.st_size > MAX_INDEX_BYTES:
-            raise CheckpointError(index, f"TensorFlow index of {st.st_size:,} bytes, more than {MAX_INDEX_BYTES:,}")
-        blob, fd = LocalFile(str(index), fd=fd), None  # owns the descriptor from here
+    with closing(blob):
+        if blob.size > MAX_INDEX_BYTES:
+            raise CheckpointError(index, f"TensorFlow index of {blob.size:,} bytes, more than {MAX_INDEX_BYTES:,}")
         try:
-            data = blob.read(0, st.st_size)
-        finally:
-            blob.close()
-        if len(data) != st.st_size:
-            raise CheckpointError(index, f"shrank while it was read ({len(data)} of {st.st_size} bytes)")
-        return data, FileIdentity.of_stat(st)
-    except OSError as e:
-        raise CheckpointError(index, f"cannot read ({e.strerror or e})") from None
-    finally:
-        if fd is not None:
-            os.close(fd)
+            return blob.read(0, blob.size), blob.version  # OSError when it shrank while read
+        except OSError as e:
+            raise CheckpointError(index, f"cannot read ({e.strerror or e})") from None
 
 
 def _shards(index: Path, num_shards: int, confinement: Confinement) -> list:
@@ -82,15 +71,12 @@ def _shards(index: Path, num_shards: int, confinement: Confinement) -> list:
             raise CheckpointError(index, f"data shard {i} of {num_shards} ({path.name}) is missing")
         try:
             real = confinement.resolve(path.name)  # a sibling of the .index, in its folder
-            fd = open_regular(real)
+            with closing(open_regular_file(real)) as blob:
+                ident = blob.version
         except RefusedReference as e:
             raise CheckpointError(index, f"data shard {path.name}: {e.problem}") from None
         except OSError as e:
             raise CheckpointError(index, f"data shard {path.name} cannot be opened ({e.strerror or e})") from None
-        try:
-            ident = FileIdentity.of_stat(os.fstat(fd))
-        finally:
-            os.close(fd)
         shards.append(TfShard(Path(real), ident, index, confinement))
     return shards
 
