@@ -15,6 +15,7 @@ system has no hard links), so the export costs no disk for them.
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -26,6 +27,8 @@ from ..state.outfiles import OutputDir, OutputError
 from ..progress import progress_bar
 from ..tree.base import Tree
 from .export_record import ExportRecord, content_key
+
+log = logging.getLogger(__name__)
 
 BLOCK = 8 << 20
 PART = ".part"
@@ -245,8 +248,8 @@ class _Announcer:
             if will_need is not None and n:
                 try:
                     will_need(off, off + n)
-                except Exception:  # noqa: BLE001 - a hint: the block's own read reports what is wrong
-                    pass
+                except Exception as err:  # noqa: BLE001 - a hint: the block's own read reports what is wrong
+                    log.debug("announcing %s [%d, %d) failed: %s", pf.entry.path, off, off + n, err)
 
 
 def _drain(pending: set, report: ExportReport, bar, how) -> set:
