@@ -14,6 +14,8 @@ Any failure while reading becomes ``TensorReadError(checkpoint path, "tensor <ke
 """
 from __future__ import annotations
 
+import logging
+
 import math
 import threading
 from array import array
@@ -34,6 +36,8 @@ from .h5safe import H5Refused, open_dataset
 from .h5store import H5Store
 from ...errors import one_line
 from ...catalog.validate import dataset_problem
+
+log = logging.getLogger(__name__)
 
 _open_lock = threading.Lock()
 
@@ -117,8 +121,8 @@ class H5DatasetTensor(VirtualTensor):
             reader = self._opened()[1]
             if reader is not None:
                 reader.will_need(start // item, -(-stop // item), continuing)
-        except (TensorReadError, OSError, KeyError, ValueError, RuntimeError, TypeError):
-            pass
+        except (TensorReadError, OSError, KeyError, ValueError, RuntimeError) as e:  # not a programming error
+            log.debug("announcing %s [%d, %d) failed: %s", self.describe(), start, stop, e)
 
     def chunk_shape(self):
         """The dataset's chunk shape: cache blocks are whole chunk rows (``VirtualTensor.block_elems``), so that
