@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+#: a part let go of is remembered only while the bytes reads used of it are at most this many ranges: a crafted
+#: object read in many tiny scattered pieces must not make the memory of 65,536 parts grow past ``--cache-size``
+MAX_RANGES = 64
+
 
 def add_range(ranges: list, lo: int, hi: int) -> list:
     """``ranges`` (sorted, disjoint ``(lo, hi)``) with ``[lo, hi)`` added, merged where they touch."""
@@ -62,7 +66,7 @@ class PartReads:
         read of the others fetches just those). A part of which reads used less (a loader's look at a tensor's first
         and last pages, before it reads every tensor) is fetched whole again, ahead of the reads that follow."""
         ranges = self.used.pop(key, None)
-        if ranges and 2 * covered(ranges) >= size:
+        if ranges and 2 * covered(ranges) >= size and len(ranges) <= MAX_RANGES:
             self.gone[key] = (ranges, 0)  # the bytes used, and how many of them reads came back to
             self.gone.move_to_end(key)
             while len(self.gone) > self.keep:
@@ -87,7 +91,11 @@ class PartReads:
             if 2 * again >= size:
                 del self.gone[key]
                 return False
-        self.gone[key] = (add_range(ranges, lo, hi), again)
+        ranges = add_range(ranges, lo, hi)
+        if len(ranges) > MAX_RANGES:  # too scattered to remember (``MAX_RANGES``): this range is fetched alone
+            del self.gone[key]
+            return True
+        self.gone[key] = (ranges, again)
         return True
 
     def clear(self) -> None:

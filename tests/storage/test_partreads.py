@@ -40,3 +40,21 @@ def test_a_part_little_of_was_read_is_not_remembered():
     reads.read("q", 0, 3 * MIB, 8 * MIB)  # a loader's look at a tensor's first pages: fetched whole again later
     reads.dropped("q", 8 * MIB)
     assert not reads.was_read("p") and not reads.was_read("q")
+
+
+def test_a_part_read_in_too_many_scattered_pieces_is_not_remembered():
+    """The memory of parts let go of stays bounded: a part whose used bytes are more than ``MAX_RANGES`` ranges (a
+    crafted object read in tiny scattered pieces) is forgotten, and fetched as any other part again."""
+    from ckptfs.storage.partreads import MAX_RANGES
+
+    reads = PartReads(slack=MIB // 2)
+    size = 8 * MIB
+    unit = size // (MAX_RANGES + 1)
+    for k in range(MAX_RANGES + 1):  # three quarters of the part, in MAX_RANGES + 1 pieces with gaps between them
+        reads.read("p", k * unit, k * unit + 3 * unit // 4, size)
+    assert len(reads.used["p"]) > MAX_RANGES
+    reads.dropped("p", size)
+    assert not reads.was_read("p")
+    reads.read("q", 0, 6 * MIB, size)
+    reads.dropped("q", size)
+    assert reads.was_read("q")
