@@ -120,9 +120,10 @@ class Blob(ABC):
             raise OSError(errno.EIO, f"{self.name} ends {n - e.got} bytes early") from None
         return bytes(memoryview(buf)[starts[0]:starts[0] + n])
 
-    def read_scattered(self, spans: Iterable, scratch: Callable[[int], object]) -> tuple:
-        """``read_spans`` for small ranges far apart (a peek's rows in each chunk of a row of chunks): a backend may
-        issue them together rather than one after the other."""
+    def read_scattered(self, spans: Iterable, scratch: Callable[[int], object], gap: int | None = None) -> tuple:
+        """``read_spans`` for small ranges far apart (a peek's rows in each chunk of a row of chunks, HDF5 metadata
+        fetched ahead): a backend may issue them together rather than one after the other. ``gap``: ranges at least
+        this far apart are not read as one (None: the backend's own choice)."""
         return self.read_spans(spans, scratch, hint=False)
 
     def will_need(self, offset: int, length: int | None = None, announced: bool = True) -> None:

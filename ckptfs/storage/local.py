@@ -243,7 +243,7 @@ class LocalFile(Blob):
         a read of it, and a closed number could be reused by an unrelated open file."""
         self.direct_fd = None
 
-    def read_scattered(self, spans, scratch) -> tuple:
+    def read_scattered(self, spans, scratch, gap: int | None = None) -> tuple:
         """``read_spans`` for small ranges far apart (a peek's rows in each chunk of a row of chunks): every range is
         announced to the kernel first, so that the disk reads them together instead of one after the other
         (docs/measurements.md, "Scattered reads")."""

@@ -505,7 +505,7 @@ class S3Object(Blob):
         self.read_into(memoryview(buf), offset, len(buf))
         return bytes(buf)
 
-    def read_spans(self, spans, scratch, hint: bool = True) -> tuple:
+    def read_spans(self, spans, scratch, hint: bool = True, gap: int = MERGE_GAP) -> tuple:
         """The ranges ``spans`` (``(offset, end)`` each) into one buffer of ``scratch(size)``: ``(buffer, position of
         each span's first byte)``. Ranges less than ``MERGE_GAP`` apart are fetched as one request, the
         requests concurrently; ``ShortRead`` when the object ends inside a span."""
@@ -519,23 +519,27 @@ class S3Object(Blob):
             total += end - lo
         buf = scratch(total)
         mv = memoryview(buf)
-        groups = _merge(spans)
+        groups = _merge(spans, gap)
         # small groups (exact ranges) go to the request threads, all but one; large ones are read here, their parts
         # fetched concurrently (a request thread never waits for another request: no deadlock)
         # (a small group inside a part fetched or in flight is copied here, where waiting for that part is safe)
         asked, here = [], []
         for g in groups:
             (here if self._through_parts(g[1] - g[0]) or self._held(g[0], g[1]) else asked).append(g)
-        # (at most MAX_IN_FLIGHT_PER_OBJECT at once, this thread's included: the rest are read here, in turn)
-        sent = asked[1:MAX_IN_FLIGHT_PER_OBJECT]
-        futures = [self.pool.submit(self._place, mv, *g, spans, starts) for g in sent]
+        # in MAX_IN_FLIGHT_PER_OBJECT lanes at most, this thread's included, each reading its groups in turn: as many
+        # requests at once all the way through (HDF5 metadata fetched ahead asks for a hundred ranges at a time)
+        lanes = [asked[k::MAX_IN_FLIGHT_PER_OBJECT] for k in range(min(MAX_IN_FLIGHT_PER_OBJECT, len(asked)))] or [[]]
+        futures = [self.pool.submit(self._place_each, mv, lane, spans, starts) for lane in lanes[1:]]
         try:
-            for g in asked[:1] + asked[1 + len(sent):] + here:
-                self._place(mv, *g, spans, starts)
+            self._place_each(mv, lanes[0] + here, spans, starts)
         finally:
             for f in futures:
                 f.result()
         return buf, starts
+
+    def _place_each(self, mv: memoryview, groups: list, spans: list, starts: list) -> None:
+        for g in groups:
+            self._place(mv, *g, spans, starts)
 
     def _place(self, mv: memoryview, lo: int, hi: int, members: list, spans: list, starts: list) -> None:
         """Fetch ``[lo, hi)`` (one merged group) and copy each member span to its place in ``mv``."""
@@ -549,10 +553,11 @@ class S3Object(Blob):
             a, b = spans[k]
             mv[starts[k]:starts[k] + b - a] = tmp[a - lo:b - lo]
 
-    def read_scattered(self, spans, scratch) -> tuple:
-        """``read_spans`` for small ranges far apart (a peek's rows in each chunk): the same merging, the same
-        concurrency."""
-        return self.read_spans(spans, scratch, hint=False)
+    def read_scattered(self, spans, scratch, gap: int | None = None) -> tuple:
+        """``read_spans`` for small ranges far apart (a peek's rows in each chunk): the same concurrency, and the same
+        merging unless ``gap`` says ranges that far apart are not worth one request (metadata fetched ahead: a
+        range between two nodes would be a part of data)."""
+        return self.read_spans(spans, scratch, hint=False, gap=MERGE_GAP if gap is None else gap)
 
     def close(self) -> None:
         """Close the object's own pool, if it has one (a pool given belongs to its owner; the connections belong to
@@ -584,13 +589,13 @@ def _runs(parts: list) -> list:
     return runs
 
 
-def _merge(spans: list) -> list:
-    """``[(lo, hi, [span indices])]``: the spans grouped where they lie less than ``MERGE_GAP`` apart."""
+def _merge(spans: list, gap: int = MERGE_GAP) -> list:
+    """``[(lo, hi, [span indices])]``: the spans grouped where they lie less than ``gap`` apart."""
     order = sorted(range(len(spans)), key=lambda k: spans[k])
     groups: list = []
     for k in order:
         lo, end = spans[k]
-        if groups and lo - groups[-1][1] <= MERGE_GAP and end - groups[-1][0] <= 4 * PART_BYTES:
+        if groups and lo - groups[-1][1] <= gap and end - groups[-1][0] <= 4 * PART_BYTES:
             g = groups[-1]
             g[1] = max(g[1], end)
             g[2].append(k)

@@ -183,8 +183,8 @@ class RegionFile(Blob):
     def read_spans(self, spans, scratch, hint: bool = True) -> tuple:
         return self.blob().read_spans(spans, scratch, hint)
 
-    def read_scattered(self, spans, scratch) -> tuple:
-        return self.blob().read_scattered(spans, scratch)
+    def read_scattered(self, spans, scratch, gap: int | None = None) -> tuple:
+        return self.blob().read_scattered(spans, scratch, gap)
 
     def will_need(self, offset: int, length: int | None = None) -> None:
         if self._blob is not None:

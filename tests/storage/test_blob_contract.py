@@ -153,6 +153,14 @@ def test_read_scattered_places_every_span(opened):
         assert bytes(memoryview(buf)[at:at + end - lo]) == DATA[lo:end]
 
 
+@pytest.mark.parametrize("gap", [0, 16 << 10, None])
+def test_read_scattered_with_a_gap_places_every_span(opened, gap):
+    spans = [(k * 300_001, k * 300_001 + 2616) for k in range(30)] + [(5, 7), (6, 4000)]
+    buf, starts = opened.blob.read_scattered(spans, bytearray, gap)
+    for (lo, end), at in zip(spans, starts):
+        assert bytes(memoryview(buf)[at:at + end - lo]) == DATA[lo:end]
+
+
 def test_a_span_past_the_end_is_a_short_read(opened):
     with pytest.raises(ShortRead) as e:
         opened.blob.read_spans([(0, 10), (len(DATA) - 5, len(DATA) + 5)], bytearray)
@@ -290,3 +298,29 @@ def test_parts_of_a_large_read_are_fetched_concurrently():
     fake.latency = 0.3
     assert o.read(0, 3 * (8 << 20)) == DATA[:3 * (8 << 20)]
     assert fake.count("GetObject") >= 3 and fake.most_in_flight >= 3
+
+
+def test_many_ranges_far_apart_keep_four_requests_in_flight_all_the_way():
+    """Forty small ranges far apart (HDF5 metadata fetched ahead) are read four at a time from the first to the last
+    (before: the first four together, then the other 36 one after another in the calling thread): nearly every request
+    overlaps others, and an object never has more than four of its own in flight."""
+    fake = FakeS3({("b", "k"): DATA})
+    o = s3_object(fake, "b", "k")
+    fake.latency = 0.02
+    lives, real = [], fake.get_object
+
+    def timed(**kw):
+        t0 = time.monotonic()
+        try:
+            return real(**kw)
+        finally:
+            lives.append((t0, time.monotonic()))
+
+    fake.get_object = timed
+    spans = [(k * 600_000, k * 600_000 + 2000) for k in range(40)]
+    buf, starts = o.read_scattered(spans, bytearray, 0)
+    assert [bytes(memoryview(buf)[at:at + 2000]) for at in starts] == [DATA[a:b] for a, b in spans]
+    assert len(lives) == 40
+    overlapping = sum(any(a < e and b > s for k2, (a, b) in enumerate(lives) if k2 != k) for k, (s, e) in enumerate(lives))
+    assert overlapping >= 36, overlapping
+    assert fake.most_in_flight <= 4
