@@ -7,10 +7,15 @@ recently used first out): opening a checkpoint costs a few requests, not one per
 ``BLOCK_BYTES`` go to the blob as they are (a large attribute, a chunk read by HDF5 itself); the last one of at most
 ``LAST_BYTES`` is kept, so that reading the same bytes again at once (a check of where a chunk lies) costs no request.
 
+A caller that knows which metadata HDF5 will read next (``readers.cerebras.h5meta``: object headers, chunk index
+nodes) fetches those ranges together ahead of it (``keep``: the blob's ``read_spans``, concurrent requests); reads
+inside one of them are then answered from memory, ``KEEP_BYTES`` of them at most, the oldest let go of first.
+
 Not safe for concurrent use (``seek`` then ``readinto``); h5py calls it under its own global lock.
 """
 from __future__ import annotations
 
+import bisect
 import io
 import threading
 from collections import OrderedDict
@@ -21,6 +26,11 @@ BLOCK_BYTES = 64 << 10
 MAX_BLOCKS = 128
 #: the last large read is kept when it is at most this long
 LAST_BYTES = 1 << 20
+#: bytes of ranges fetched ahead (``keep``) held at once
+KEEP_BYTES = 16 << 20
+#: ranges fetched ahead less than this far apart are fetched as one (metadata is small; the bytes between two
+#: chunk index nodes are data)
+KEEP_GAP = 16 << 10
 
 
 class RangedFile(io.RawIOBase):
@@ -34,6 +44,9 @@ class RangedFile(io.RawIOBase):
         self._blocks: OrderedDict = OrderedDict()  # block number -> bytes
         self._last: tuple = (0, b"")  # (offset, bytes) of the last large read
         self._lock = threading.Lock()
+        self._kept: OrderedDict = OrderedDict()  # offset -> bytes fetched ahead (``keep``), oldest first
+        self._kept_bytes = 0
+        self._kept_at: list | None = []  # the kept offsets, sorted (None: to sort again)
         self.name = getattr(blob, "name", "blob")
 
     def readable(self) -> bool:
@@ -70,6 +83,8 @@ class RangedFile(io.RawIOBase):
         n = max(0, min(len(view), self.size - offset))
         if n == 0:
             return 0
+        if self._kept and self._from_kept(offset, view[:n]):
+            return n
         last_at, last = self._last
         if last_at <= offset and offset + n <= last_at + len(last):
             view[:n] = last[offset - last_at:offset - last_at + n]
@@ -90,6 +105,63 @@ class RangedFile(io.RawIOBase):
             view[pos:pos + take] = data[lo:lo + take]
             pos += take
         return pos
+
+    def keep(self, spans) -> list:
+        """Fetch the ranges ``spans`` (``(offset, end)`` each) together (the blob's ``read_scattered``: concurrent
+        requests, neighbours less than ``KEEP_GAP`` apart as one) and keep them for reads that fall inside one: each
+        range's bytes (cut at the end of the blob; empty when outside it). A range held already costs no request."""
+        asked = [(int(lo), min(int(hi), self.size)) for lo, hi in spans]
+        out = [b""] * len(asked)
+        missing = []
+        for k, (lo, hi) in enumerate(asked):
+            if 0 <= lo < hi:
+                view = memoryview(bytearray(hi - lo))
+                if self._from_kept(lo, view) or self._from_blocks(lo, view):
+                    out[k] = bytes(view)
+                else:
+                    missing.append(k)
+        if not missing:
+            return out
+        buf, starts = self.blob.read_scattered([asked[k] for k in missing], bytearray, KEEP_GAP)
+        with self._lock:
+            for k, at in zip(missing, starts):
+                lo, hi = asked[k]
+                data = out[k] = bytes(buf[at:at + hi - lo])
+                old = self._kept.pop(lo, None)
+                self._kept_bytes += len(data) - (len(old) if old is not None else 0)
+                self._kept[lo] = data
+                self._kept_at = None
+            while self._kept_bytes > KEEP_BYTES and self._kept:
+                self._kept_bytes -= len(self._kept.popitem(last=False)[1])
+        return out
+
+    def _from_blocks(self, offset: int, view: memoryview) -> bool:
+        """Fill ``view`` from one block held, if one holds all of it."""
+        blk = offset // BLOCK_BYTES
+        if (offset + len(view) - 1) // BLOCK_BYTES != blk:
+            return False
+        with self._lock:
+            data = self._blocks.get(blk)
+        lo = offset - blk * BLOCK_BYTES
+        if data is None or lo + len(view) > len(data):
+            return False
+        view[:] = data[lo:lo + len(view)]
+        return True
+
+    def _from_kept(self, offset: int, view: memoryview) -> bool:
+        """Fill ``view`` from a range fetched ahead holding all of it, if one does."""
+        with self._lock:
+            if self._kept_at is None:
+                self._kept_at = sorted(self._kept)
+            i = bisect.bisect_right(self._kept_at, offset) - 1
+            if i < 0:
+                return False
+            at = self._kept_at[i]
+            data = self._kept[at]
+            if offset + len(view) > at + len(data):
+                return False
+            view[:] = data[offset - at:offset - at + len(view)]
+            return True
 
     def _block(self, blk: int) -> bytes:
         with self._lock:
