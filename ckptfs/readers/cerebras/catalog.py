@@ -94,6 +94,7 @@ def read_hdf5_catalog(file_path, f, store: H5Store, externals: ExternalFiles, *,
     tensors, ``externals`` the files it refers to); both are closed with the checkpoint, or here on failure."""
     try:
         kind = _check_cerebras(f, file_path)
+        store.will_read_headers(f)
         if kind == TF_H5:  # a flat state of TF variables: no format version, no writing release
             version, success, release = 0.0, True, None
             result = read_tf_h5(file_path, f, store, externals)

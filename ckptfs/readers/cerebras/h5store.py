@@ -209,6 +209,14 @@ class H5Store:
         on a plain local file, or None (chunks then come through HDF5)."""
         return lz4chunks.local_chunk_files.open(dset, coords, offset, size)
 
+    def will_read_headers(self, f: h5py.File) -> None:
+        """The catalog is about to open the objects of ``f``: a store whose every read is a round trip fetches their
+        headers ahead, together (``BlobH5Store``); a local file's reads cost little, so nothing here."""
+
+    def will_index(self) -> None:
+        """A dataset's chunk index is about to be read: a store whose every read is a round trip fetches the chunk
+        indexes' nodes ahead, together (``BlobH5Store``); nothing here."""
+
     def file(self, what: str) -> h5py.File:
         """The open file; ``what`` names the tensor for the error message."""
         f = self._file

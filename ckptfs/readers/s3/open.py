@@ -15,12 +15,14 @@ outside itself: external references are refused (``NoExternalFiles``).
 """
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 
 import h5py
+from h5py import h5l
 
-from ...errors import CheckpointError, StorageError, TensorReadError
+from ...errors import CheckpointError, CkptfsError, StorageError, TensorReadError
 from ...storage.rangedfile import RangedFile
 from ...storage.s3client import client_for
 from ...storage.s3object import PartPool, S3Object
@@ -28,6 +30,7 @@ from ...storage.s3url import S3Location
 from ...catalog.model import Checkpoint
 from ...guard.confine import RefusedReference
 from ..cerebras.h5store import CHUNK_CACHE_BYTES, CHUNK_CACHE_SLOTS, H5Store, what_blob_is
+from ..cerebras import h5meta
 from ..cerebras.catalog import read_hdf5_catalog
 from ..legacy_torch.reader import HEAD_BYTES, is_legacy_torch, open_legacy_torch_blob
 from ..run.scan import RunScanner
@@ -35,6 +38,13 @@ from .layout import open_layout
 from .target import LAYOUT, OBJECT, RUN, S3Target, as_location, classify  # noqa: F401 - also this module's names
 
 from ckptfs.readers.cerebras.h5errors import open_problem
+
+log = logging.getLogger(__name__)
+
+#: object headers fetched ahead when the catalog is read (the root group's links, in its order)
+MAX_HEADERS_AHEAD = 100_000
+#: bytes of chunk index nodes fetched ahead when the first dataset is indexed (about 3,000 nodes of a 2-d tensor)
+INDEX_AHEAD_BYTES = 8 << 20
 
 
 def open_s3_checkpoint(path, *, allow_partial: bool = False, parts: PartPool | None = None) -> Checkpoint:
@@ -116,6 +126,7 @@ class BlobH5Store(H5Store):
         self._open = OrderedDict()
         self._open_lock = threading.Lock()
         self._chunks_checked: bool | None = None  # whether chunk addresses are offsets in the object (chunk_file)
+        self._layouts: dict | None = None  # header address -> layout message, until ``will_index`` used them
 
     def _open_file(self, what: str) -> h5py.File:
         self.ranged.seek(0)
@@ -123,6 +134,45 @@ class BlobH5Store(H5Store):
             return h5py.File(self.ranged, "r", rdcc_nslots=CHUNK_CACHE_SLOTS, rdcc_nbytes=CHUNK_CACHE_BYTES)
         except (OSError, ValueError) as e:
             raise TensorReadError(self.checkpoint_path, f"{what}: {open_problem(e, 'object')}") from None
+
+    def will_read_headers(self, f: h5py.File) -> None:
+        """Fetch the headers of the objects the root group links to (``MAX_HEADERS_AHEAD`` at most), all together,
+        and keep them for HDF5: the catalog opens every dataset, one round trip each otherwise. Remembers their
+        layout messages for ``will_index``. Best effort: HDF5 reads what this did not fetch."""
+        sizes = self._sizes()
+        if sizes is None:
+            return
+        addresses: list = []
+
+        def take(_name, info):
+            if info.type == h5l.TYPE_HARD:
+                addresses.append(int(info.u))
+            return True if len(addresses) >= MAX_HEADERS_AHEAD else None
+
+        try:
+            f.id.links.iterate(take, info=True)
+            self._layouts = h5meta.header_spans(addresses, self.ranged.keep, sizes, self.blob.size)
+        except (CkptfsError, OSError, RuntimeError, ValueError, KeyError) as e:  # HDF5's, the endpoint's
+            log.debug("fetching the object headers of %s ahead failed: %s", self.blob.name, e)
+
+    def will_index(self) -> None:
+        """Fetch the chunk index nodes of every chunked dataset whose header ``will_read_headers`` read, level by
+        level, every node of a level at once (``INDEX_AHEAD_BYTES`` of nodes at most), once per store: a stream or a
+        loader indexes the datasets one after another, one round trip per node otherwise. Best effort."""
+        layouts, self._layouts = self._layouts, None
+        sizes = self._sizes() if layouts else None
+        if sizes is None:
+            return
+        roots = [r for r in (h5meta.chunk_index_root(body, sizes) for body in layouts.values() if body) if r]
+        try:
+            h5meta.chunk_index_spans(roots, self.ranged.keep, sizes, self.blob.size, INDEX_AHEAD_BYTES)
+        except (CkptfsError, OSError, RuntimeError, ValueError) as e:  # the endpoint's
+            log.debug("fetching the chunk indexes of %s ahead failed: %s", self.blob.name, e)
+
+    def _sizes(self) -> "h5meta.Sizes | None":
+        head = bytearray(64)
+        n = self.ranged.read_at(0, memoryview(head))
+        return h5meta.superblock_sizes(bytes(head[:n]))
 
     def chunk_file(self, dset, coords: tuple, offset: int, size: int):
         """The object itself: its stored chunks are fetched with the blob's concurrent ranged reads (``read_spans``),
