@@ -102,6 +102,8 @@ class Checkpoint:
     #: from ``kind`` when not given)
     format_name: str | None = None
     _closers: list = field(default_factory=list, repr=False)
+    #: work a tree serving the checkpoint starts in the background once it serves (``warm``)
+    _warmers: list = field(default_factory=list, repr=False)
 
     def __post_init__(self):
         if self.format_name is None:
@@ -122,6 +124,18 @@ class Checkpoint:
         if isinstance(r, Container) and r.keys is not None and top_key in r.keys:
             return r.children[r.keys.index(top_key)]
         return None
+
+    def warm(self, stopped) -> None:
+        """Do the checkpoint's background work (a checkpoint in object storage reads its datasets' chunk indexes
+        while the mount already serves); ``stopped`` (a ``threading.Event``) is set when the tree closes. Best
+        effort: a failure is logged, the read that needs the work does it again."""
+        for w in self._warmers:
+            if stopped.is_set():
+                return
+            try:
+                w(stopped)
+            except Exception as e:  # noqa: BLE001 - background work: the reads report their own failures
+                log.debug("background work for %s: %s: %s", self.path, type(e).__name__, e)
 
     def close(self) -> None:
         for c in self._closers:

@@ -186,7 +186,7 @@ def readme_text(info: SourceInfo, outcomes: list) -> str:
 
 
 def assemble_tree(info: SourceInfo, outcomes: list, *, mtime_ns: int | None = None, closers: Iterable = (),
-                  cache: BlockCache | None = None, identity: str | None = None) -> VirtualTree:
+                  cache: BlockCache | None = None, identity: str | None = None, background: Iterable = ()) -> VirtualTree:
     """The mount's tree: each present view under ``<name>/`` plus the root README.txt; ``identity`` is what its
     content is computed from (``content_identity``; None: unknown), to which the files laid over it are added."""
     files: dict = {}
@@ -197,7 +197,7 @@ def assemble_tree(info: SourceInfo, outcomes: list, *, mtime_ns: int | None = No
             if folder_of(o.name):
                 dirs.append(folder_of(o.name).rstrip("/"))
     files[README_NAME] = BytesFile(readme_text(info, outcomes))
-    tree = VirtualTree(files, dirs=dirs, mtime_ns=mtime_ns, closers=closers, cache=cache)
+    tree = VirtualTree(files, dirs=dirs, mtime_ns=mtime_ns, closers=closers, cache=cache, background=background)
     tree.identity = tree_identity(identity, files)
     return tree
 
@@ -344,6 +344,7 @@ def _build(ckpt_path, options: MountOptions, cache: BlockCache, parts, fork_buil
                     for n in options.views]
         info = SourceInfo(path)
         closers: list = []
+        background: list = []
         identity = None
         mtime_ns = None
     elif (src := classify_source(ckpt_path, options)).is_hf:  # a Hugging Face model: served as a Cerebras checkpoint
@@ -375,10 +376,12 @@ def _build(ckpt_path, options: MountOptions, cache: BlockCache, parts, fork_buil
                           [str(w) for w in [*getattr(ckpt, "notes", ()), *(getattr(ckpt, "warnings", None) or [])]],
                           resolved_from, getattr(ckpt, "format_name", None))
         closers = [ckpt.close] if callable(getattr(ckpt, "close", None)) else []
+        background = [ckpt.warm] if getattr(ckpt, "_warmers", None) else []
         mtime_ns = ckpt.mtime_ns  # a checkpoint in S3: its objects' time; a local file: its stat below
     if mtime_ns is None and not is_s3_url(path):
         try:
             mtime_ns = path.stat().st_mtime_ns
         except OSError:
             mtime_ns = None
-    return assemble_tree(info, outcomes, mtime_ns=mtime_ns, closers=closers, cache=cache, identity=identity)
+    return assemble_tree(info, outcomes, mtime_ns=mtime_ns, closers=closers, cache=cache, identity=identity,
+                         background=background)

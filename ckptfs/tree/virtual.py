@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
+import threading
 import time
 from array import array
 from bisect import bisect_left
@@ -96,13 +97,15 @@ class VirtualTree(Tree):
     """
 
     def __init__(self, files: Mapping[str, Any], *, dirs: Iterable[str] = (), mtime_ns: int | None = None,
-                 closers: Iterable = (), cache: BlockCache | None = None):
+                 closers: Iterable = (), cache: BlockCache | None = None, background: Iterable = ()):
         self.mtime_ns = int(time.time_ns() if mtime_ns is None else mtime_ns)
         self.cache = cache  # the block cache every file of this tree reads through (build_tree sizes it)
         self.parts = None  # its pool of parts fetched from object storage (``build_tree`` sets it; None: local)
         self.identity: str | None = None  # what the content is computed from (``tree_identity``), None: unknown
         self._closers = list(closers)
         self._warmers: list = []
+        self._background = list(background)  # ``work(stopped)`` started by ``warm``, told to stop by ``close``
+        self._stopped = threading.Event()
         items = []  # (parts, file, size, raw path) of each file; (parts, None, 0, raw) of each declared directory
         same: dict = {}  # one string per distinct name: "weight.npy" is one object for every layer
         for raw, vf in files.items():
@@ -344,16 +347,22 @@ class VirtualTree(Tree):
         raise VirtualPathError("/" + self.lookup(path).path, "not a symbolic link", errno.EINVAL)
 
     def warm(self) -> None:
-        """Start building every deferred file in the background (the mount server does this before serving)."""
+        """Start building every deferred file in the background (the mount server does this before serving), and
+        the sources' background work (``Checkpoint.warm``)."""
         for vf in self._files:
             if vf is not None and vf.deferred:
                 self._warmers.append(vf.start())
+        for work in self._background:
+            th = threading.Thread(target=work, args=(self._stopped,), name="ckptfs-warm", daemon=True)
+            th.start()
+            self._warmers.append(th)
 
     def add_closer(self, close) -> None:
         """Call ``close()`` when the tree closes, after the closers it was made with."""
         self._closers.append(close)
 
     def close(self) -> None:
+        self._stopped.set()
         for th in self._warmers:  # never close sources under a build still running
             th.join()
         self._warmers = []

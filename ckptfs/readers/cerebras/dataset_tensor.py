@@ -125,6 +125,18 @@ class H5DatasetTensor(VirtualTensor):
         except (TensorReadError, OSError, KeyError, ValueError, RuntimeError) as e:  # not a programming error
             log.debug("announcing %s [%d, %d) failed: %s", self.describe(), start, stop, e)
 
+    def read_index(self) -> None:
+        """Open the dataset and read its chunk index now (a mount's background work, ``readers.s3.open``), so that
+        the first read or announcement finds it. Best effort, as ``will_need``."""
+        if self.ndim == 0:
+            return
+        try:
+            reader = self._opened()[1]
+            if reader is not None:
+                reader.prepare()
+        except (TensorReadError, OSError, KeyError, ValueError, RuntimeError) as e:  # not a programming error
+            log.debug("indexing %s failed: %s", self.describe(), e)
+
     def chunk_shape(self):
         """The dataset's chunk shape: cache blocks are whole chunk rows (``VirtualTensor.block_elems``), so that
         consecutive blocks never decode the same chunk."""

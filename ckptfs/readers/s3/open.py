@@ -29,7 +29,7 @@ from ...storage.s3object import PartPool, S3Object
 from ...storage.s3url import S3Location
 from ...catalog.model import Checkpoint
 from ...guard.confine import RefusedReference
-from ..cerebras.h5store import CHUNK_CACHE_BYTES, CHUNK_CACHE_SLOTS, H5Store, what_blob_is
+from ..cerebras.h5store import CHUNK_CACHE_BYTES, CHUNK_CACHE_SLOTS, MAX_OPEN_DATASETS, H5Store, what_blob_is
 from ..cerebras import h5meta
 from ..cerebras.catalog import read_hdf5_catalog
 from ..legacy_torch.reader import HEAD_BYTES, is_legacy_torch, open_legacy_torch_blob
@@ -105,7 +105,24 @@ def open_hdf5_object(location: S3Location, blob: S3Object, *, allow_partial: boo
         raise
     ckpt = read_hdf5_catalog(location, f, store, NoExternalFiles(location), allow_partial=allow_partial)
     ckpt.version, ckpt.mtime_ns = f"{blob.size}:{blob.etag}", blob.mtime_ns
+    ckpt._warmers.append(lambda stopped: _index_datasets(ckpt, store, stopped))
     return ckpt
+
+
+def _index_datasets(ckpt: Checkpoint, store: "BlobH5Store", stopped) -> None:
+    """A mount's background work: read the chunk index of every dataset of the object (``MAX_OPEN_DATASETS`` at
+    most), their nodes fetched ahead together, so that a loader's first open or a copy finds them read — over HTTP
+    they are a few hundred round trips that a reader would otherwise wait for (docs/measurements.md, "S3: an .mdl
+    object's metadata"). Stops when the tree closes."""
+    store.will_index()
+    seen: set = set()
+    for leaf in ckpt.tensors().values():
+        t = leaf.tensor
+        if stopped.is_set() or len(seen) >= MAX_OPEN_DATASETS:
+            return
+        if getattr(t, "store", None) is store and id(t) not in seen:
+            seen.add(id(t))
+            t.read_index()
 
 
 class BlobH5Store(H5Store):
@@ -127,6 +144,8 @@ class BlobH5Store(H5Store):
         self._open_lock = threading.Lock()
         self._chunks_checked: bool | None = None  # whether chunk addresses are offsets in the object (chunk_file)
         self._layouts: dict | None = None  # header address -> layout message, until ``will_index`` used them
+        self._index_lock = threading.Lock()  # held while ``will_index`` fetches: a second caller waits for it
+        self._indexed = False  # ``will_index`` done (once per store)
 
     def _open_file(self, what: str) -> h5py.File:
         self.ranged.seek(0)
@@ -158,16 +177,23 @@ class BlobH5Store(H5Store):
     def will_index(self) -> None:
         """Fetch the chunk index nodes of every chunked dataset whose header ``will_read_headers`` read, level by
         level, every node of a level at once (``INDEX_AHEAD_BYTES`` of nodes at most), once per store: a stream or a
-        loader indexes the datasets one after another, one round trip per node otherwise. Best effort."""
-        layouts, self._layouts = self._layouts, None
-        sizes = self._sizes() if layouts else None
-        if sizes is None:
+        loader indexes the datasets one after another, one round trip per node otherwise. A caller arriving while
+        another fetches waits for it (the mount's background work and a reader's first open). Best effort."""
+        if self._indexed:
             return
-        roots = [r for r in (h5meta.chunk_index_root(body, sizes) for body in layouts.values() if body) if r]
-        try:
-            h5meta.chunk_index_spans(roots, self.ranged.keep, sizes, self.blob.size, INDEX_AHEAD_BYTES)
-        except (CkptfsError, OSError, RuntimeError, ValueError) as e:  # the endpoint's
-            log.debug("fetching the chunk indexes of %s ahead failed: %s", self.blob.name, e)
+        with self._index_lock:
+            if self._indexed:
+                return
+            layouts, self._layouts = self._layouts, None
+            try:
+                sizes = self._sizes() if layouts else None
+                if sizes is not None:
+                    roots = [r for r in (h5meta.chunk_index_root(b, sizes) for b in layouts.values() if b) if r]
+                    h5meta.chunk_index_spans(roots, self.ranged.keep, sizes, self.blob.size, INDEX_AHEAD_BYTES)
+            except (CkptfsError, OSError, RuntimeError, ValueError) as e:  # the endpoint's
+                log.debug("fetching the chunk indexes of %s ahead failed: %s", self.blob.name, e)
+            finally:
+                self._indexed = True
 
     def _sizes(self) -> "h5meta.Sizes | None":
         head = bytearray(64)

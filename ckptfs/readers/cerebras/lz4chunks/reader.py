@@ -143,6 +143,12 @@ class LZ4ChunkReader:
             file = self._file = self._open_file(self.dset, *probe) or False
         return file or None
 
+    def prepare(self) -> None:
+        """Read the chunk index and settle where chunks are fetched from now, as the first read would (a mount's
+        background work: the first reader then waits for neither)."""
+        offs, sizes, _ = self.index.arrays()
+        self._chunk_file(lambda: self.index.first_stored(offs, sizes))
+
     def will_need(self, e0: int, e1: int, continuing: bool = False) -> None:
         """Announce to the chunk file (``Blob.will_need``) the stored chunks holding elements ``[e0, e1)`` of the
         dataset in C order: every chunk of the chunk rows under those elements, as the file ranges they are stored
