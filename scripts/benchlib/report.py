@@ -387,7 +387,10 @@ def _many_readers_lines(d, x, errors, keys, cache_bytes) -> list:
                            f"{x['object_bytes'] / 1e6:.0f} MB; one reader {max(one['server_sent']) / 1e6:.0f} MB; "
                            f"{_tag(x)})", f"<= {S3_READERS_BYTES:.2f}x", _verdict(x["bytes_ratio"] <= S3_READERS_BYTES)),
             Line(names[1], f"{x['wall_ratio']:.2f}x ({many['median_s']:.2f} vs {one['median_s']:.2f} s; {_tag(x)})",
-                 f"<= {S3_READERS_WALL:.2f}x", _verdict(x["wall_ratio"] <= S3_READERS_WALL))]
+                 f"<= {S3_READERS_WALL:.2f}x", _verdict(x["wall_ratio"] <= S3_READERS_WALL))] + ([
+            Line(f"{d}: {S3_READERS} readers, one mount of the local file: wall / one reader (the machine's floor)",
+                 f"{x['local_wall_ratio']:.2f}x ({x['local_many']['median_s']:.2f} vs "
+                 f"{x['local_one']['median_s']:.2f} s)", "", "INFO")] if "local_wall_ratio" in x else [])
 
 
 def _info_startup_lines(d, x, errors, keys, cache_bytes) -> list:

@@ -14,7 +14,8 @@ Each item, runs interleaved (``--repeat`` of each side), every mount fresh, the 
 * ``s3_export_hf``: ``ckptfs export s3://… OUT --views hf --hf-format safetensors`` against boto3's managed download
   of the same objects into a folder, each a command of its own (interpreter start-up included);
 * ``s3_many_readers``: ``READERS`` processes loading the model through ONE mount together, against one reader alone
-  on a mount of its own: wall times (from a common start, imports done before) and the bytes the server sent;
+  on a mount of its own: wall times (from a common start, imports done before) and the bytes the server sent; and
+  the same two on a mount of the local file, the machine's own floor for that wall ratio;
 * ``s3_info_startup``: ``ckptfs info s3://…``: from spawning the process to its first request at the server (the
   timestamp a second rclone, logging every request, gives it), and its whole wall time; cold and warm page cache.
 
@@ -276,14 +277,18 @@ def _readers_together(ctx, hf: Path, n: int, env: dict, sv: Served) -> tuple:
 
 
 def many_readers(ctx, ck, layout: dict, sv: Served) -> dict:
-    """``s3_many_readers`` (module docstring), interleaved with one reader alone."""
+    """``s3_many_readers`` (module docstring), interleaved with one reader alone; and the same two on a mount of the
+    local file, the machine's own floor for the wall ratio (the readers' CPU work shares the machine's cores)."""
     hf_env = _hf_env(sv.env)
-    runs: dict = {"one": [], "many": []}
-    sent: dict = {"one": [], "many": []}
+    runs: dict = {"one": [], "many": [], "local_one": [], "local_many": []}
+    sent: dict = {side: [] for side in runs}
     peaks: list = []
     for _ in range(ctx.repeat):
-        for side, n in (("one", 1), ("many", READERS)):
-            m = _mount(ctx, sv.url, f"{ck.name}:s3mdl-readers-{n}", sv.env)
+        for side, n in (("one", 1), ("many", READERS), ("local_one", 1), ("local_many", READERS)):
+            if side.startswith("local"):
+                m = _mount(ctx, ck.path, f"{ck.name}:s3mdl-readers-local-{n}", sv.env, ck.params)
+            else:
+                m = _mount(ctx, sv.url, f"{ck.name}:s3mdl-readers-{n}", sv.env)
             with m:
                 wall, got, _ = _readers_together(ctx, m.mountpoint / layout["hf_rel"], n, hf_env, sv)
             runs[side].append(wall)
@@ -294,7 +299,8 @@ def many_readers(ctx, ck, layout: dict, sv: Served) -> dict:
     out["many"]["readers"] = READERS
     return {**sv.describe(), **out, "peak_rss": [p for p in peaks if p],
             "bytes_ratio": round(max(sent["many"]) / sv.nbytes, 3),
-            "wall_ratio": round(out["many"]["median_s"] / out["one"]["median_s"], 3)}
+            "wall_ratio": round(out["many"]["median_s"] / out["one"]["median_s"], 3),
+            "local_wall_ratio": round(out["local_many"]["median_s"] / out["local_one"]["median_s"], 3)}
 
 
 _LOG_REQUEST = re.compile(r"^(\d{4}/\d\d/\d\d \d\d:\d\d:\d\d\.\d+) DEBUG : serve s3: ")
