@@ -1,5 +1,6 @@
-"""The documentation stays true to the code: no dead link or anchor between README.md and docs/, every option of
-every command documented in docs/reference.md, and a README short enough to read in five minutes."""
+"""The documentation stays true to the code: no dead link or anchor between README.md and docs/, every module path
+the docs name exists, every option of every command documented in docs/reference.md, and a README short enough to
+read in five minutes."""
 from __future__ import annotations
 
 import re
@@ -8,6 +9,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 README_MAX_LINES = 300
+#: dated records of past measurements: they name the modules as they were when measured
+DATED_PAGES = {"benchmarks.md", "measurements.md"}
+#: names in backticks that are not this repository's files, and what they are
+NOT_OURS = {
+    "convert_checkpoint.py": "Model Zoo's converter",
+    "fold_lora_checkpoint.py": "Model Zoo's LoRA folding script",
+    "convert_hf_to_gguf.py": "llama.cpp's converter",
+    "text_model/bin/": "a folder of a mount",
+}
+#: a module path as the docs write it: relative to ckptfs/ or to the repository (``readers/hf/folder.py``,
+#: ``readers/cerebras/lz4chunks/``, ``tests/helpers/s3.py``); placeholders (``<family>.py``, ``OUT/tf/``) are not
+CODE_PATH = re.compile(r"(?:\./)?(?:[a-z_][a-z0-9_]*/)+(?:[a-z_][a-z0-9_]*\.py)?")
+BARE_MODULE = re.compile(r"[A-Za-z_]\w*\.py")
 
 
 def slug(heading: str) -> str:
@@ -55,6 +69,33 @@ def test_every_docs_page_is_reachable_from_the_readme():
         seen.add(page)
         todo += [(page.parent / p).resolve() for p, _ in links(page) if p]
     assert sorted(p.name for p in PAGES if p not in seen) == []
+
+
+def backticked_words(page: Path) -> list:
+    """Every whitespace-separated word of every inline code span of ``page`` (code blocks left out)."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    return [w.strip(",;:()[]'\"") for span in re.findall(r"`([^`\n]+)`", text) for w in span.split()]
+
+
+def test_every_module_path_in_the_docs_exists():
+    """A path with a ``/`` ending in ``.py`` or ``/`` is a file or folder under ckptfs/ or the repository root, and a
+    bare ``name.py`` is a file somewhere under ckptfs/, scripts/ or tests/: a moved module leaves no stale name."""
+    modules = {p.name for top in ("ckptfs", "scripts", "tests") for p in (ROOT / top).rglob("*.py")}
+    stale, used = [], set()
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        if page.name in DATED_PAGES:
+            continue
+        for word in backticked_words(page):
+            if word in NOT_OURS:
+                used.add(word)
+            elif CODE_PATH.fullmatch(word) and "/" in word.rstrip("/"):
+                rel = word.removeprefix("./").rstrip("/")
+                if not ((ROOT / "ckptfs" / rel).exists() or (ROOT / rel).exists()):
+                    stale.append(f"{page.relative_to(ROOT)}: {word}")
+            elif BARE_MODULE.fullmatch(word) and word not in modules:
+                stale.append(f"{page.relative_to(ROOT)}: {word}")
+    assert stale == []
+    assert sorted(set(NOT_OURS) - used) == [], "an exemption no page needs any more"
 
 
 def cli_options() -> dict:
