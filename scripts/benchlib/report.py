@@ -354,7 +354,10 @@ def _mdl_cp_lines(d, x, errors, keys, cache_bytes) -> list:
     return [_measured(name, errors, keys, x, lambda x: Line(
         name, f"{x['ratio']:.2f}x ({x['ckptfs']['median_s']:.2f} vs {x['boto3']['median_s']:.2f} s; server sent "
               f"{max(x['ckptfs']['server_sent']) / 1e6:.0f} vs {max(x['boto3']['server_sent']) / 1e6:.0f} MB; "
-              f"{_tag(x)})", f">= {S3_MDL_CP_TARGET:.2f}x (time)", _verdict(x["ratio"] >= S3_MDL_CP_TARGET)))]
+              f"{_tag(x)})", f">= {S3_MDL_CP_TARGET:.2f}x (time)", _verdict(x["ratio"] >= S3_MDL_CP_TARGET)))] + ([
+        Line(f"{d}: .mdl local file: cp safetensors vs boto3 download of the object (the conversion's floor)",
+             f"{x['local_ratio']:.2f}x ({x['local']['median_s']:.2f} vs {x['boto3']['median_s']:.2f} s, page cache "
+             "dropped)", "", "INFO")] if x and "local_ratio" in x else [])
 
 
 def _from_pretrained_lines(d, x, errors, keys, cache_bytes) -> list:

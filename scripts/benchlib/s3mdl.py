@@ -7,7 +7,8 @@ moto, not the reader (the per-tensor objects of the S3 layout stay on moto: ``s3
 Each item, runs interleaved (``--repeat`` of each side), every mount fresh, the page cache dropped before each run:
 
 * ``s3_mdl_cp``: ``cp`` of every safetensors shard from a mount of the object to /dev/null, against boto3's managed
-  download (``s3transfer.TransferManager`` at its defaults) of the object to /dev/null;
+  download (``s3transfer.TransferManager`` at its defaults) of the object to /dev/null, and beside them the same
+  ``cp`` from a mount of the local file (the conversion alone);
 * ``s3_from_pretrained``: ``from_pretrained`` (every parameter's pages touched, in the timed process) through a
   mount of the object, against boto3's managed download of the objects (the ``.mdl`` and its params) into a folder
   plus ``from_pretrained`` through a mount of the downloaded file, and against a mount of the local file;
@@ -148,12 +149,18 @@ def _download_argv(sv: Served, dest: Path) -> list:
 
 
 def mdl_cp(ctx, ck, layout: dict, sv: Served) -> dict:
-    """``s3_mdl_cp`` (module docstring): ``cp`` of the shards from a mount of the object vs boto3 to /dev/null."""
+    """``s3_mdl_cp`` (module docstring): ``cp`` of the shards from a mount of the object vs boto3 to /dev/null; and
+    the same ``cp`` from a mount of the local file (the conversion alone: the floor of the line on this machine)."""
     names = layout["safetensors"]
     st_bytes = sum(layout["sizes"][n] for n in names)
-    runs: dict = {"ckptfs": [], "boto3": []}
-    sent: dict = {"ckptfs": [], "boto3": []}
+    runs: dict = {"ckptfs": [], "boto3": [], "local": []}
+    sent: dict = {"ckptfs": [], "boto3": [], "local": []}
     for _ in range(ctx.repeat):
+        with _mount(ctx, ck.path, f"{ck.name}:s3mdl-cp-local", sv.env, ck.params) as m:
+            src = m.mountpoint / layout["hf_rel"]
+            drop_caches()
+            runs["local"].append(sum(sysutil.timed(["cp", src / n, "/dev/null"])[0] for n in names))
+            sent["local"].append(0)
         with _mount(ctx, sv.url, f"{ck.name}:s3mdl-cp", sv.env) as m:
             src = m.mountpoint / layout["hf_rel"]
             drop_caches()
@@ -167,7 +174,8 @@ def mdl_cp(ctx, ck, layout: dict, sv: Served) -> dict:
     out = {side: _summary(rs, server_sent=sent[side]) for side, rs in runs.items()}
     out["ckptfs"]["bytes"] = st_bytes
     out["boto3"]["bytes"] = sv.nbytes
-    return {**sv.describe(), **out, "ratio": round(out["boto3"]["median_s"] / out["ckptfs"]["median_s"], 3)}
+    return {**sv.describe(), **out, "ratio": round(out["boto3"]["median_s"] / out["ckptfs"]["median_s"], 3),
+            "local_ratio": round(out["boto3"]["median_s"] / out["local"]["median_s"], 3)}
 
 
 def from_pretrained(ctx, ck, layout: dict, sv: Served) -> dict:

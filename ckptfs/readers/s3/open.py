@@ -41,8 +41,9 @@ from ckptfs.readers.cerebras.h5errors import open_problem
 
 log = logging.getLogger(__name__)
 
-#: object headers fetched ahead when the catalog is read (the root group's links, in its order)
-MAX_HEADERS_AHEAD = 100_000
+#: object headers fetched ahead when the catalog is read (the root group's links, in its order): 8 KiB each, half of
+#: what the ranged file keeps (``KEEP_BYTES``); a checkpoint of more keys has the rest read as HDF5 asks
+MAX_HEADERS_AHEAD = 1024
 #: bytes of chunk index nodes fetched ahead when the first dataset is indexed (about 3,000 nodes of a 2-d tensor)
 INDEX_AHEAD_BYTES = 8 << 20
 
