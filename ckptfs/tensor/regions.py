@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import itertools
 import math
+import mmap
 import os
 import threading
 from pathlib import Path
@@ -100,6 +101,26 @@ def box_runs(shape, box) -> list[tuple[int, int]]:
         start = sum(i * s for i, s in zip(idx, strides)) + box[k][0] * strides[k]
         runs.append((start, run))
     return runs
+
+
+#: a thread's read buffer larger than this is not kept for its next read
+KEEP_SCRATCH_BYTES = 64 << 20
+
+_scratch = threading.local()
+
+
+def thread_scratch(n: int) -> mmap.mmap:
+    """A page-aligned buffer of at least ``n`` bytes for ``read_spans``, the calling thread's own and kept for its next
+    read (up to ``KEEP_SCRATCH_BYTES``): a fresh mapping for every cache block costs its page faults every time, which
+    made a region read cost 1.6x the CPU (docs/measurements.md, "Region reads: a mapping per block"). Its bytes are
+    the caller's only until the thread's next read."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is not None and len(buf) >= n:
+        return buf
+    buf = page_aligned(n)
+    if n <= KEEP_SCRATCH_BYTES:
+        _scratch.buf = buf
+    return buf
 
 
 #: a strided read fetches one span of the blob when it is at most this long, else splits the box
@@ -216,7 +237,7 @@ class BlobRegionTensor(VirtualTensor):
 
     def __init__(self, blob: Blob, offset: int, shape, dtype: DType, key: str, checkpoint_path, *,
                  stride: tuple | None = None, what: str = "file", identity=None, verify: bool = True,
-                 referenced_as: str | None = None, scratch: Callable[[int], object] = page_aligned):
+                 referenced_as: str | None = None, scratch: Callable[[int], object] = thread_scratch):
         super().__init__(shape, dtype)
         self.blob = blob
         self.offset = int(offset)
@@ -227,7 +248,7 @@ class BlobRegionTensor(VirtualTensor):
         self.identity = identity
         self.verify = verify  # False: every read of the blob names its version itself (an S3 object's ETag)
         self.referenced_as = referenced_as
-        self.scratch = scratch  # the buffer a read's bytes land in before they are copied out
+        self.scratch = scratch  # the buffer a read's bytes land in before they are copied out (before the next read)
 
     @property
     def path(self) -> Path:

@@ -151,6 +151,19 @@ def generated_checkpoint(folder: Path, ffn: int) -> tuple:
     return folder / "checkpoint_0.mdl", gen.write_params(folder / "params.yaml", dims)
 
 
+def mdl_object(srv: "LocalS3", monkeypatch, tmp: Path, mdl: Path, params: Path) -> str:
+    """``mdl`` and its ``params`` stored as the objects ``run/checkpoint_0.mdl`` and ``run/params.yaml`` of a new
+    bucket of ``srv``, this process pointed at ``srv`` (and at a cache folder of ``tmp``): the checkpoint's URL."""
+    for k, v in srv.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("CKPTFS_CACHE_DIR", str(tmp / "cache"))
+    c = srv.client()
+    c.create_bucket(Bucket=BUCKET)
+    c.put_object(Bucket=BUCKET, Key="run/checkpoint_0.mdl", Body=Path(mdl).read_bytes())
+    c.put_object(Bucket=BUCKET, Key="run/params.yaml", Body=Path(params).read_bytes())
+    return f"s3://{BUCKET}/run/checkpoint_0.mdl"
+
+
 class FaultProxy:
     """An HTTP proxy on 127.0.0.1 in front of ``upstream`` (an endpoint URL), in a process of its own
     (``s3faults.py``), answering the calls ``set_faults`` names with an S3 error: a real endpoint, botocore parsing

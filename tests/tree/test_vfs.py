@@ -272,3 +272,25 @@ def test_deferred_files_are_sized_on_first_use_and_warmed_in_the_background():
         t.read("bad.bin", 0, 1)
     t.close()  # joins the warm-up threads before closing sources
     assert warmers_done_at_close == [True]
+
+
+def test_a_trees_background_work_starts_with_warm_and_is_stopped_and_waited_for_at_close():
+    """A source's background work (``Checkpoint.warm``: an S3 object's chunk indexes) runs once the tree warms, sees
+    the tree closing, and is over before the sources close (the closers run after it)."""
+    import threading
+
+    from ckptfs.views.base import BytesFile
+
+    order, started = [], threading.Event()
+
+    def work(stopped):
+        started.set()
+        stopped.wait(30)  # a long job, checking for the tree closing
+        order.append("work ended" if stopped.is_set() else "work timed out")
+
+    tree = VirtualTree({"a.txt": BytesFile(b"x")}, background=[work], closers=[lambda: order.append("closed")])
+    assert not started.is_set()
+    tree.warm()
+    assert started.wait(10)
+    tree.close()
+    assert order == ["work ended", "closed"]

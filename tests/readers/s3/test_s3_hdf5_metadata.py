@@ -10,96 +10,81 @@ import pytest
 pytestmark = pytest.mark.slow  # a server process
 
 
-def test_opening_and_indexing_an_mdl_object_waits_for_few_reads_one_by_one(tmp_path, monkeypatch):
-    import ckptfs
+@pytest.fixture
+def waited(monkeypatch) -> list:
+    """The blocks HDF5 waited for one by one (not held when asked for), as they come."""
     from ckptfs.storage import rangedfile
-    from helpers.s3 import BUCKET, LocalS3, generated_checkpoint
 
-    mdl, params = generated_checkpoint(tmp_path / "ck", ffn=2048)
-    srv = LocalS3(tmp_path / "s3")
-    one_by_one = []
+    blocks: list = []
     real = rangedfile.RangedFile._block
 
     def counting(self, blk):
         with self._lock:
-            held = blk in self._blocks
-        if not held:
-            one_by_one.append(blk)
+            if blk not in self._blocks:
+                blocks.append(blk)
         return real(self, blk)
 
+    monkeypatch.setattr(rangedfile.RangedFile, "_block", counting)
+    return blocks
+
+
+@pytest.fixture
+def served(tmp_path, monkeypatch):
+    """A generated checkpoint stored as one object of the local endpoint: ``(url, mdl, params)``."""
+    from helpers.s3 import LocalS3, generated_checkpoint, mdl_object
+
+    mdl, params = generated_checkpoint(tmp_path / "ck", ffn=2048)
+    srv = LocalS3(tmp_path / "s3")
     try:
-        for k, v in srv.env().items():
-            monkeypatch.setenv(k, v)
-        monkeypatch.setenv("CKPTFS_CACHE_DIR", str(tmp_path / "cache"))
-        c = srv.client()
-        c.create_bucket(Bucket=BUCKET)
-        c.put_object(Bucket=BUCKET, Key="run/checkpoint_0.mdl", Body=mdl.read_bytes())
-        c.put_object(Bucket=BUCKET, Key="run/params.yaml", Body=params.read_bytes())
-        monkeypatch.setattr(rangedfile.RangedFile, "_block", counting)
-        tree = ckptfs.open(f"s3://{BUCKET}/run/checkpoint_0.mdl")
-        opening = len(one_by_one)
-        entry = tree.lookup("model.safetensors")
-        tensors = len([n for n in tree.walk("tensors")])
-        one_by_one.clear()
-        tree.opened(entry)  # a loader's open: every dataset indexed, its parts announced
-        indexing = len(one_by_one)
-        local = ckptfs.open(mdl, config=str(params))
-        assert tree.read(entry, 0, 1 << 40) == local.read("model.safetensors", 0, 1 << 40)
-        tree.close()
-        local.close()
+        yield mdl_object(srv, monkeypatch, tmp_path, mdl, params), mdl, params
     finally:
         srv.stop()
+
+
+def test_opening_and_indexing_an_mdl_object_waits_for_few_reads_one_by_one(served, waited):
+    import ckptfs
+
+    url, mdl, params = served
+    tree = ckptfs.open(url)
+    opening = len(waited)
+    entry = tree.lookup("model.safetensors")
+    tensors = len([n for n in tree.walk("tensors")])
+    waited.clear()
+    tree.opened(entry)  # a loader's open: every dataset indexed, its parts announced
+    indexing = len(waited)
+    local = ckptfs.open(mdl, config=str(params))
+    assert tree.read(entry, 0, 1 << 40) == local.read("model.safetensors", 0, 1 << 40)
+    tree.close()
+    local.close()
     assert tensors >= 15
     # the superblock, the root group's symbol table and heap: a handful, whatever the number of datasets
     assert opening <= 12, opening
     assert indexing <= 3, indexing
 
 
-def test_a_mount_of_an_mdl_object_reads_every_chunk_index_in_the_background(tmp_path, monkeypatch):
+def test_a_mount_of_an_mdl_object_reads_every_chunk_index_in_the_background(served, waited, monkeypatch):
     """``warm`` (the mount server's, once serving): every dataset's chunk index is read in the background, so that
     a loader's first open of ``model.safetensors`` waits for no metadata read at all; closing the tree stops the work
     and waits for it."""
     import ckptfs
     from ckptfs.readers.cerebras.dataset_tensor import H5DatasetTensor
-    from ckptfs.storage import rangedfile
-    from helpers.s3 import BUCKET, LocalS3, generated_checkpoint
 
-    mdl, params = generated_checkpoint(tmp_path / "ck", ffn=2048)
-    srv = LocalS3(tmp_path / "s3")
-    waited = []
-    real = rangedfile.RangedFile._block
-
-    def counting(self, blk):
-        with self._lock:
-            if blk not in self._blocks:
-                waited.append(blk)
-        return real(self, blk)
-
-    try:
-        for k, v in srv.env().items():
-            monkeypatch.setenv(k, v)
-        monkeypatch.setenv("CKPTFS_CACHE_DIR", str(tmp_path / "cache"))
-        c = srv.client()
-        c.create_bucket(Bucket=BUCKET)
-        c.put_object(Bucket=BUCKET, Key="run/checkpoint_0.mdl", Body=mdl.read_bytes())
-        c.put_object(Bucket=BUCKET, Key="run/params.yaml", Body=params.read_bytes())
-        monkeypatch.setattr(rangedfile.RangedFile, "_block", counting)
-        seen = []
-        real_index = H5DatasetTensor.read_index
-        monkeypatch.setattr(H5DatasetTensor, "read_index", lambda self: (seen.append(self.key), real_index(self)))
-        tree = ckptfs.open(f"s3://{BUCKET}/run/checkpoint_0.mdl")
-        tree.warm()
-        for th in tree._warmers:
-            th.join(60)
-        waited.clear()
-        entry = tree.lookup("model.safetensors")
-        tree.opened(entry)
-        assert waited == []
-        assert len(seen) >= 15
-        local = ckptfs.open(mdl, config=str(params))
-        assert tree.read(entry, 0, 1 << 40) == local.read("model.safetensors", 0, 1 << 40)
-        local.close()
-        tree.close()
-        assert all(not th.is_alive() for th in tree._warmers)
-    finally:
-        srv.stop()
+    url, mdl, params = served
+    seen = []
+    real_index = H5DatasetTensor.read_index
+    monkeypatch.setattr(H5DatasetTensor, "read_index", lambda self: (seen.append(self.key), real_index(self)))
+    tree = ckptfs.open(url)
+    tree.warm()
+    threads = list(tree._warmers)
+    for th in threads:
+        th.join(60)
+    waited.clear()
+    entry = tree.lookup("model.safetensors")
+    tree.opened(entry)
+    assert waited == []
+    assert len(seen) >= 15
+    local = ckptfs.open(mdl, config=str(params))
+    assert tree.read(entry, 0, 1 << 40) == local.read("model.safetensors", 0, 1 << 40)
+    local.close()
+    tree.close()
+    assert threads and all(not th.is_alive() for th in threads)

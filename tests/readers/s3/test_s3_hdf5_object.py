@@ -14,7 +14,7 @@ FIXTURES = Path(__file__).parent.parent.parent / "fixtures"
 def test_an_hdf5_object_reads_its_chunks_through_the_blobs_span_reads(tmp_path, monkeypatch):
     import ckptfs
     from ckptfs.storage import s3object
-    from helpers.s3 import BUCKET, LocalS3
+    from helpers.s3 import LocalS3, mdl_object
 
     case = FIXTURES / "llama" / "cs"
     srv = LocalS3(tmp_path / "s3")
@@ -27,16 +27,10 @@ def test_an_hdf5_object_reads_its_chunks_through_the_blobs_span_reads(tmp_path, 
         return real(self, spans_, scratch, hint, **kw)
 
     try:
-        for k, v in srv.env().items():
-            monkeypatch.setenv(k, v)
-        monkeypatch.setenv("CKPTFS_CACHE_DIR", str(tmp_path / "cache"))
-        c = srv.client()
-        c.create_bucket(Bucket=BUCKET)
-        c.put_object(Bucket=BUCKET, Key="run/checkpoint_0.mdl", Body=(case / "checkpoint.mdl").read_bytes())
-        c.put_object(Bucket=BUCKET, Key="run/params.yaml", Body=(case / "params.yaml").read_bytes())
+        url = mdl_object(srv, monkeypatch, tmp_path, case / "checkpoint.mdl", case / "params.yaml")
         monkeypatch.setattr(s3object.S3Object, "read_spans", counting)
         local = ckptfs.open(case / "checkpoint.mdl", config=str(case / "params.yaml"))
-        remote = ckptfs.open(f"s3://{BUCKET}/run/checkpoint_0.mdl")
+        remote = ckptfs.open(url)
         for name in ("model.safetensors", "tensors/model/embedding_layer/word_embeddings/weight.npy"):
             want = local.read(name, 0, 1 << 40)
             assert remote.read(name, 0, 1 << 40) == want

@@ -17,17 +17,10 @@ def _mounted_object(srv, monkeypatch, tmp_path):
     with the FUSE server's read settings: ``(tree, local tree)``."""
     import ckptfs
     from ckptfs.fuse import operations as fusefs
-    from helpers.s3 import BUCKET, generated_checkpoint
+    from helpers.s3 import generated_checkpoint, mdl_object
 
     mdl, params = generated_checkpoint(tmp_path / "ck", ffn=2048)
-    for k, v in srv.env().items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("CKPTFS_CACHE_DIR", str(tmp_path / "cache"))
-    c = srv.client()
-    c.create_bucket(Bucket=BUCKET)
-    c.put_object(Bucket=BUCKET, Key="run/checkpoint_0.mdl", Body=mdl.read_bytes())
-    c.put_object(Bucket=BUCKET, Key="run/params.yaml", Body=params.read_bytes())
-    tree = ckptfs.open(f"s3://{BUCKET}/run/checkpoint_0.mdl")
+    tree = ckptfs.open(mdl_object(srv, monkeypatch, tmp_path, mdl, params))
     tree.cache.streaming, tree.cache.read_ahead = True, fusefs.SERVER_READ_AHEAD
     tree.cache.announce_ahead = fusefs.SERVER_ANNOUNCE_AHEAD
     return tree, ckptfs.open(mdl, config=str(params))
