@@ -18,14 +18,12 @@ import stat
 from pathlib import Path
 
 from ckptfs.errors import CheckpointError
-from ckptfs.guard.confine import RefusedReference, read_regular
+from ckptfs.readers.hf.names import MAX_REF_BYTES, ref_text
 
 #: ``ORG/NAME`` as the Hub spells repository ids (``huggingface_hub``'s own check, with the namespace required)
 REPO_ID = re.compile(r"^(?P<org>[A-Za-z0-9][\w.-]{0,95})/(?P<name>[A-Za-z0-9][\w.-]{0,95})$")
 #: what a ref file may name, and what a revision argument may be
 _REVISION = re.compile(r"^[A-Za-z0-9][\w./-]{0,199}$")
-#: a ref file holds one commit hash
-MAX_REF_BYTES = 256
 
 
 def looks_like_repo_id(text) -> bool:
@@ -64,12 +62,7 @@ def _ref(repo: Path, revision: str) -> str | None:
         raise CheckpointError(ref, f"cannot read the ref ({e.strerror or e})") from None
     if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_REF_BYTES:
         raise CheckpointError(ref, "is not a ref file (a regular file holding one commit hash)")
-    try:
-        commit = read_regular(ref, MAX_REF_BYTES).decode("ascii", "replace").strip()
-    except RefusedReference as e:  # swapped since the lstat above
-        raise CheckpointError(ref, e.problem) from None
-    except OSError as e:
-        raise CheckpointError(ref, f"cannot read the ref ({e.strerror or e})") from None
+    commit = ref_text(ref, "ascii")
     if not re.fullmatch(r"[A-Za-z0-9._-]{1,200}", commit) or commit in (".", ".."):
         raise CheckpointError(ref, f"names revision {commit[:80]!r}, not a commit hash")
     return commit

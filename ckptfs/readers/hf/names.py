@@ -54,6 +54,17 @@ def inside_repository(repo: Path, path: Path, what: str) -> str:
     return real
 
 
+def ref_text(ref: Path, encoding: str = "utf-8") -> str:
+    """The stripped text of a Hub cache ref file found regular by an ``lstat`` (at most ``MAX_REF_BYTES``), read
+    without following a link; ``CheckpointError`` when it was swapped since or cannot be read."""
+    try:
+        return read_regular(ref, MAX_REF_BYTES).decode(encoding, "replace").strip()
+    except RefusedReference as e:  # swapped since the lstat
+        raise CheckpointError(ref, e.problem) from None
+    except OSError as e:
+        raise CheckpointError(ref, f"cannot read the ref ({e.strerror or e})") from None
+
+
 def _read_ref(repo: Path, ref: Path) -> str:
     """The revision the ref file ``ref`` names: a small regular file of the repository, not a link."""
     inside_repository(repo, ref.parent, "refs/")
@@ -63,12 +74,7 @@ def _read_ref(repo: Path, ref: Path) -> str:
                                    f"cache's refs are files of the repository")
     if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_REF_BYTES:
         raise CheckpointError(ref, f"is not a file of at most {MAX_REF_BYTES} bytes naming a revision")
-    try:
-        rev = read_regular(ref, MAX_REF_BYTES).decode("utf-8", "replace").strip()
-    except RefusedReference as e:  # swapped since the lstat above
-        raise CheckpointError(ref, e.problem) from None
-    except OSError as e:
-        raise CheckpointError(ref, f"cannot read the ref ({e.strerror or e})") from None
+    rev = ref_text(ref)
     if not _REVISION.fullmatch(rev) or rev in (".", ".."):
         raise CheckpointError(ref, f"names revision {rev[:80]!r}, not a snapshot name")
     return rev
