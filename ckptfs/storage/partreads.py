@@ -98,6 +98,11 @@ class PartReads:
         self.gone[key] = (ranges, again)
         return True
 
+    def forget(self, key) -> None:
+        """Remember nothing of part ``key``: it is fetched whole again, or its fetch failed."""
+        self.used.pop(key, None)
+        self.gone.pop(key, None)
+
     def clear(self) -> None:
         self.used.clear()
         self.gone.clear()

@@ -134,7 +134,7 @@ class PartPool:
                 return got[0]
             if need is not None and self.reads.read_gone(key, *need, size):
                 return None
-            self.reads.gone.pop(key, None)
+            self.reads.forget(key)
             self.paused = max(0, self.paused - size)
             request = self._register([key], [size], ahead=False)
         return self._launch(request, fetch)[0]
@@ -271,7 +271,7 @@ class PartPool:
             if got is not None and got[0] is fut:
                 del self.parts[key]
                 self.unread.discard(key)
-                self.reads.used.pop(key, None)
+                self.reads.forget(key)
                 self.bytes -= size
 
     def _trim(self) -> None:
