@@ -25,6 +25,7 @@ from ctypes.util import find_library
 from .. import env
 from ..errors import CkptfsError, SourceChangedError
 from ..tree.base import BLKSIZE, NAME_MAX, Tree, TreeEntry, VirtualPathError
+from ..tree.memory import announce_window
 
 log = logging.getLogger("ckptfs.fuse")
 
@@ -406,11 +407,7 @@ def serve(tree: Tree, mountpoint, *, fsname: str = "ckptfs", allow_other: bool =
     if cache is not None:  # the kernel's page cache keeps what was read: blocks read whole are not kept twice
         cache.streaming = True
         cache.read_ahead = SERVER_READ_AHEAD
-        # a window the parts' ahead budget cannot hold is not announced: its parts would be let go of unread and
-        # fetched again (docs/measurements.md, "S3: an .mdl object read in the safetensors file's order")
-        budget = getattr(getattr(tree, "parts", None), "ahead_limit", None)  # a run's pools: its checkpoints' own
-        ahead = SERVER_ANNOUNCE_AHEAD if budget is None or budget >= SERVER_ANNOUNCE_AHEAD else 0
-        cache.announce_ahead = ahead if cache.remote else 0
+        cache.announce_ahead = announce_window(tree, SERVER_ANNOUNCE_AHEAD)
     mountpoint = os.path.abspath(str(mountpoint))
     ops = CkptfsOperations(tree, mount_target(mountpoint))
     opts = dict(foreground=True, nothreads=not threads, ro=True, default_permissions=True, kernel_cache=True,

@@ -48,6 +48,18 @@ def tree_parts(cache_size: int, where):
     return PartPool(remote_bytes(cache_size))
 
 
+def announce_window(tree, wanted: int) -> int:
+    """How far ahead a reader of ``tree`` announces what it reads next to the tree's object storage: ``wanted``, or
+    nothing when the tree's part pool cannot hold that much fetched ahead (its parts would be let go of unread and
+    fetched again: docs/measurements.md, "S3: an .mdl object read in the safetensors file's order"). A local tree
+    announces nothing (its storage reads ahead by itself); a run's checkpoints have pools of their own."""
+    cache = getattr(tree, "cache", None)
+    if cache is None or not cache.remote:
+        return 0
+    budget = getattr(getattr(tree, "parts", None), "ahead_limit", None)
+    return wanted if budget is None or budget >= wanted else 0
+
+
 class RunParts:
     """The remote share of a run's ``--cache-size``, split equally among the pools of its checkpoint trees built now
     (``pool`` makes one, ``rebalance`` after one is closed). The total stays within the share: a new pool's share is
