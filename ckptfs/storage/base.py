@@ -65,6 +65,26 @@ def page_aligned(n: int) -> mmap.mmap:
     return mmap.mmap(-1, max(n, 1))
 
 
+#: a thread's scratch buffer larger than this is not kept for its next read
+KEEP_SCRATCH_BYTES = 64 << 20
+
+
+def thread_scratch(name: str, n: int) -> mmap.mmap:
+    """The calling thread's page-aligned scratch buffer ``name`` of at least ``n`` bytes, kept for its next read (up
+    to ``KEEP_SCRATCH_BYTES``): a fresh mapping for every read pays its page faults every time (docs/measurements.md,
+    "Region reads: a mapping per block"). Its bytes are the caller's only until the thread's next use of ``name``."""
+    buffers = getattr(_this_thread, "buffers", None)
+    if buffers is None:
+        buffers = _this_thread.buffers = {}
+    buf = buffers.get(name)
+    if buf is not None and len(buf) >= n:
+        return buf
+    buf = page_aligned(n)
+    if n <= KEEP_SCRATCH_BYTES:
+        buffers[name] = buf
+    return buf
+
+
 class Blob(ABC):
     """One stored object read by byte ranges (see the module docstring). Thread-safe: readers share one."""
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import itertools
 import math
-import mmap
 import os
 import threading
 from pathlib import Path
@@ -17,7 +16,7 @@ import numpy as np
 from ckptfs.dtypes import BFLOAT16, DType
 from ckptfs.errors import SourceChangedError, StorageError, TensorReadError, one_line
 from ckptfs.guard.confine import Confinement, RefusedReference, open_regular_file
-from ckptfs.storage.base import Blob, ShortRead, page_aligned
+from ckptfs.storage.base import Blob, ShortRead, thread_scratch
 from ckptfs.storage.local import LocalFile
 from ckptfs.tensor.base import Box, VirtualTensor, box_shape
 
@@ -103,24 +102,9 @@ def box_runs(shape, box) -> list[tuple[int, int]]:
     return runs
 
 
-#: a thread's read buffer larger than this is not kept for its next read
-KEEP_SCRATCH_BYTES = 64 << 20
-
-_scratch = threading.local()
-
-
-def thread_scratch(n: int) -> mmap.mmap:
-    """A page-aligned buffer of at least ``n`` bytes for ``read_spans``, the calling thread's own and kept for its next
-    read (up to ``KEEP_SCRATCH_BYTES``): a fresh mapping for every cache block costs its page faults every time, which
-    made a region read cost 1.6x the CPU (docs/measurements.md, "Region reads: a mapping per block"). Its bytes are
-    the caller's only until the thread's next read."""
-    buf = getattr(_scratch, "buf", None)
-    if buf is not None and len(buf) >= n:
-        return buf
-    buf = page_aligned(n)
-    if n <= KEEP_SCRATCH_BYTES:
-        _scratch.buf = buf
-    return buf
+def thread_region_scratch(n: int):
+    """The calling thread's buffer for one region read (``storage.base.thread_scratch``): copied out before its next."""
+    return thread_scratch("region", n)
 
 
 #: a strided read fetches one span of the blob when it is at most this long, else splits the box
@@ -237,7 +221,7 @@ class BlobRegionTensor(VirtualTensor):
 
     def __init__(self, blob: Blob, offset: int, shape, dtype: DType, key: str, checkpoint_path, *,
                  stride: tuple | None = None, what: str = "file", identity=None, verify: bool = True,
-                 referenced_as: str | None = None, scratch: Callable[[int], object] = thread_scratch):
+                 referenced_as: str | None = None, scratch: Callable[[int], object] = thread_region_scratch):
         super().__init__(shape, dtype)
         self.blob = blob
         self.offset = int(offset)

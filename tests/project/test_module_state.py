@@ -45,8 +45,6 @@ DECLARED = {
                                                 "what they decode goes to the reading tree's cache",
     "readers/cerebras/lz4chunks/pool.py:_threads": "the decode threads' count (set_decode_threads), per process",
     "readers/cerebras/lz4chunks/pool.py:_pool_lock": "guards _pool (made again in a forked child)",
-    "readers/cerebras/lz4chunks/pool.py:_local": "each decode thread's scratch buffers (a thread's)",
-    "tensor/regions.py:_scratch": "each reading thread's region read buffer (a thread's)",
     "tensor/readahead.py:WORKERS": "the read-ahead threads' count, from the environment once",
     "tensor/readahead.py:READ_AHEAD": "CPU threads computing blocks ahead, per process by nature (at most "
                                       "MAX_QUEUED queued); the blocks land in each tree's own cache",

@@ -24,7 +24,6 @@ from ...storage.base import Blob
 from ...storage.local import LocalFile
 from ...catalog.model import Checkpoint, Container, TensorLeaf, UnreadableLeaf, ValueLeaf
 from ...tensor.regions import BlobRegionTensor
-from ..cerebras.lz4chunks.pool import scratch
 from ...guard.confine import non_regular_kind
 from ..cerebras.catalog import metadata_release
 from ..cerebras.format_v05 import check_collisions
@@ -160,13 +159,8 @@ class _Builder:
         stride = None if contiguous(d.shape, d.stride) else d.stride
         tensor = BlobRegionTensor(self.blob, member.offset + d.offset * d.dtype.itemsize, d.shape, d.dtype, key,
                                   self.path, stride=stride, what=f"torch.save member data/{d.storage.key}",
-                                  verify=self.verify, scratch=_scratch)
+                                  verify=self.verify)
         return TensorLeaf(key, tensor)
-
-
-def _scratch(n: int):
-    """This thread's page-aligned buffer for one read of a tensor's bytes (copied out before the next read)."""
-    return scratch("blob_region", n)
 
 
 def _child(prefix: str, name: str) -> str:

@@ -21,7 +21,7 @@ from ckptfs.dtypes import DType
 from ckptfs.errors import SourceChangedError, TensorReadError
 from ckptfs.guard.confine import Confinement, RefusedReference, regular_stat
 from ckptfs.errors import one_line
-from ckptfs.readers.cerebras.lz4chunks.pool import scratch
+from ckptfs.storage.base import thread_scratch
 from ckptfs.tensor.regions import _shape_str, box_runs
 from ckptfs.storage.base import ShortRead
 from ckptfs.storage.local import FileIdentity, LocalFile
@@ -30,7 +30,7 @@ from ckptfs.tensor.base import Box, VirtualTensor, box_shape
 
 def _scratch(n: int):
     """This thread's page-aligned buffer for the bytes of one read (copied out before the next read)."""
-    return scratch("tf-data", n)
+    return thread_scratch("tf-data", n)
 
 
 #: the CRC-32C of a tensor is computed over pieces of at most this many bytes (the memory one check holds)

@@ -13,7 +13,7 @@ from .fetch import fetch_each, fetch_sorted
 from ....storage.base import Blob
 from .frame import RAW_HEAD, address, decode_single_blocks, frame_heads
 from .grid import ChunkGrid
-from .pool import scratch
+from ....storage.base import thread_scratch as scratch
 
 #: stored bytes fetched and placed at a time by one thread
 BATCH_BYTES = 4 << 20

@@ -10,7 +10,7 @@ import numpy as np
 from ....storage.base import Blob, ShortRead
 from .frame import CorruptChunkError
 from .grid import ChunkGrid
-from .pool import scratch
+from ....storage.base import thread_scratch as scratch
 
 #: chunks further apart than this in the file are fetched by separate reads
 MAX_GAP = 64 << 10

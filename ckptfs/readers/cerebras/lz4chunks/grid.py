@@ -10,7 +10,7 @@ import math
 import numpy as np
 
 from .frame import RAW_HEAD, CorruptChunkError, address, decode_frame
-from .pool import scratch
+from ....storage.base import thread_scratch as scratch
 
 
 class ChunkGrid:

@@ -1,4 +1,4 @@
-"""Where chunk reads run: the shared pool of decoding threads and each thread's scratch buffers.
+"""Where chunk reads run: the shared pool of decoding threads (their scratch: ``storage.base.thread_scratch``).
 
 Threads per read (the calling thread included): ``set_decode_threads(n)``, else ``CKPTFS_DECODE_THREADS``
 (``ckptfs.env``; default ``os.cpu_count()``; 1 = serial, in the calling thread). The pool grows on demand and is
@@ -6,20 +6,15 @@ started afresh in a forked child (a fork copies none of its threads).
 """
 from __future__ import annotations
 
-import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from .... import env
 
-#: thread-local scratch buffers larger than this are not kept between reads
-KEEP_SCRATCH_BYTES = 64 << 20
-
 _pool_lock = threading.Lock()
 _threads: int | None = None
 _pool: ThreadPoolExecutor | None = None
-_local = threading.local()
 
 
 def decode_threads() -> int:
@@ -74,15 +69,3 @@ def in_parallel(fn, parts: list) -> None:
             err = err or e
     if err is not None:
         raise err
-
-
-def scratch(name: str, n: int) -> mmap.mmap:
-    """A thread-local scratch buffer of at least ``n`` bytes (big ones are not kept), page-aligned (an anonymous
-    mapping) as direct reads need (``storage.local.ALIGN``)."""
-    buf = getattr(_local, name, None)
-    if buf is not None and len(buf) >= n:
-        return buf
-    buf = mmap.mmap(-1, max(n, 1))
-    if n <= KEEP_SCRATCH_BYTES:
-        setattr(_local, name, buf)
-    return buf
