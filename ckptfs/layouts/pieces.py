@@ -525,6 +525,8 @@ def _tensor_end(plan: Plan, offset: int) -> int:
 def _announce(plan: Plan, i: int, a: int, b: int, continuing: bool = False) -> None:
     """Announce the tensor bytes of file bytes ``[a, b)`` to their storage (pieces from ``i`` on); ``continuing``:
     they continue the tensor the stream reads now (``VirtualTensor.will_need``)."""
+    if a >= b:
+        return
     while i < len(plan.pieces) and plan.starts[i] < b:
         piece, start = plan.pieces[i], plan.starts[i]
         will_need = getattr(piece, "will_need", None)  # tensor bytes

@@ -8,7 +8,7 @@ recently used first out): opening a checkpoint costs a few requests, not one per
 ``LAST_BYTES`` is kept, so that reading the same bytes again at once (a check of where a chunk lies) costs no request.
 
 A caller that knows which metadata HDF5 will read next (``readers.cerebras.h5meta``: object headers, chunk index
-nodes) fetches those ranges together ahead of it (``keep``: the blob's ``read_spans``, concurrent requests); reads
+nodes) fetches those ranges together ahead of it (``keep``: the blob's ``read_scattered``, concurrent requests); reads
 inside one of them are then answered from memory, ``KEEP_BYTES`` of them at most, the oldest let go of first.
 
 Not safe for concurrent use (``seek`` then ``readinto``); h5py calls it under its own global lock.

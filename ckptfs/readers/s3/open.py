@@ -144,7 +144,8 @@ class BlobH5Store(H5Store):
         self._open = OrderedDict()
         self._open_lock = threading.Lock()
         self._chunks_checked: bool | None = None  # whether chunk addresses are offsets in the object (chunk_file)
-        self._layouts: dict | None = None  # header address -> layout message, until ``will_index`` used them
+        # (superblock sizes, {header address: layout message}) of the headers fetched ahead, until ``will_index``
+        self._headers: tuple | None = None
         self._index_lock = threading.Lock()  # held while ``will_index`` fetches: a second caller waits for it
         self._indexed = False  # ``will_index`` done (once per store)
 
@@ -159,7 +160,8 @@ class BlobH5Store(H5Store):
         """Fetch the headers of the objects the root group links to (``MAX_HEADERS_AHEAD`` at most), all together,
         and keep them for HDF5: the catalog opens every dataset, one round trip each otherwise. Remembers their
         layout messages for ``will_index``. Best effort: HDF5 reads what this did not fetch."""
-        sizes = self._sizes()
+        head = bytearray(64)
+        sizes = h5meta.superblock_sizes(bytes(head[:self.ranged.read_at(0, memoryview(head))]))
         if sizes is None:
             return
         addresses: list = []
@@ -171,7 +173,7 @@ class BlobH5Store(H5Store):
 
         try:
             f.id.links.iterate(take, info=True)
-            self._layouts = h5meta.header_spans(addresses, self.ranged.keep, sizes, self.blob.size)
+            self._headers = sizes, h5meta.header_spans(addresses, self.ranged.keep, sizes, self.blob.size)
         except (CkptfsError, OSError, RuntimeError, ValueError, KeyError) as e:  # HDF5's, the endpoint's
             log.debug("fetching the object headers of %s ahead failed: %s", self.blob.name, e)
 
@@ -185,21 +187,16 @@ class BlobH5Store(H5Store):
         with self._index_lock:
             if self._indexed:
                 return
-            layouts, self._layouts = self._layouts, None
+            headers, self._headers = self._headers, None
             try:
-                sizes = self._sizes() if layouts else None
-                if sizes is not None:
+                if headers is not None:
+                    sizes, layouts = headers
                     roots = [r for r in (h5meta.chunk_index_root(b, sizes) for b in layouts.values() if b) if r]
                     h5meta.chunk_index_spans(roots, self.ranged.keep, sizes, self.blob.size, INDEX_AHEAD_BYTES)
             except (CkptfsError, OSError, RuntimeError, ValueError) as e:  # the endpoint's
                 log.debug("fetching the chunk indexes of %s ahead failed: %s", self.blob.name, e)
             finally:
                 self._indexed = True
-
-    def _sizes(self) -> "h5meta.Sizes | None":
-        head = bytearray(64)
-        n = self.ranged.read_at(0, memoryview(head))
-        return h5meta.superblock_sizes(bytes(head[:n]))
 
     def chunk_file(self, dset, coords: tuple, offset: int, size: int):
         """The object itself: its stored chunks are fetched with the blob's concurrent ranged reads (``read_spans``),
