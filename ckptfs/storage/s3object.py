@@ -91,8 +91,7 @@ class PartPool:
         self.request_threads: set = set()  # idents of this pool's request threads
         self.parts: OrderedDict = OrderedDict()  # (object id, part) -> (Future[bytearray], size), oldest use first
         self.bytes = 0
-        self.ahead_bytes = 0  # bytes asked for ahead and not arrived yet
-        self.unread: set = set()  # parts fetched ahead that no read has used yet (trimmed last)
+        self.unread: set = set()  # parts fetched ahead (in flight or arrived) that no read has used yet (trimmed last)
         self.paused = 0  # bytes of parts reads must fetch before anything is fetched ahead again (``PAUSE_AHEADS``)
         self.sent: dict = {}  # object id -> its requests given to the request threads and not finished
         self.waiting: dict = {}  # object id -> deque of its requests waiting for one of those to finish
@@ -142,15 +141,18 @@ class PartPool:
     def ahead(self, keys: list, ranges: list, get, announced: bool = True) -> bool:
         """Ask for the consecutive parts ``keys`` (object bytes ``ranges``) ahead of any read: one request
         (``get(lo, hi, buffers)``) for them all when none is cached or in flight, else one for each missing part. False
-        (nothing queued) when more than the ahead budget would be in flight ahead. The parts count as unread until a
-        read uses them. False too for parts ``announced`` by a reader (``will_need``) while paused: a part fetched
-        ahead was dropped unread not long ago (an object's own read-ahead behind a sequential read goes on)."""
+        (nothing queued) when the parts fetched ahead and not read yet, in flight or arrived, would pass the ahead
+        budget. The parts count as unread until a read uses them. False too for parts ``announced`` by a reader
+        (``will_need``) while paused: a part fetched ahead was dropped unread not long ago (an object's own read-ahead
+        behind a sequential read goes on)."""
         with self.lock:
             if self.paused and announced:
                 return False
             sizes = [hi - lo for lo, hi in ranges]
             missing = [k for k, key in enumerate(keys) if key not in self.parts]
-            if self.ahead_bytes + sum(sizes[k] for k in missing) > self.ahead_limit:
+            # parts arrived and not read count as well as those in flight: queueing past the budget would have the
+            # cache let go of the parts announced first, which the reader needs first (fetched twice, then)
+            if self._unread_bytes() + sum(sizes[k] for k in missing) > self.ahead_limit:
                 return False
             groups = [range(len(keys))] if len(missing) == len(keys) else [[k] for k in missing]
             requests = [(self._register([keys[k] for k in g], [sizes[k] for k in g], ahead=True),
@@ -167,7 +169,6 @@ class PartPool:
             self.parts[key] = (fut, size)
         self.bytes += sum(sizes)
         if ahead:
-            self.ahead_bytes += sum(sizes)
             self.unread.update(keys)
         self._trim()
         return keys, sizes, futures, ahead
@@ -188,9 +189,6 @@ class PartPool:
         obj = keys[0][:-1]  # (bucket, key, etag) of a part key
 
         def done(f: Future) -> None:
-            if ahead:
-                with self.lock:
-                    self.ahead_bytes -= total
             err = OSError("the part pool was closed with its tree") if f.cancelled() else f.exception()
             for k, (key, size, fut) in enumerate(zip(keys, sizes, futures)):
                 if err is not None:
@@ -279,7 +277,7 @@ class PartPool:
         ``ahead_limit`` for parts fetched ahead and not read yet (a reader that stopped leaves them). Parts in flight
         stay. Of the parts reads used, the spent ones (``PartReads``) go first; one with bytes no read used yet goes
         only while the pool is over its whole budget: another tensor of a generated file, read later, lies there."""
-        unread = sum(self.parts[k][1] for k in self.unread)
+        unread = self._unread_bytes()
         over_read, over_unread = self.bytes - unread - self.keep_bytes, unread - self.ahead_limit
         if over_read <= 0 and over_unread <= 0:
             return
@@ -302,6 +300,10 @@ class PartPool:
             if fut.done() and key not in self.unread:
                 self._drop(key, size)
                 over_read -= size
+
+    def _unread_bytes(self) -> int:
+        """Bytes of the parts fetched ahead, in flight or arrived, that no read used yet (called with the lock held)."""
+        return sum(self.parts[k][1] for k in self.unread)
 
     def _drop(self, key, size: int) -> None:
         """Let go of finished part ``key`` (called with the lock held)."""
