@@ -128,6 +128,26 @@ class Blob(ABC):
             at += end - lo
         return buf, starts
 
+    def read_packed(self, spans: Iterable, out: memoryview, hint: bool = True) -> None:
+        """Read the ranges ``spans`` end to end into ``out`` (exactly their total size): a tensor's rows straight into
+        the block that holds them. Raises ``ShortRead`` when the blob ends inside a span. This default reads through
+        ``read_spans`` into ``out`` itself when the backend packs the spans (no copy), else copies each span in; a
+        backend whose reads need buffers of their own (a direct read's alignment) reads the others straight in."""
+        spans = [(int(lo), int(end)) for lo, end in spans]
+        out = memoryview(out).cast("B")
+        packed, total = [], 0
+        for lo, end in spans:
+            packed.append(total)
+            total += end - lo
+        if len(out) != total:
+            raise ValueError(f"{len(out)} bytes of room for {total} bytes of spans")
+        buf, starts = self.read_spans(spans, lambda n: out if n == total else thread_scratch("packed", n), hint)
+        if starts == packed and buf is out:
+            return
+        src = memoryview(buf).cast("B")
+        for (lo, end), a, b in zip(spans, starts, packed):
+            out[b:b + end - lo] = src[a:a + end - lo]
+
     def read(self, offset: int, n: int) -> bytes:
         """``n`` bytes from ``offset`` as ``bytes``, fewer only at the end of the blob (for metadata: headers, a zip
         directory); ``OSError`` when the blob ends before its size says."""

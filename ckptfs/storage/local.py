@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..env import direct_io_enabled
-from .base import Blob, Folder, FolderEntry, ShortRead, count_memory_read, count_waited_read
+from .base import Blob, Folder, FolderEntry, ShortRead, count_memory_read, count_waited_read, thread_scratch
 
 #: direct reads are widened and aligned to this (the largest logical block size of common disks; also the page size)
 ALIGN = 4096
@@ -218,6 +218,38 @@ class LocalFile(Blob):
             if not self._hinted[0] <= first < last <= self._hinted[1]:  # cached of its own accord, not as announced
                 self.will_need(last)
         return buf, starts
+
+    def read_packed(self, spans, out: memoryview, hint: bool = True) -> None:
+        """``Blob.read_packed``: a span read directly (``read_into``: large, its pages not cached) goes through an
+        aligned buffer of the thread's and is copied in; every other span is read through the page cache straight
+        into ``out`` (a copy of each block less: docs/measurements.md, "Region reads: a mapping per block"). The
+        bytes after are announced as ``read_spans`` does."""
+        spans = [(int(lo), int(end)) for lo, end in spans]
+        out = memoryview(out).cast("B")
+        if len(out) != sum(end - lo for lo, end in spans):
+            raise ValueError(f"{len(out)} bytes of room for {sum(end - lo for lo, end in spans)} bytes of spans")
+        pos, from_disk = 0, False
+        for k, (lo, end) in enumerate(spans):
+            n = end - lo
+            cached = page_cache.cached(self.fd, lo, n) if self.direct_fd is not None and n >= DIRECT_MIN_BYTES else None
+            if cached is False:
+                buf, at = self.read_spans([(lo, end)], lambda size: thread_scratch("packed", size), hint=False)
+                out[pos:pos + n] = memoryview(buf)[at[0]:at[0] + n]
+                from_disk = True
+            else:
+                if cached and not self._fetched[0] <= lo < self._fetched[1]:  # as ``read_into`` counts it
+                    count_memory_read()
+                got = 0
+                while got < n:  # a buffered read returns fewer bytes only at the end of the file
+                    step = os.preadv(self.fd, [out[pos + got:pos + n]], lo + got)
+                    if step <= 0:
+                        raise ShortRead(k, got)
+                    got += step
+            pos += n
+        if hint and not from_disk and pos >= HINT_AFTER_BYTES:
+            first, last = min(lo for lo, _ in spans), max(end for _, end in spans)
+            if not self._hinted[0] <= first < last <= self._hinted[1]:
+                self.will_need(last)
 
     def read_into(self, view: memoryview, offset: int, need: int) -> tuple[int, bool]:
         """Read the file from ``offset`` into ``view``: ``(bytes read, whether directly)``; fewer than ``need`` only

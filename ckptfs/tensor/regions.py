@@ -191,6 +191,9 @@ class RegionFile(Blob):
     def read_scattered(self, spans, scratch, gap: int | None = None) -> tuple:
         return self.blob().read_scattered(spans, scratch, gap)
 
+    def read_packed(self, spans, out, hint: bool = True) -> None:
+        self.blob().read_packed(spans, out, hint)
+
     def will_need(self, offset: int, length: int | None = None) -> None:
         if self._blob is not None:
             self._blob.will_need(offset, length)
@@ -308,11 +311,7 @@ class BlobRegionTensor(VirtualTensor):
     def _read_runs(self, base: int, box: Box, out: np.ndarray) -> None:
         item = self.dtype.itemsize
         spans = [(base + start * item, base + (start + n) * item) for start, n in box_runs(self.shape, box)]
-        buf, at = self.blob.read_spans(spans, self.scratch)  # the backend may announce what follows
-        src, dst, pos = memoryview(buf), memoryview(out.reshape(-1).view(np.uint8)), 0
-        for (lo, end), a in zip(spans, at):
-            dst[pos:pos + end - lo] = src[a:a + end - lo]
-            pos += end - lo
+        self.blob.read_packed(spans, memoryview(out.reshape(-1).view(np.uint8)))  # may announce what follows
 
     def _read_exact(self, offset: int, n: int) -> bytes:
         buf, at = self.blob.read_spans([(offset, offset + n)], self.scratch, hint=False)

@@ -146,6 +146,24 @@ def test_read_spans_places_every_span(opened):
         assert bytes(mv[at:at + end - lo]) == DATA[lo:end]
 
 
+def test_read_packed_lays_the_spans_end_to_end(opened):
+    spans = [(9 << 20, (9 << 20) + 5000), (0, 16), (100, 4196), (8 << 20, (8 << 20) + (1 << 20)), (17, 33),
+             (len(DATA) - 7, len(DATA)), (3 << 20, (3 << 20) + (6 << 20))]
+    out = bytearray(sum(end - lo for lo, end in spans))
+    opened.blob.read_packed(spans, memoryview(out))
+    assert bytes(out) == b"".join(DATA[lo:end] for lo, end in spans)
+
+
+def test_read_packed_wants_room_for_exactly_the_spans(opened):
+    with pytest.raises(ValueError):
+        opened.blob.read_packed([(0, 10), (20, 30)], memoryview(bytearray(19)))
+
+
+def test_read_packed_past_the_end_is_a_short_read(opened):
+    with pytest.raises(ShortRead):
+        opened.blob.read_packed([(0, 10), (len(DATA) - 5, len(DATA) + 5)], memoryview(bytearray(20)))
+
+
 def test_read_scattered_places_every_span(opened):
     spans = [(k * 1_000_003, k * 1_000_003 + 256) for k in range(20)]
     buf, starts = opened.blob.read_scattered(spans, bytearray)

@@ -90,6 +90,34 @@ def test_reads_give_the_files_bytes_cached_or_straight_from_the_disk(tmp_path, m
     assert how == [cold] * len(spans)
 
 
+@pytest.mark.parametrize("cold", [False, True])
+def test_packed_reads_give_the_files_bytes_cached_or_straight_from_the_disk(tmp_path, monkeypatch, cold):
+    """``read_packed`` lays unaligned spans end to end, read through the page cache straight into the room given or,
+    when cold, directly through an aligned buffer: the same bytes either way."""
+    path, data = _file(tmp_path, 9 * ALIGN + 777, seed=4)
+    monkeypatch.setattr(local.page_cache, "cached", lambda fd, off, n: not cold)
+    f = LocalFile(str(path))
+    direct, real = [], f.read_into
+
+    def read_into(view, offset, need):
+        got = real(view, offset, need)
+        direct.append(got[1])
+        return got
+
+    f.read_into = read_into
+    rng = random.Random(6)
+    spans = [(0, 1), (10, ALIGN + 5), (len(data) - 300, len(data)), (3 * ALIGN, 5 * ALIGN)]
+    for _ in range(20):
+        lo = rng.randrange(len(data))
+        spans.append((lo, rng.randrange(lo + 1, len(data) + 1)))
+    out = bytearray(sum(end - lo for lo, end in spans))
+    f.read_packed(spans, memoryview(out))
+    assert bytes(out) == b"".join(data[lo:end] for lo, end in spans)
+    assert direct == ([True] * len(spans) if cold else [])
+    with pytest.raises(ShortRead):
+        f.read_packed([(len(data) - 5, len(data) + 5)], memoryview(bytearray(10)))
+
+
 def test_small_reads_always_use_the_page_cache(tmp_path, monkeypatch):
     """A peek's chunks are read through the page cache even when cold, so they are cached for the next reader."""
     path, data = _file(tmp_path, 4 * local.DIRECT_MIN_BYTES)
