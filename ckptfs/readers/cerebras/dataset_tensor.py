@@ -118,7 +118,7 @@ class H5DatasetTensor(VirtualTensor):
             return
         item = self.dtype.itemsize
         try:
-            self.store.will_index()
+            self.store.will_index(self.name)
             reader = self._opened()[1]
             if reader is not None:
                 reader.will_need(start // item, -(-stop // item), continuing)

@@ -213,9 +213,9 @@ class H5Store:
         """The catalog is about to open the objects of ``f``: a store whose every read is a round trip fetches their
         headers ahead, together (``BlobH5Store``); a local file's reads cost little, so nothing here."""
 
-    def will_index(self) -> None:
-        """A dataset's chunk index is about to be read: a store whose every read is a round trip fetches the chunk
-        indexes' nodes ahead, together (``BlobH5Store``); nothing here."""
+    def will_index(self, name: str | None = None) -> None:
+        """Dataset ``name``'s chunk index (None: every dataset's) is about to be read: a store whose every read is a
+        round trip fetches the chunk indexes' nodes ahead, together (``BlobH5Store``); nothing here."""
 
     def file(self, what: str) -> h5py.File:
         """The open file; ``what`` names the tensor for the error message."""

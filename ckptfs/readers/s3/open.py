@@ -34,6 +34,7 @@ from ..cerebras import h5meta
 from ..cerebras.catalog import read_hdf5_catalog
 from ..legacy_torch.reader import HEAD_BYTES, is_legacy_torch, open_legacy_torch_blob
 from ..run.scan import RunScanner
+from .index_ahead import IndexAhead
 from .layout import open_layout
 from .target import LAYOUT, OBJECT, RUN, S3Target, as_location, classify  # noqa: F401 - also this module's names
 
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 #: object headers fetched ahead when the catalog is read (the root group's links, in its order): 8 KiB each, half of
 #: what the ranged file keeps (``KEEP_BYTES``); a checkpoint of more keys has the rest read as HDF5 asks
 MAX_HEADERS_AHEAD = 1024
-#: bytes of chunk index nodes fetched ahead when the first dataset is indexed (about 3,000 nodes of a 2-d tensor)
+#: bytes of chunk index nodes fetched ahead for one object in all (about 3,000 nodes of a 2-d tensor)
 INDEX_AHEAD_BYTES = 8 << 20
 
 
@@ -144,10 +145,7 @@ class BlobH5Store(H5Store):
         self._open = OrderedDict()
         self._open_lock = threading.Lock()
         self._chunks_checked: bool | None = None  # whether chunk addresses are offsets in the object (chunk_file)
-        # (superblock sizes, {header address: layout message}) of the headers fetched ahead, until ``will_index``
-        self._headers: tuple | None = None
-        self._index_lock = threading.Lock()  # held while ``will_index`` fetches: a second caller waits for it
-        self._indexed = False  # ``will_index`` done (once per store)
+        self._index: IndexAhead | None = None  # the chunk indexes to fetch ahead, once the headers are read
 
     def _open_file(self, what: str) -> h5py.File:
         self.ranged.seek(0)
@@ -158,45 +156,48 @@ class BlobH5Store(H5Store):
 
     def will_read_headers(self, f: h5py.File) -> None:
         """Fetch the headers of the objects the root group links to (``MAX_HEADERS_AHEAD`` at most), all together,
-        and keep them for HDF5: the catalog opens every dataset, one round trip each otherwise. Remembers their
-        layout messages for ``will_index``. Best effort: HDF5 reads what this did not fetch."""
+        and keep them for HDF5: the catalog opens every dataset, one round trip each otherwise. The chunk indexes
+        their layout messages name are then fetched ahead as readers need them (``will_index``). Best effort: HDF5
+        reads what this did not fetch."""
         head = bytearray(64)
         sizes = h5meta.superblock_sizes(bytes(head[:self.ranged.read_at(0, memoryview(head))]))
         if sizes is None:
             return
-        addresses: list = []
+        links: list = []
 
-        def take(_name, info):
+        def take(name, info):
             if info.type == h5l.TYPE_HARD:
-                addresses.append(int(info.u))
-            return True if len(addresses) >= MAX_HEADERS_AHEAD else None
+                links.append((name.decode("utf-8", "surrogateescape"), int(info.u)))
+            return True if len(links) >= MAX_HEADERS_AHEAD else None
 
         try:
             f.id.links.iterate(take, info=True)
-            self._headers = sizes, h5meta.header_spans(addresses, self.ranged.keep, sizes, self.blob.size)
+            layouts = h5meta.header_spans([at for _, at in links], self.ranged.keep, sizes, self.blob.size)
         except (CkptfsError, OSError, RuntimeError, ValueError, KeyError) as e:  # HDF5's, the endpoint's
             log.debug("fetching the object headers of %s ahead failed: %s", self.blob.name, e)
-
-    def will_index(self) -> None:
-        """Fetch the chunk index nodes of every chunked dataset whose header ``will_read_headers`` read, level by
-        level, every node of a level at once (``INDEX_AHEAD_BYTES`` of nodes at most), once per store: a stream or a
-        loader indexes the datasets one after another, one round trip per node otherwise. A caller arriving while
-        another fetches waits for it (the mount's background work and a reader's first open). Best effort."""
-        if self._indexed:
             return
-        with self._index_lock:
-            if self._indexed:
-                return
-            headers, self._headers = self._headers, None
-            try:
-                if headers is not None:
-                    sizes, layouts = headers
-                    roots = [r for r in (h5meta.chunk_index_root(b, sizes) for b in layouts.values() if b) if r]
-                    h5meta.chunk_index_spans(roots, self.ranged.keep, sizes, self.blob.size, INDEX_AHEAD_BYTES)
-            except (CkptfsError, OSError, RuntimeError, ValueError) as e:  # the endpoint's
-                log.debug("fetching the chunk indexes of %s ahead failed: %s", self.blob.name, e)
-            finally:
-                self._indexed = True
+        roots = {name: root for name, root in
+                 ((name, h5meta.chunk_index_root(layouts.get(at) or b"", sizes)) for name, at in links) if root}
+
+        def walk(batch: list, most_bytes: int) -> int:
+            spent = 0
+
+            def fetch(spans):
+                nonlocal spent
+                spent += sum(b - a for a, b in spans)
+                return self.ranged.keep(spans)
+            h5meta.chunk_index_spans(batch, fetch, sizes, self.blob.size, most_bytes)
+            return spent
+        self._index = IndexAhead(roots, walk, INDEX_AHEAD_BYTES, self.blob.name)
+
+    def will_index(self, name: str | None = None) -> None:
+        """Return once the chunk index of dataset ``name`` (None: of every dataset whose header ``will_read_headers``
+        read) was fetched ahead, level by level, many nodes at once, the datasets readers wait for first
+        (``IndexAhead``): a stream or a loader indexes the datasets one after another, one round trip per node
+        otherwise. Best effort."""
+        index = self._index
+        if index is not None:
+            index.need(None if name is None else name.lstrip("/"))
 
     def chunk_file(self, dset, coords: tuple, offset: int, size: int):
         """The object itself: its stored chunks are fetched with the blob's concurrent ranged reads (``read_spans``),
