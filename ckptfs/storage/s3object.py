@@ -188,7 +188,7 @@ class PartPool:
         total = sum(sizes)
 
         def run() -> list:
-            parts = [bytearray(size) for size in sizes]  # allocated once the request is sent, not while queued
+            parts = [_part_buffer(size) for size in sizes]  # allocated once the request is sent, not while queued
             got = fetch(parts)
             if got != total:
                 raise OSError(f"{got} bytes for the {total} asked for")
@@ -242,7 +242,7 @@ class PartPool:
         if send is not None:
             send()
 
-    def cached(self, key) -> bytearray | None:
+    def cached(self, key):
         """Part ``key``'s bytes if fetched already or in flight (no request of its own; a request thread does not wait
         for a part in flight, which may be queued behind it)."""
         with self.lock:
@@ -595,6 +595,15 @@ class S3Object(Blob):
         the client)."""
         if self._own_pool:
             self.pool.close()
+
+
+def _part_buffer(size: int):
+    """A writable buffer of ``size`` bytes for a part's answer, not zeroed first (every byte is written before it is
+    read: a part's request fails unless it filled it): zeroing a new ``bytearray`` cost more CPU than any other step
+    of a fetch (docs/measurements.md, "S3: part buffers")."""
+    import numpy as np  # here: the object store is opened by commands that need no numpy before their first request
+
+    return memoryview(np.empty(size, np.uint8))
 
 
 def _one_part(lo: int, hi: int) -> int | None:
