@@ -94,7 +94,8 @@ class PartPool:
         self.request_threads: set = set()  # idents of this pool's request threads
         self.parts: OrderedDict = OrderedDict()  # (object id, part) -> (Future[bytearray], size), oldest use first
         self.bytes = 0
-        # parts fetched ahead (in flight or arrived) that no read has used yet (trimmed last) -> ``clock`` when asked for
+        # parts fetched ahead (in flight or arrived) that no read has used yet (trimmed last) -> ``clock`` when
+        # they were asked for
         self.unread: dict = {}
         self.clock = 0  # bytes of the parts reads used, each counted on its first use: how far reads went
         self.paused = 0  # bytes of parts reads must fetch before anything is fetched ahead again (``PAUSE_AHEADS``)

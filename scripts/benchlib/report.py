@@ -377,7 +377,10 @@ def _export_hf_lines(d, x, errors, keys, cache_bytes) -> list:
     name = f"{d}: S3 .mdl: ckptfs export --views hf vs boto3 download"
     return [_measured(name, errors, keys, x, lambda x: Line(
         name, f"{x['ratio']:.2f}x ({x['ckptfs']['median_s']:.2f} vs {x['boto3']['median_s']:.2f} s, start-up "
-              f"included; {_tag(x)})", f">= {S3_EXPORT_TARGET:.2f}x (time)", _verdict(x["ratio"] >= S3_EXPORT_TARGET)))]
+              f"included; {_tag(x)})", f">= {S3_EXPORT_TARGET:.2f}x (time)", _verdict(x["ratio"] >= S3_EXPORT_TARGET)))] + ([
+        Line(f"{d}: .mdl local file: export --views hf vs boto3 download of the objects (the floor)",
+             f"{x['local_ratio']:.2f}x ({x['local']['median_s']:.2f} vs {x['boto3']['median_s']:.2f} s, start-up "
+             "included, page cache dropped)", "", "INFO")] if x and "local_ratio" in x else [])
 
 
 def _many_readers_lines(d, x, errors, keys, cache_bytes) -> list:

@@ -13,7 +13,8 @@ Each item, runs interleaved (``--repeat`` of each side), every mount fresh, the 
   mount of the object, against boto3's managed download of the objects (the ``.mdl`` and its params) into a folder
   plus ``from_pretrained`` through a mount of the downloaded file, and against a mount of the local file;
 * ``s3_export_hf``: ``ckptfs export s3://… OUT --views hf --hf-format safetensors`` against boto3's managed download
-  of the same objects into a folder, each a command of its own (interpreter start-up included);
+  of the same objects into a folder, each a command of its own (interpreter start-up included), and beside them the
+  same export of the local file (the conversion and the writing alone);
 * ``s3_many_readers``: ``READERS`` processes loading the model through ONE mount together, against one reader alone
   on a mount of its own: wall times (from a common start, imports done before) and the bytes the server sent; and
   the same two on a mount of the local file, the machine's own floor for that wall ratio;
@@ -217,10 +218,18 @@ def from_pretrained(ctx, ck, layout: dict, sv: Served) -> dict:
 def export_hf(ctx, ck, layout: dict, sv: Served) -> dict:
     """``s3_export_hf`` (module docstring): both sides' wall time, start-up included, cold."""
     out_dir, dest = ctx.workdir / "s3-export", ctx.workdir / "s3-download"
-    runs: dict = {"ckptfs": [], "boto3": []}
+    runs: dict = {"ckptfs": [], "boto3": [], "local": []}
     names = layout["safetensors"]
     written = 0
     for _ in range(ctx.repeat):
+        shutil.rmtree(out_dir, ignore_errors=True)
+        drop_caches()
+        argv = ckptfs_argv("export", ck.path, out_dir, "--views", "hf", "--hf-format", "safetensors",
+                           "--cache-size", ctx.cache_size, "--config", ck.params)
+        if ctx.max_shard_size:
+            argv += ["--max-shard-size", ctx.max_shard_size]
+        env = dict(sv.env, CKPTFS_CACHE_DIR=str(ctx.workdir / "ckptfs-cache" / f"s3mdl-export-local-{len(runs['local'])}"))
+        runs["local"].append(sysutil.timed(argv, env=env)[0])
         shutil.rmtree(out_dir, ignore_errors=True)
         drop_caches()
         argv = ckptfs_argv("export", sv.url, out_dir, "--views", "hf", "--hf-format", "safetensors",
@@ -241,7 +250,8 @@ def export_hf(ctx, ck, layout: dict, sv: Served) -> dict:
     out["ckptfs"]["safetensors_bytes"] = written
     out["boto3"]["bytes"] = sv.nbytes + ck.params.stat().st_size
     return {**sv.describe(), **out, "includes_startup": True,
-            "ratio": round(out["boto3"]["median_s"] / out["ckptfs"]["median_s"], 3)}
+            "ratio": round(out["boto3"]["median_s"] / out["ckptfs"]["median_s"], 3),
+            "local_ratio": round(out["boto3"]["median_s"] / out["local"]["median_s"], 3)}
 
 
 def _readers_together(ctx, hf: Path, n: int, env: dict, sv: Served) -> tuple:

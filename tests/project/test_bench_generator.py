@@ -360,6 +360,18 @@ def test_report_s3_mdl_lines_judge_each_target():
     assert len(judged) == 8 and all(x.result == "FAIL" for x in judged)
 
 
+def test_report_s3_mdl_floor_lines_show_the_local_file_beside_the_download():
+    """The cp and export items also time the same work on the local file: an INFO line each, with the ratio to the
+    download, when recorded (runs before they were measured have none)."""
+    lines = _s3_mdl_lines(_s3_mdl_results(s3_mdl_cp__local={"median_s": 4.5}, s3_mdl_cp__local_ratio=1.111,
+                                          s3_export_hf__local={"median_s": 7.5}, s3_export_hf__local_ratio=0.8))
+    cp = lines["bf16: .mdl local file: cp safetensors vs boto3 download of the object (the conversion's floor)"]
+    export = lines["bf16: .mdl local file: export --views hf vs boto3 download of the objects (the floor)"]
+    assert cp.result == export.result == "INFO"
+    assert cp.measured.startswith("1.11x (4.50 vs 5.00 s") and export.measured.startswith("0.80x (7.50 vs 6.00 s")
+    assert not any("local file" in n for n in _s3_mdl_lines(_s3_mdl_results()))
+
+
 def test_report_s3_mdl_lines_of_items_that_could_not_run():
     """The server not starting makes every S3 item asked for an ERROR line; an item not asked for gives none."""
     lines = _s3_mdl_lines({}, {"bf16.s3_server": "RuntimeError: rclone serve s3 did not start"},

@@ -6,7 +6,8 @@ makes a copy started right after a mount wait for the whole walk (a few hundred 
 datasets) although its first tensor needs two or three of them. So the walk goes by rounds: the datasets readers are
 waiting for, then the others in the file's order, the rounds growing from one dataset to ``ROUND_MOST``; a reader
 waits until its own dataset is in, the mount's background work until all are (docs/measurements.md, "S3: an .mdl
-object's metadata"). Whoever needs an index walks while nobody else does; a reader stops once its own is in.
+object's chunk indexes by rounds"). Whoever needs an index walks while nobody else does; a reader stops once its
+own is in.
 """
 from __future__ import annotations
 
