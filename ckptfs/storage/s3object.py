@@ -22,10 +22,10 @@ fail with ``SourceChangedError`` instead of returning bytes of another version.
   S3 bills and answers each request on its own), and a stream reads every part of the group anyway. At most the
   ahead budget (``AHEAD_BYTES`` unless set) of them are in flight or unread at once; until a read uses them they are
   the last parts the cache lets go of (a window of parts announced ahead must not push out the parts announced
-  before it, not read yet): an announcement past the budget queues nothing. Parts fetched ahead that reads went
-  past (reads used the ahead budget's worth of other parts since they were asked for: a reader that stopped, or
-  went elsewhere) make room for new ones. Once a part is dropped unread for a smaller budget, fetching ahead pauses
-  (``PAUSE_AHEADS``).
+  before it, not read yet): an announcement past the budget queues nothing, and they stay until a read uses them. A
+  loader reading in an order of its own reads them later: letting go of parts no read used for a while fetched a
+  loader's parts twice (docs/measurements.md, "S3: parts fetched ahead within their budget"). Once one is dropped
+  unread all the same (a budget made smaller), fetching ahead pauses (``PAUSE_AHEADS``).
 * **Parts read out of order** (a safetensors file generated from one ``.mdl`` object reads the object's tensors in
   the file's order): the pool notes which bytes of each part reads used (``partreads.PartReads``). A part some of
   whose bytes no read used yet is let go of after the spent ones, and only while the pool is over its whole budget
@@ -67,7 +67,7 @@ PART_CACHE_BYTES = 32 << 20
 FETCH_PARTS = 4
 #: bytes asked for ahead (``will_need``) and not read yet, all objects of a pool together, unless its budget says so
 AHEAD_BYTES = 96 << 20
-#: once a part fetched ahead is dropped unread (the budget shrank under it), nothing announced is fetched ahead until
+#: once a part fetched ahead is dropped unread (the reader went elsewhere), nothing announced is fetched ahead until
 #: reads have fetched this many times the ahead budget in parts: a loader reading out of file order would otherwise
 #: have objects fetched twice (announced, dropped, read again)
 PAUSE_AHEADS = 2
@@ -94,10 +94,7 @@ class PartPool:
         self.request_threads: set = set()  # idents of this pool's request threads
         self.parts: OrderedDict = OrderedDict()  # (object id, part) -> (Future[bytearray], size), oldest use first
         self.bytes = 0
-        # parts fetched ahead (in flight or arrived) that no read has used yet (trimmed last) -> ``clock`` when
-        # they were asked for
-        self.unread: dict = {}
-        self.clock = 0  # bytes of the parts reads used, each counted on its first use: how far reads went
+        self.unread: set = set()  # parts fetched ahead (in flight or arrived) that no read has used yet (trimmed last)
         self.paused = 0  # bytes of parts reads must fetch before anything is fetched ahead again (``PAUSE_AHEADS``)
         self.sent: dict = {}  # object id -> its requests given to the request threads and not finished
         self.waiting: dict = {}  # object id -> deque of its requests waiting for one of those to finish
@@ -135,13 +132,12 @@ class PartPool:
             got = self.parts.get(key)
             if got is not None:
                 self.parts.move_to_end(key)
-                self._first_use(key, got[1])
+                self.unread.discard(key)
                 return got[0]
             if need is not None and self.reads.read_gone(key, *need, size):
                 return None
             self.reads.forget(key)
             self.paused = max(0, self.paused - size)
-            self.clock += size
             request = self._register([key], [size], ahead=False)
         return self._launch(request, fetch)[0]
 
@@ -149,8 +145,7 @@ class PartPool:
         """Ask for the consecutive parts ``keys`` (object bytes ``ranges``) ahead of any read: one request
         (``get(lo, hi, buffers)``) for them all when none is cached or in flight, else one for each missing part. False
         (nothing queued) when the parts fetched ahead and not read yet, in flight or arrived, would pass the ahead
-        budget, once parts reads went past were let go of (``_release_passed``). The parts count as unread until a
-        read uses them. False too for parts ``announced`` by a reader
+        budget. The parts count as unread until a read uses them. False too for parts ``announced`` by a reader
         (``will_need``) while paused: a part fetched ahead was dropped unread not long ago (an object's own read-ahead
         behind a sequential read goes on)."""
         with self.lock:
@@ -160,8 +155,7 @@ class PartPool:
             missing = [k for k, key in enumerate(keys) if key not in self.parts]
             # parts arrived and not read count as well as those in flight: queueing past the budget would have the
             # cache let go of the parts announced first, which the reader needs first (fetched twice, then)
-            room = self.ahead_limit - sum(sizes[k] for k in missing)
-            if self._unread_bytes() > room and self._release_passed(room) > room:
+            if self._unread_bytes() + sum(sizes[k] for k in missing) > self.ahead_limit:
                 return False
             groups = [range(len(keys))] if len(missing) == len(keys) else [[k] for k in missing]
             requests = [(self._register([keys[k] for k in g], [sizes[k] for k in g], ahead=True),
@@ -178,7 +172,7 @@ class PartPool:
             self.parts[key] = (fut, size)
         self.bytes += sum(sizes)
         if ahead:
-            self.unread.update(dict.fromkeys(keys, self.clock))
+            self.unread.update(keys)
         self._trim()
         return keys, sizes, futures, ahead
 
@@ -248,8 +242,7 @@ class PartPool:
         for a part in flight, which may be queued behind it)."""
         with self.lock:
             got = self.parts.get(key)
-            if got is not None:
-                self._first_use(key, got[1])
+            self.unread.discard(key)
         if got is None or (not got[0].done() and self.on_request_thread()):
             return None
         try:
@@ -278,7 +271,7 @@ class PartPool:
             got = self.parts.get(key)
             if got is not None and got[0] is fut:
                 del self.parts[key]
-                self.unread.pop(key, None)
+                self.unread.discard(key)
                 self.reads.forget(key)
                 self.bytes -= size
 
@@ -311,26 +304,6 @@ class PartPool:
                 self._drop(key, size)
                 over_read -= size
 
-    def _first_use(self, key, size: int) -> None:
-        """A read uses part ``key`` (held): the clock moves on when it was fetched ahead for it (called with the lock
-        held; a part a read fetched counted when asked for)."""
-        if self.unread.pop(key, None) is not None:
-            self.clock += size
-
-    def _release_passed(self, room: int) -> int:
-        """Let go of arrived parts fetched ahead that reads went past — reads used ``ahead_limit`` bytes of other
-        parts since they were asked for — oldest first, until the unread parts fit in ``room`` bytes (called with the
-        lock held): the unread bytes left."""
-        unread = self._unread_bytes()
-        for key, asked in sorted(self.unread.items(), key=lambda item: item[1]):
-            if unread <= room or self.clock - asked < self.ahead_limit:
-                break
-            fut, size = self.parts[key]
-            if fut.done():
-                self._drop(key, size)
-                unread -= size
-        return unread
-
     def _unread_bytes(self) -> int:
         """Bytes of the parts fetched ahead, in flight or arrived, that no read used yet (called with the lock held)."""
         return sum(self.parts[k][1] for k in self.unread)
@@ -338,7 +311,7 @@ class PartPool:
     def _drop(self, key, size: int) -> None:
         """Let go of finished part ``key`` (called with the lock held)."""
         del self.parts[key]
-        self.unread.pop(key, None)
+        self.unread.discard(key)
         self.bytes -= size
         self.reads.dropped(key, size)
 

@@ -53,40 +53,24 @@ def test_parts_arrived_ahead_and_not_read_count_against_the_ahead_budget():
         pool.close()
 
 
-def test_parts_fetched_ahead_that_reads_went_past_make_room():
-    """Parts fetched ahead and never read (a reader that stopped) hold the ahead budget only until reads used the
-    budget's worth of other parts; then an announcement lets go of them, oldest first, and is fetched."""
+def test_parts_fetched_ahead_stay_until_read_whatever_reads_do_meanwhile():
+    """A loader reading in an order of its own fetches parts itself and reads the parts fetched ahead for it later:
+    they stay however much it reads meanwhile (announcements past the budget wait), and each read of one makes room
+    for one more."""
     pool = PartPool(4000)  # 1000 bytes for parts read, 3000 for parts fetched ahead
     log: list = []
     get = _filler(log)
     try:
-        stale = [("stopped", k) for k in range(3)]
-        assert pool.ahead(stale, [(k * 1000, k * 1000 + 1000) for k in range(3)], get)
-        _arrived(pool, stale)
-        assert not pool.ahead([("next", 0)], [(0, 1000)], get)
-        for k in range(2):  # reads elsewhere, 2000 bytes: not yet past the budget
-            pool.part(("elsewhere", k), lambda bufs: _fill(bufs), 1000).result(10)
-        assert not pool.ahead([("next", 0)], [(0, 1000)], get)
-        pool.part(("elsewhere", 2), lambda bufs: _fill(bufs), 1000).result(10)
-        assert pool.ahead([("next", 0)], [(0, 1000)], get)  # 3000 bytes read since: the oldest goes
-        _arrived(pool, [("next", 0)])
+        ahead = [("file", k) for k in range(3)]
+        assert pool.ahead(ahead, [(k * 1000, k * 1000 + 1000) for k in range(3)], get)
+        _arrived(pool, ahead)
+        for k in range(10):  # its own order: ten times the ahead budget of parts it fetches itself
+            pool.part(("own", k), _fill, 1000).result(10)
+        assert not pool.ahead([("file", 3)], [(3000, 4000)], get)
         with pool.lock:
-            assert ("stopped", 0) not in pool.parts and ("stopped", 1) in pool.parts and ("next", 0) in pool.parts
-    finally:
-        pool.close()
-
-
-def test_a_part_fetched_ahead_and_read_is_not_let_go_of_as_passed():
-    """A part fetched ahead that a read used no longer counts as unread: it is kept as a read part, whatever reads
-    do next."""
-    pool = PartPool(4000)
-    get = _filler([])
-    try:
-        assert pool.ahead([("o", 0)], [(0, 1000)], get)
-        _arrived(pool, [("o", 0)])
-        assert pool.cached(("o", 0)) is not None
-        with pool.lock:
-            assert pool.unread == {} and pool.clock == 1000
+            assert all(key in pool.parts for key in ahead)
+        assert pool.cached(("file", 0)) is not None
+        assert pool.ahead([("file", 3)], [(3000, 4000)], get)
     finally:
         pool.close()
 
