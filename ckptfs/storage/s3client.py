@@ -27,6 +27,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from ..env import aws_environment
 from ..errors import SourceChangedError, StorageError
@@ -228,10 +229,13 @@ class S3Client:
         return err
 
     def get(self, bucket: str, key: str, *, start: int | None = None, end: int | None = None,
-            etag: str | None = None, into: memoryview | list | None = None, max_bytes: int | None = None) -> GetResult:
+            etag: str | None = None, into: memoryview | list | None = None, max_bytes: int | None = None,
+            on_filled: Callable[[int], None] | None = None) -> GetResult:
         """Bytes ``[start, end)`` of an object (all of it without a range), only if its ETag is still ``etag``
         (``SourceChangedError`` otherwise): into ``into`` when given (a buffer, or a list of buffers filled end to end;
-        the count is returned), else as bytes.
+        the count is returned), else as bytes. ``on_filled(k)``: buffer ``into[k]`` of a ranged read's list is whole,
+        called as soon as it is (the caller may hand it out while the rest arrives); a body cut short and asked for
+        again is asked for from the first buffer not whole, so a buffer handed out is never written again.
 
         Every body is read with a bound known before reading it: a range's length, or ``max_bytes`` for a whole object
         (required: a whole object is never read without one). An answer whose ``Content-Length`` is over the bound is
@@ -248,14 +252,23 @@ class S3Client:
         if etag:
             etag = normal_etag(etag)
             kw["IfMatch"] = if_match(etag)
+        bufs = into if isinstance(into, list) and start is not None else None
+        whole = [0, 0]  # buffers of a ranged read's list filled whole (never written again), and their bytes
+
+        def filled(k: int) -> None:
+            whole[0], whole[1] = k + 1, whole[1] + len(memoryview(bufs[k]).cast("B"))
+            if on_filled is not None:
+                on_filled(k)
         for attempt in range(BODY_RETRIES + 1):
+            if whole[0] and start is not None:  # asked again: from the first buffer not whole
+                kw["Range"] = f"bytes={start + whole[1]}-{end - 1}"
             self._check_up(where)
             try:
                 r = self.client.get_object(**kw)
             except Exception as e:  # noqa: BLE001
                 raise self._failed(self._translate(e, where, bucket, etag, key=key), e) from None
             length = int(r["ContentLength"]) if r.get("ContentLength") is not None else -1  # -1: chunked
-            want = None if start is None else end - start
+            want = None if start is None else end - start - whole[1]
             if want is not None and length != want:
                 r["Body"].close()
                 raise StorageError(where, f"the endpoint answered {length} bytes for a range of {want}", "refused")
@@ -281,7 +294,10 @@ class S3Client:
                     if length < 0:
                         length = got
                 else:
-                    data, got = None, _read_into(r["Body"], into, length)
+                    first, skip = whole
+                    got = skip + _read_into(r["Body"], bufs[first:] if bufs is not None else into, length,
+                                            (lambda k: filled(first + k)) if bufs is not None else None)
+                    data, length = None, length + skip
             except StorageError:
                 r["Body"].close()
                 raise
@@ -396,20 +412,24 @@ def _code(e: Exception) -> str:
     return str(((response or {}).get("Error") or {}).get("Code") or "") if isinstance(response, dict) else ""
 
 
-def _read_into(body, into, length: int) -> int:
+def _read_into(body, into, length: int, filled: Callable[[int], None] | None = None) -> int:
     """Copy an answer's first ``length`` bytes into ``into`` (a buffer or a list of buffers, end to end),
-    ``BODY_STEP`` bytes at a time: the bytes that arrived (fewer when the answer was cut short). Reading the body
-    whole first would hold the answer twice (and, for a part cut out of it, three times) at its peak."""
+    ``BODY_STEP`` bytes at a time: the bytes that arrived (fewer when the answer was cut short); ``filled(k)`` once
+    buffer ``k`` of a list is whole. Reading the body whole first would hold the answer twice (and, for a part cut
+    out of it, three times) at its peak."""
     got = 0
-    for buf in into if isinstance(into, list) else [into]:
-        view = memoryview(buf).cast("B")[:max(0, length - got)]
+    for k, buf in enumerate(into if isinstance(into, list) else [into]):
+        view = memoryview(buf).cast("B")
+        part = view[:max(0, length - got)]
         pos = 0
-        while pos < len(view):
-            n = body.readinto(view[pos:pos + BODY_STEP])
+        while pos < len(part):
+            n = body.readinto(part[pos:pos + BODY_STEP])
             if not n:
                 return got + pos
             pos += n
         got += pos
+        if filled is not None and pos == len(view):
+            filled(k)
     return got
 
 

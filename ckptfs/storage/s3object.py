@@ -125,9 +125,10 @@ class PartPool:
         return threading.get_ident() in self.request_threads
 
     def part(self, key, fetch, size: int, need: tuple | None = None) -> Future | None:
-        """The future of part ``key`` (``fetch(buffers)`` submitted when it is neither cached nor in flight). None,
-        nothing submitted, when the read needs just ``need`` (``(lo, hi)`` within the part) of a part let go of after
-        reads used some of it, bytes no read used yet (``PartReads.read_gone``): the caller fetches that range alone."""
+        """The future of part ``key`` (``fetch(buffers, filled)`` submitted when it is neither cached nor in flight).
+        None, nothing submitted, when the read needs just ``need`` (``(lo, hi)`` within the part) of a part let go of
+        after reads used some of it, bytes no read used yet (``PartReads.read_gone``): the caller fetches that range
+        alone."""
         with self.lock:
             got = self.parts.get(key)
             if got is not None:
@@ -143,8 +144,8 @@ class PartPool:
 
     def ahead(self, keys: list, ranges: list, get, announced: bool = True) -> bool:
         """Ask for the consecutive parts ``keys`` (object bytes ``ranges``) ahead of any read: one request
-        (``get(lo, hi, buffers)``) for them all when none is cached or in flight, else one for each missing part. False
-        (nothing queued) when the parts fetched ahead and not read yet, in flight or arrived, would pass the ahead
+        (``get(lo, hi, buffers, filled)``) for them all when none is cached or in flight, else one for each missing
+        part. False (nothing queued) when the parts fetched ahead and not read yet, in flight or arrived, would pass the ahead
         budget. The parts count as unread until a read uses them. False too for parts ``announced`` by a reader
         (``will_need``) while paused: a part fetched ahead was dropped unread not long ago (an object's own read-ahead
         behind a sequential read goes on)."""
@@ -161,7 +162,7 @@ class PartPool:
             requests = [(self._register([keys[k] for k in g], [sizes[k] for k in g], ahead=True),
                          ranges[g[0]][0], ranges[g[-1]][1]) for g in groups]
         for request, lo, hi in requests:  # outside the lock: an answer may arrive before its callback is added
-            self._launch(request, lambda bufs, lo=lo, hi=hi: get(lo, hi, bufs))
+            self._launch(request, lambda bufs, filled, lo=lo, hi=hi: get(lo, hi, bufs, filled))
         return True
 
     def _register(self, keys: list, sizes: list, ahead: bool) -> tuple:
@@ -177,14 +178,20 @@ class PartPool:
         return keys, sizes, futures, ahead
 
     def _launch(self, request: tuple, fetch) -> list:
-        """Send a registered request (``fetch(buffers)`` fills its parts' buffers end to end and returns the count;
-        called without the lock, which the answer's callback takes): the parts' futures."""
+        """Send a registered request (``fetch(buffers, filled)`` fills its parts' buffers end to end, calls
+        ``filled(k)`` as soon as buffer ``k`` is whole, and returns the count; called without the lock, which the
+        answer's callback takes): the parts' futures, each done as soon as its part arrived (a reader of the first
+        part of a group goes on while the others arrive)."""
         keys, sizes, futures, ahead = request
         total = sum(sizes)
 
         def run() -> list:
             parts = [_part_buffer(size) for size in sizes]  # allocated once the request is sent, not while queued
-            got = fetch(parts)
+
+            def filled(k: int) -> None:
+                if not futures[k].done():
+                    futures[k].set_result(parts[k])
+            got = fetch(parts, filled)
             if got != total:
                 raise OSError(f"{got} bytes for the {total} asked for")
             return parts
@@ -194,6 +201,8 @@ class PartPool:
         def done(f: Future) -> None:
             err = OSError("the part pool was closed with its tree") if f.cancelled() else f.exception()
             for k, (key, size, fut) in enumerate(zip(keys, sizes, futures)):
+                if fut.done():  # arrived whole before the rest: its bytes stand whatever happened after
+                    continue
                 if err is not None:
                     self.forget(key, fut, size)
                     fut.set_exception(err)
@@ -410,8 +419,8 @@ class S3Object(Blob):
         return f"S3Object({self.name}, {self.size} bytes, {self.etag})"
 
     # -- requests ------------------------------------------------------------------------------------------------
-    def _get(self, lo: int, hi: int, into: memoryview | list | None = None):
-        r = self.client.get(self.bucket, self.key, start=lo, end=hi, etag=self.etag, into=into)
+    def _get(self, lo: int, hi: int, into: memoryview | list | None = None, filled=None):
+        r = self.client.get(self.bucket, self.key, start=lo, end=hi, etag=self.etag, into=into, on_filled=filled)
         if self.user_metadata is None:
             self.user_metadata = r.metadata
         return r.count if into is not None else r.data
@@ -423,7 +432,8 @@ class S3Object(Blob):
         """Part ``i``'s future; None when the read needs only ``need`` of it, bytes of a spent part no read used yet
         (``PartPool.part``)."""
         lo, hi = self._part_range(i)
-        return self.pool.part((*self._id, i), lambda bufs: self._get(lo, hi, bufs), hi - lo, need)
+        return self.pool.part((*self._id, i), lambda bufs, filled: self._get(lo, hi, bufs, filled), hi - lo,
+                              need)
 
     def will_need(self, offset: int, length: int | None = None, announced: bool = True) -> None:
         """Queue the parts under ``[offset, offset + length)`` (None: ``READ_AHEAD_PARTS`` parts) that are neither

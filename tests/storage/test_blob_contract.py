@@ -276,6 +276,57 @@ def test_an_s3_body_cut_short_is_asked_for_again():
     assert fake.count("GetObject") == 2  # the cut answer, then the whole one
 
 
+def test_an_s3_read_hands_out_each_buffer_once_whole_and_never_writes_it_again():
+    """A ranged GET into a list of buffers says as soon as each one is whole; a body cut short is asked for again
+    from the first buffer not whole, so a buffer already handed out (a part a reader may be copying) is not written
+    again."""
+    from helpers.faults import s3_client
+
+    fake = FakeS3({("b", "k"): DATA[:4000]}, cut={1})  # the first answer ends after 2,000 bytes
+    bufs = [bytearray(1000) for _ in range(4)]
+    seen: list = []
+
+    def filled(k):
+        seen.append((k, bytes(bufs[k])))
+        bufs[k][:] = b"X" * 1000  # whatever the holder does with it: the retry must not write it again
+
+    got = s3_client(fake).get("b", "k", start=0, end=4000, into=bufs, on_filled=filled)
+    assert got.count == 4000
+    assert seen == [(k, DATA[k * 1000:(k + 1) * 1000]) for k in range(4)]
+    assert all(bytes(b) == b"X" * 1000 for b in bufs)
+    assert [kw["Range"] for op, kw in fake.requests if op == "GetObject"] == ["bytes=0-3999", "bytes=2000-3999"]
+
+
+def test_a_part_of_a_group_is_read_as_soon_as_it_arrived():
+    """The parts of one request ahead are each done as they arrive: a reader of the group's first part goes on while
+    the others are on their way."""
+    from ckptfs.storage.s3object import PartPool
+
+    pool = PartPool(1 << 20)
+    rest = threading.Event()
+
+    def get(lo, hi, bufs, filled):
+        bufs[0][:] = b"a" * len(bufs[0])
+        filled(0)
+        rest.wait(10)
+        for b in bufs[1:]:
+            b[:] = b"b" * len(b)
+        return sum(len(b) for b in bufs)
+
+    try:
+        keys = [("o", k) for k in range(3)]
+        assert pool.ahead(keys, [(k * 100, k * 100 + 100) for k in range(3)], get)
+        with pool.lock:
+            futures = [pool.parts[key][0] for key in keys]
+        assert bytes(futures[0].result(10)) == b"a" * 100
+        assert not futures[1].done() and not futures[2].done()
+        rest.set()
+        assert [bytes(f.result(10)) for f in futures[1:]] == [b"b" * 100] * 2
+    finally:
+        rest.set()
+        pool.close()
+
+
 def test_an_s3_body_always_cut_short_is_an_error_naming_the_object():
     fake = FakeS3({("b", "k"): DATA[:200_000]}, cut=set(range(2, 50)))
     o = s3_object(fake, "b", "k")

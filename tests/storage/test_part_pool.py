@@ -11,7 +11,7 @@ def _filler(log: list):
     """A ``get(lo, hi, buffers)`` that records each request and fills its buffers."""
     lock = threading.Lock()
 
-    def get(lo, hi, buffers):
+    def get(lo, hi, buffers, filled=None):
         with lock:
             log.append((lo, hi))
         for b in buffers:
@@ -75,7 +75,7 @@ def test_parts_fetched_ahead_stay_until_read_whatever_reads_do_meanwhile():
         pool.close()
 
 
-def _fill(bufs) -> int:
+def _fill(bufs, filled=None) -> int:
     for b in bufs:
         b[:] = b"\x02" * len(b)
     return sum(len(b) for b in bufs)

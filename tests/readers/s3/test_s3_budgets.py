@@ -166,7 +166,7 @@ def test_a_closed_trees_pool_holds_nothing_and_its_threads_end(endpoint):
     tree.close()
     assert pool.closed and not pool.parts and pool.bytes == 0
     assert _wait(lambda: not _threads_of(pool)), _threads_of(pool)
-    late = pool.part(("b", "k", "e", 0), lambda bufs: 0, 1)
+    late = pool.part(("b", "k", "e", 0), lambda bufs, filled: 0, 1)
     with pytest.raises(OSError):
         late.result(5)
     assert pool.executor is None and not pool.parts

@@ -272,9 +272,9 @@ def test_a_small_read_of_a_part_in_flight_waits_for_it_instead_of_asking_again(t
             release = threading.Event()
             real_get = blob._get
 
-            def held_get(lo, hi, into=None, real_get=real_get, release=release):
+            def held_get(lo, hi, into=None, filled=None, real_get=real_get, release=release):
                 release.wait(10)  # the announced request is slow: the read comes while it is in flight
-                return real_get(lo, hi, into)
+                return real_get(lo, hi, into, filled)
 
             blob._get = held_get
             srv.reset()
@@ -467,7 +467,7 @@ def test_parts_that_arrive_over_the_budget_are_dropped_when_they_arrive():
     pool = PartPool(4000)  # parts reads used: 1000 bytes
     gate = threading.Event()
 
-    def fetch(buffers):
+    def fetch(buffers, filled):
         gate.wait(10)
         for b in buffers:
             b[:] = b"x" * len(b)
