@@ -36,8 +36,8 @@ def _file(tmp_path, n: int, seed: int = 0):
     return path, data
 
 
-def _read_spans(f: LocalFile, spans) -> tuple[list, list]:
-    """Each span's bytes, read the way the chunk reader does, and whether each read was direct."""
+def _noting_direct(f: LocalFile) -> list:
+    """Whether each of ``f``'s reads was direct, noted as they happen (``del f.read_into`` stops it)."""
     how, real = [], f.read_into
 
     def read_into(view, offset, need):
@@ -46,6 +46,12 @@ def _read_spans(f: LocalFile, spans) -> tuple[list, list]:
         return got
 
     f.read_into = read_into
+    return how
+
+
+def _read_spans(f: LocalFile, spans) -> tuple[list, list]:
+    """Each span's bytes, read the way the chunk reader does, and whether each read was direct."""
+    how = _noting_direct(f)
     try:
         buf, starts = f.read_spans(spans, lambda n: mmap.mmap(-1, max(n, 1)))
     finally:
@@ -97,14 +103,7 @@ def test_packed_reads_give_the_files_bytes_cached_or_straight_from_the_disk(tmp_
     path, data = _file(tmp_path, 9 * ALIGN + 777, seed=4)
     monkeypatch.setattr(local.page_cache, "cached", lambda fd, off, n: not cold)
     f = LocalFile(str(path))
-    direct, real = [], f.read_into
-
-    def read_into(view, offset, need):
-        got = real(view, offset, need)
-        direct.append(got[1])
-        return got
-
-    f.read_into = read_into
+    direct = _noting_direct(f)
     rng = random.Random(6)
     spans = [(0, 1), (10, ALIGN + 5), (len(data) - 300, len(data)), (3 * ALIGN, 5 * ALIGN)]
     for _ in range(20):
