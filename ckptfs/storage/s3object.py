@@ -92,7 +92,7 @@ class PartPool:
         self.lock = threading.Lock()
         self.executor: ThreadPoolExecutor | None = None
         self.request_threads: set = set()  # idents of this pool's request threads
-        self.parts: OrderedDict = OrderedDict()  # (object id, part) -> (Future[bytearray], size), oldest use first
+        self.parts: OrderedDict = OrderedDict()  # (object id, part) -> (Future[buffer], size), oldest use first
         self.bytes = 0
         self.unread: set = set()  # parts fetched ahead (in flight or arrived) that no read has used yet (trimmed last)
         self.paused = 0  # bytes of parts reads must fetch before anything is fetched ahead again (``PAUSE_AHEADS``)
@@ -145,10 +145,10 @@ class PartPool:
     def ahead(self, keys: list, ranges: list, get, announced: bool = True) -> bool:
         """Ask for the consecutive parts ``keys`` (object bytes ``ranges``) ahead of any read: one request
         (``get(lo, hi, buffers, filled)``) for them all when none is cached or in flight, else one for each missing
-        part. False (nothing queued) when the parts fetched ahead and not read yet, in flight or arrived, would pass the ahead
-        budget. The parts count as unread until a read uses them. False too for parts ``announced`` by a reader
-        (``will_need``) while paused: a part fetched ahead was dropped unread not long ago (an object's own read-ahead
-        behind a sequential read goes on)."""
+        part. False (nothing queued) when the parts fetched ahead and not read yet, in flight or arrived, would pass
+        the ahead budget. The parts count as unread until a read uses them. False too for parts ``announced`` by a
+        reader (``will_need``) while paused: a part fetched ahead was dropped unread not long ago (an object's own
+        read-ahead behind a sequential read goes on)."""
         with self.lock:
             if self.paused and announced:
                 return False

@@ -228,7 +228,8 @@ def export_hf(ctx, ck, layout: dict, sv: Served) -> dict:
                            "--cache-size", ctx.cache_size, "--config", ck.params)
         if ctx.max_shard_size:
             argv += ["--max-shard-size", ctx.max_shard_size]
-        env = dict(sv.env, CKPTFS_CACHE_DIR=str(ctx.workdir / "ckptfs-cache" / f"s3mdl-export-local-{len(runs['local'])}"))
+        cache = ctx.workdir / "ckptfs-cache" / f"s3mdl-export-local-{len(runs['local'])}"
+        env = dict(sv.env, CKPTFS_CACHE_DIR=str(cache))
         runs["local"].append(sysutil.timed(argv, env=env)[0])
         shutil.rmtree(out_dir, ignore_errors=True)
         drop_caches()
