@@ -109,8 +109,10 @@ def export_file(tree: Tree, vpath: str, dest, *, progress: bool = False, block: 
 
 def run(args) -> int:
     from ..tree.assemble import build_tree
+    from ..tree.memory import streamed
 
     tree = (getattr(args, "build_tree", None) or build_tree)(args.ckpt, mount_options.from_args(args))
+    streamed(tree)  # an export reads every file in order: its parts fetched ahead matter more than those read
     try:
         _export(tree, args)
     finally:

@@ -71,6 +71,11 @@ AHEAD_BYTES = 96 << 20
 #: reads have fetched this many times the ahead budget in parts: a loader reading out of file order would otherwise
 #: have objects fetched twice (announced, dropped, read again)
 PAUSE_AHEADS = 2
+#: the share of a pool's budget for parts reads used (the rest: parts fetched ahead), by how its readers read: a
+#: loader reads an ``.mdl`` object's tensors far apart in the object's order and comes back to parts it half read; a
+#: stream (``ckptfs export``) reads in order and announces far ahead (docs/measurements.md, "S3: parts read and parts
+#: fetched ahead")
+READ_SHARES = {"load": 0.5, "stream": 0.25}
 #: ranges of one ``read_spans``/``read_scattered`` closer than this are fetched as one request
 MERGE_GAP = 1 << 20
 
@@ -80,10 +85,11 @@ class PartPool:
     (``readers.s3.open``), or an object opened alone. Its budget is its owner's alone; its threads start on first use
     and stop on ``close``; in a forked child it is emptied (the parent's threads and answers in flight are not there)."""
 
-    def __init__(self, budget: int | None = None):
+    def __init__(self, budget: int | None = None, use: str = "load"):
+        self.read_share = READ_SHARES[use]  # ``READ_SHARES``: how the budget is split
         self.keep_bytes, self.ahead_limit = PART_CACHE_BYTES, AHEAD_BYTES
         if budget is not None:
-            self.keep_bytes, self.ahead_limit = _split(budget)
+            self.keep_bytes, self.ahead_limit = _split(budget, self.read_share)
         self.closed = False
         self._empty()
         _live.add(self)
@@ -325,10 +331,17 @@ class PartPool:
         self.reads.dropped(key, size)
 
     def set_memory(self, budget: int) -> None:
-        """Bound the parts by ``budget`` bytes: a quarter for parts reads used, the rest for parts fetched ahead and
-        not read yet."""
+        """Bound the parts by ``budget`` bytes: the pool's share (``READ_SHARES``) for parts reads used, the rest for
+        parts fetched ahead and not read yet."""
         with self.lock:
-            self.keep_bytes, self.ahead_limit = _split(budget)
+            self.keep_bytes, self.ahead_limit = _split(budget, self.read_share)
+            self._trim()
+
+    def set_use(self, use: str) -> None:
+        """Split the same budget for readers that read as ``use`` says (``READ_SHARES``)."""
+        with self.lock:
+            self.read_share = READ_SHARES[use]
+            self.keep_bytes, self.ahead_limit = _split(self.keep_bytes + self.ahead_limit, self.read_share)
             self._trim()
 
     def close(self) -> None:
@@ -359,10 +372,12 @@ class PoolClosed(OSError):
     """A request asked of a part pool after its owner closed it."""
 
 
-def _split(budget: int) -> tuple:
-    """``(bytes for parts reads used, bytes for parts fetched ahead)`` of a budget: a quarter and the rest."""
+def _split(budget: int, read_share: float) -> tuple:
+    """``(bytes for parts reads used, bytes for parts fetched ahead)`` of a budget: ``read_share`` of it and the
+    rest."""
     budget = max(0, int(budget))
-    return budget // 4, budget - budget // 4
+    keep = int(budget * read_share)
+    return keep, budget - keep
 
 
 #: the pools alive now, emptied in a forked child (fork is a process's event; this holds no pool alive)

@@ -48,6 +48,14 @@ def tree_parts(cache_size: int, where):
     return PartPool(remote_bytes(cache_size))
 
 
+def streamed(tree) -> None:
+    """The readers of ``tree`` stream its files in order (``ckptfs export``): its part pools keep less of their budget
+    for parts read and more for parts fetched ahead (``storage.s3object.READ_SHARES``). Nothing for a local tree."""
+    parts = getattr(tree, "parts", None)
+    if parts is not None:
+        parts.set_use("stream")
+
+
 def announce_window(tree, wanted: int) -> int:
     """How far ahead a reader of ``tree`` announces what it reads next to the tree's object storage: ``wanted``, or
     nothing when the tree's part pool cannot hold that much fetched ahead (its parts would be let go of unread and
@@ -67,6 +75,7 @@ class RunParts:
 
     def __init__(self, cache_size: int):
         self.budget = remote_bytes(cache_size)
+        self.use = "load"  # how the checkpoints' readers read (``set_use``)
         self._pools: list = []
         self._lock = threading.Lock()
 
@@ -79,9 +88,17 @@ class RunParts:
             share = self.budget // (len(live) + 1)
             for p in live:
                 p.set_memory(share)
-            pool = PartPool(share)
+            pool = PartPool(share, self.use)
             self._pools = live + [pool]
             return pool
+
+    def set_use(self, use: str) -> None:
+        """Split every pool's share for readers that read as ``use`` says (``PartPool.set_use``), now and later."""
+        with self._lock:
+            self.use = use
+            for p in self._pools:
+                if not p.closed:
+                    p.set_use(use)
 
     def rebalance(self) -> None:
         """Give the shares of closed pools back to the others."""

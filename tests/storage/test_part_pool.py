@@ -31,7 +31,7 @@ def test_parts_arrived_ahead_and_not_read_count_against_the_ahead_budget():
     """Parts fetched ahead that arrived and were not read yet count as well as those in flight: an announcement past
     the ahead budget queues nothing, so the parts announced first — which the reader needs first — are never let go
     of unread to make room for later ones (they would be fetched twice)."""
-    pool = PartPool(4000)  # 1000 bytes for parts read, 3000 for parts fetched ahead
+    pool = PartPool(4000, "stream")  # 1000 bytes for parts read, 3000 for parts fetched ahead
     log: list = []
     get = _filler(log)
     try:
@@ -57,7 +57,7 @@ def test_parts_fetched_ahead_stay_until_read_whatever_reads_do_meanwhile():
     """A loader reading in an order of its own fetches parts itself and reads the parts fetched ahead for it later:
     they stay however much it reads meanwhile (announcements past the budget wait), and each read of one makes room
     for one more."""
-    pool = PartPool(4000)  # 1000 bytes for parts read, 3000 for parts fetched ahead
+    pool = PartPool(4000, "stream")  # 1000 bytes for parts read, 3000 for parts fetched ahead
     log: list = []
     get = _filler(log)
     try:
@@ -79,3 +79,20 @@ def _fill(bufs, filled=None) -> int:
     for b in bufs:
         b[:] = b"\x02" * len(b)
     return sum(len(b) for b in bufs)
+
+
+def test_a_pools_budget_is_split_by_how_its_readers_read():
+    """A loader's pool keeps half its budget for parts read (it comes back to parts it half read), a stream's a
+    quarter (it reads in order and announces far ahead); a pool told its readers stream splits the same budget so,
+    at once, and its new budgets hold."""
+    load, stream = PartPool(4000), PartPool(4000, "stream")
+    try:
+        assert (load.keep_bytes, load.ahead_limit) == (2000, 2000)
+        assert (stream.keep_bytes, stream.ahead_limit) == (1000, 3000)
+        load.set_use("stream")
+        assert (load.keep_bytes, load.ahead_limit) == (1000, 3000)
+        load.set_memory(8000)
+        assert (load.keep_bytes, load.ahead_limit) == (2000, 6000)
+    finally:
+        load.close()
+        stream.close()

@@ -440,7 +440,7 @@ def test_a_tree_over_object_storage_keeps_its_parts_within_its_cache_size(tmp_pa
         pool = tree.parts
         parts = int(size * REMOTE_SHARE)
         assert tree.cache.max_bytes == size - parts
-        assert (pool.keep_bytes, pool.ahead_limit) == (parts // 4, parts - parts // 4)
+        assert (pool.keep_bytes, pool.ahead_limit) == (parts // 2, parts - parts // 2)
         tree.cache.streaming, tree.cache.read_ahead = True, fusefs.SERVER_READ_AHEAD
         tree.cache.announce_ahead = fusefs.SERVER_ANNOUNCE_AHEAD
         total, peak = tree.attr(tree.lookup("model.safetensors")).size, 0
@@ -464,7 +464,7 @@ def test_parts_that_arrive_over_the_budget_are_dropped_when_they_arrive():
 
     from ckptfs.storage.s3object import PartPool
 
-    pool = PartPool(4000)  # parts reads used: 1000 bytes
+    pool = PartPool(4000, "stream")  # parts reads used: 1000 bytes
     gate = threading.Event()
 
     def fetch(buffers, filled):
