@@ -85,6 +85,20 @@ def thread_scratch(name: str, n: int) -> mmap.mmap:
     return buf
 
 
+def packed_room(spans: Iterable, out) -> tuple:
+    """``(spans as int pairs, out as bytes, where each span starts in out)`` for ``Blob.read_packed``; ``ValueError``
+    unless ``out`` holds exactly the spans' bytes."""
+    spans = [(int(lo), int(end)) for lo, end in spans]
+    out = memoryview(out).cast("B")
+    packed, total = [], 0
+    for lo, end in spans:
+        packed.append(total)
+        total += end - lo
+    if len(out) != total:
+        raise ValueError(f"{len(out)} bytes of room for {total} bytes of spans")
+    return spans, out, packed
+
+
 class Blob(ABC):
     """One stored object read by byte ranges (see the module docstring). Thread-safe: readers share one."""
 
@@ -133,17 +147,13 @@ class Blob(ABC):
         the block that holds them. Raises ``ShortRead`` when the blob ends inside a span. This default reads through
         ``read_spans`` into ``out`` itself when the backend packs the spans (no copy), else copies each span in; a
         backend whose reads need buffers of their own (a direct read's alignment) reads the others straight in."""
-        spans = [(int(lo), int(end)) for lo, end in spans]
-        out = memoryview(out).cast("B")
-        packed, total = [], 0
-        for lo, end in spans:
-            packed.append(total)
-            total += end - lo
-        if len(out) != total:
-            raise ValueError(f"{len(out)} bytes of room for {total} bytes of spans")
+        spans, out, packed = packed_room(spans, out)
+        total = len(out)
         buf, starts = self.read_spans(spans, lambda n: out if n == total else thread_scratch("packed", n), hint)
-        if starts == packed and buf is out:
-            return
+        if buf is out:
+            if starts == packed:
+                return
+            buf = bytes(out)  # laid out in another order: moved within ``out`` it would overwrite what it moves
         src = memoryview(buf).cast("B")
         for (lo, end), a, b in zip(spans, starts, packed):
             out[b:b + end - lo] = src[a:a + end - lo]

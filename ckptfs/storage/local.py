@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..env import direct_io_enabled
-from .base import Blob, Folder, FolderEntry, ShortRead, count_memory_read, count_waited_read, thread_scratch
+from .base import (Blob, Folder, FolderEntry, ShortRead, count_memory_read, count_waited_read, packed_room,
+                   thread_scratch)
 
 #: direct reads are widened and aligned to this (the largest logical block size of common disks; also the page size)
 ALIGN = 4096
@@ -224,12 +225,9 @@ class LocalFile(Blob):
         aligned buffer of the thread's and is copied in; every other span is read through the page cache straight
         into ``out`` (a copy of each block less: docs/measurements.md, "Region reads: a mapping per block"). The
         bytes after are announced as ``read_spans`` does."""
-        spans = [(int(lo), int(end)) for lo, end in spans]
-        out = memoryview(out).cast("B")
-        if len(out) != sum(end - lo for lo, end in spans):
-            raise ValueError(f"{len(out)} bytes of room for {sum(end - lo for lo, end in spans)} bytes of spans")
-        pos, from_disk = 0, False
-        for k, (lo, end) in enumerate(spans):
+        spans, out, packed = packed_room(spans, out)
+        from_disk = False
+        for k, ((lo, end), pos) in enumerate(zip(spans, packed)):
             n = end - lo
             cached = page_cache.cached(self.fd, lo, n) if self.direct_fd is not None and n >= DIRECT_MIN_BYTES else None
             if cached is False:
@@ -245,8 +243,7 @@ class LocalFile(Blob):
                     if step <= 0:
                         raise ShortRead(k, got)
                     got += step
-            pos += n
-        if hint and not from_disk and pos >= HINT_AFTER_BYTES:
+        if hint and not from_disk and len(out) >= HINT_AFTER_BYTES:
             first, last = min(lo for lo, _ in spans), max(end for _, end in spans)
             if not self._hinted[0] <= first < last <= self._hinted[1]:
                 self.will_need(last)

@@ -260,7 +260,7 @@ class S3Client:
             if on_filled is not None:
                 on_filled(k)
         for attempt in range(BODY_RETRIES + 1):
-            if whole[0] and start is not None:  # asked again: from the first buffer not whole
+            if whole[0]:  # asked again: from the first buffer not whole (only a ranged read's list counts them)
                 kw["Range"] = f"bytes={start + whole[1]}-{end - 1}"
             self._check_up(where)
             try:

@@ -256,6 +256,25 @@ def test_the_contract_covers_every_backend_module():
 
 # -- faults, without a server ---------------------------------------------------------------------------------------
 
+def test_read_packed_is_right_when_a_backend_lays_the_spans_out_in_its_own_order():
+    """A backend may ask for exactly the spans' bytes and lay them out in the blob's order, not the caller's: the
+    default ``read_packed`` then rearranges them without overwriting what it still has to move."""
+    class Sorted(MemoryBlob):
+        def read_spans(self, spans, scratch, hint=True):
+            order = sorted(range(len(spans)), key=lambda k: spans[k])
+            buf, starts, at = scratch(sum(e - lo for lo, e in spans)), [0] * len(spans), 0
+            for k in order:
+                lo, end = spans[k]
+                memoryview(buf)[at:at + end - lo] = DATA[lo:end]
+                starts[k], at = at, at + end - lo
+            return buf, starts
+
+    spans = [(5000, 9000), (0, 3000), (20000, 20500), (100, 4100)]
+    out = bytearray(sum(e - lo for lo, e in spans))
+    Sorted(DATA).read_packed(spans, memoryview(out))
+    assert bytes(out) == b"".join(DATA[lo:end] for lo, end in spans)
+
+
 def test_a_failing_read_raises_and_the_next_one_works():
     b = FaultyBlob(MemoryBlob(DATA), fail_on={1})
     with pytest.raises(OSError):
