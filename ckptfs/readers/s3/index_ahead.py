@@ -47,6 +47,8 @@ class IndexAhead:
         """Return once dataset ``name``'s index was fetched (None, or a name this walk does not know: every
         dataset's). Walks rounds itself while nobody else does, else waits for the one who does (who takes the
         datasets waited for first)."""
+        if not self._todo:  # every announcement asks: once all are in, no lock (the dict only shrinks)
+            return
         with self._cond:
             if name is not None and name not in self._known:  # not shown by the headers: HDF5 may need any index
                 name = None
