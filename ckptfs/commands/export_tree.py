@@ -12,9 +12,12 @@ from the same content, and redoes the rest; leftover ``.part`` files are rewritt
 A file the tree serves at several paths (the repository folder ``hub/`` mirrors the HF model's files) is written
 once, at its shallowest path: its other paths become hard links to it (``OutputDir.link``: a copy where the file
 system has no hard links), so the export costs no disk for them.
+
+Each block is read once, so the tree's cache drops a block as soon as it was read whole (``BlockCache.read_once``).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -163,7 +166,8 @@ def export_tree(tree: Tree, outdir, *, threads: int | None = None, progress: boo
         from ..state.dirs import cache_dir
 
         cache_root = cache_dir()
-    with OutputDir(outdir) as out:
+    cache = tree.cache
+    with OutputDir(outdir) as out, cache.read_once() if cache is not None else contextlib.nullcontext():
         record = ExportRecord(out.fd, out.path, cache_root)
         try:
             return _export(tree, out, record, threads, progress, block)

@@ -165,6 +165,20 @@ class BlockCache:
                 self._size -= _cost(v)
 
     @contextmanager
+    def read_once(self):
+        """While inside: the reader goes through every file once, in order, and writes what it reads out (``ckptfs
+        export``). A block is dropped once read whole (``streaming``) and its memory is reused for the next, instead of
+        the cache filling up to its bound with blocks read whole, each in fresh memory faulted in (docs/measurements.md,
+        "Export: blocks read once"). A tensor in two files is read again a whole file later, when an LRU would have let
+        it go anyway for any checkpoint larger than the cache. The previous setting is restored after."""
+        saved = self.streaming
+        self.streaming = True
+        try:
+            yield self
+        finally:
+            self.streaming = saved
+
+    @contextmanager
     def sequential(self, read_ahead: int):
         """While inside: serve one reader going through files in order, as the FUSE server does for the kernel —
         blocks dropped once read whole and the ``read_ahead`` bytes after each read prepared by the read-ahead

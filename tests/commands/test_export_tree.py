@@ -84,6 +84,20 @@ def test_parallel_small_blocks_give_the_trees_bytes(tmp_path):
     assert not list((tmp_path / "out").rglob("*.part"))
 
 
+def test_blocks_read_whole_are_not_kept(tmp_path):
+    """An export reads every block once: the tree's cache lets each go once read whole (its memory serves the next
+    block) and is as before afterwards."""
+    tree = ckptfs.open(LLAMA, views=["hf"], hf_format="safetensors")
+    try:
+        assert tree.cache.size == 0 and not tree.cache.streaming
+        report = export_tree(tree, tmp_path / "out", threads=2)
+        assert report.bytes > 0
+        assert tree.cache.size == 0 and not tree.cache.streaming
+        assert (tmp_path / "out" / "model.safetensors").read_bytes() == b"".join(tree.iter_blocks("model.safetensors"))
+    finally:
+        tree.close()
+
+
 def test_a_rerun_redoes_only_what_is_not_finished(tmp_path):
     out = tmp_path / "out"
     tree = ckptfs.open(LLAMA)
