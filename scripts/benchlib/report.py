@@ -396,7 +396,10 @@ def _many_readers_lines(d, x, errors, keys, cache_bytes) -> list:
                  f"<= {S3_READERS_WALL:.2f}x", _verdict(x["wall_ratio"] <= S3_READERS_WALL))] + ([
             Line(f"{d}: {S3_READERS} readers, one mount of the local file: wall / one reader (the machine's floor)",
                  f"{x['local_wall_ratio']:.2f}x ({x['local_many']['median_s']:.2f} vs "
-                 f"{x['local_one']['median_s']:.2f} s)", "", "INFO")] if "local_wall_ratio" in x else [])
+                 f"{x['local_one']['median_s']:.2f} s)", "", "INFO")] if "local_wall_ratio" in x else []) + ([
+            Line(f"{d}: {S3_READERS} readers of a plain folder of the same files, no ckptfs: wall / one reader "
+                 "(the machine's floor)", f"{x['plain_wall_ratio']:.2f}x ({x['plain_many']['median_s']:.2f} vs "
+                 f"{x['plain_one']['median_s']:.2f} s)", "", "INFO")] if "plain_wall_ratio" in x else [])
 
 
 def _info_startup_lines(d, x, errors, keys, cache_bytes) -> list:

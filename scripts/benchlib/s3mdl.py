@@ -17,7 +17,8 @@ Each item, runs interleaved (``--repeat`` of each side), every mount fresh, the 
   same export of the local file (the conversion and the writing alone);
 * ``s3_many_readers``: ``READERS`` processes loading the model through ONE mount together, against one reader alone
   on a mount of its own: wall times (from a common start, imports done before) and the bytes the server sent; and
-  the same two on a mount of the local file, the machine's own floor for that wall ratio;
+  the same two on a mount of the local file, and on a plain folder of the HF view's files on the local disk (exported
+  once before: no ckptfs while loading), the machine's own floors for that wall ratio;
 * ``s3_info_startup``: ``ckptfs info s3://…``: from spawning the process to its first request at the server (the
   timestamp a second rclone, logging every request, gives it), and its whole wall time; cold and warm page cache.
 
@@ -297,13 +298,25 @@ def _readers_together(ctx, hf: Path, n: int, env: dict, sv: Served) -> tuple:
 
 def many_readers(ctx, ck, layout: dict, sv: Served) -> dict:
     """``s3_many_readers`` (module docstring), interleaved with one reader alone; and the same two on a mount of the
-    local file, the machine's own floor for the wall ratio (the readers' CPU work shares the machine's cores)."""
+    local file and on a plain folder of the HF view's files, the machine's own floors for the wall ratio (the
+    readers' CPU work shares the machine's cores)."""
     hf_env = _hf_env(sv.env)
-    runs: dict = {"one": [], "many": [], "local_one": [], "local_many": []}
+    plain = ctx.workdir / "s3-readers-plain"
+    shutil.rmtree(plain, ignore_errors=True)
+    sysutil.timed(ckptfs_argv("export", ck.path, plain, "--views", "hf", "--hf-format", "safetensors",
+                              "--config", ck.params), env=sv.env)
+    plain_hf = plain / layout["hf_rel"] if layout["hf_rel"] else plain
+    runs: dict = {"one": [], "many": [], "local_one": [], "local_many": [], "plain_one": [], "plain_many": []}
     sent: dict = {side: [] for side in runs}
     peaks: list = []
     for _ in range(ctx.repeat):
-        for side, n in (("one", 1), ("many", READERS), ("local_one", 1), ("local_many", READERS)):
+        for side, n in (("one", 1), ("many", READERS), ("local_one", 1), ("local_many", READERS),
+                        ("plain_one", 1), ("plain_many", READERS)):
+            if side.startswith("plain"):
+                wall, got, _ = _readers_together(ctx, plain_hf, n, hf_env, sv)
+                runs[side].append(wall)
+                sent[side].append(got)
+                continue
             if side.startswith("local"):
                 m = _mount(ctx, ck.path, f"{ck.name}:s3mdl-readers-local-{n}", sv.env, ck.params)
             else:
@@ -319,7 +332,8 @@ def many_readers(ctx, ck, layout: dict, sv: Served) -> dict:
     return {**sv.describe(), **out, "peak_rss": [p for p in peaks if p],
             "bytes_ratio": round(max(sent["many"]) / sv.nbytes, 3),
             "wall_ratio": round(out["many"]["median_s"] / out["one"]["median_s"], 3),
-            "local_wall_ratio": round(out["local_many"]["median_s"] / out["local_one"]["median_s"], 3)}
+            "local_wall_ratio": round(out["local_many"]["median_s"] / out["local_one"]["median_s"], 3),
+            "plain_wall_ratio": round(out["plain_many"]["median_s"] / out["plain_one"]["median_s"], 3)}
 
 
 _LOG_REQUEST = re.compile(r"^(\d{4}/\d\d/\d\d \d\d:\d\d:\d\d\.\d+) DEBUG : serve s3: ")

@@ -372,6 +372,23 @@ def test_report_s3_mdl_floor_lines_show_the_local_file_beside_the_download():
     assert not any("local file" in n for n in _s3_mdl_lines(_s3_mdl_results()))
 
 
+def test_report_s3_many_readers_floor_lines():
+    """Many readers are also timed on a mount of the local file and on a plain folder of the same files (no
+    ckptfs): an INFO line each, when recorded."""
+    lines = _s3_mdl_lines(_s3_mdl_results(s3_many_readers__local_one={"median_s": 2.0},
+                                          s3_many_readers__local_many={"median_s": 3.5},
+                                          s3_many_readers__local_wall_ratio=1.75,
+                                          s3_many_readers__plain_one={"median_s": 1.6},
+                                          s3_many_readers__plain_many={"median_s": 3.2},
+                                          s3_many_readers__plain_wall_ratio=2.0))
+    local = lines["bf16: 4 readers, one mount of the local file: wall / one reader (the machine's floor)"]
+    plain = lines["bf16: 4 readers of a plain folder of the same files, no ckptfs: wall / one reader (the machine's "
+                  "floor)"]
+    assert local.result == plain.result == "INFO"
+    assert local.measured == "1.75x (3.50 vs 2.00 s)" and plain.measured == "2.00x (3.20 vs 1.60 s)"
+    assert not any("plain folder" in n or "local file: wall" in n for n in _s3_mdl_lines(_s3_mdl_results()))
+
+
 def test_report_s3_mdl_lines_of_items_that_could_not_run():
     """The server not starting makes every S3 item asked for an ERROR line; an item not asked for gives none."""
     lines = _s3_mdl_lines({}, {"bf16.s3_server": "RuntimeError: rclone serve s3 did not start"},
