@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import mmap
 import threading
+from collections import OrderedDict
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Hashable, Iterable
@@ -67,18 +68,48 @@ def page_aligned(n: int) -> mmap.mmap:
 
 #: a thread's scratch buffer larger than this is not kept for its next read
 KEEP_SCRATCH_BYTES = 64 << 20
+#: the threads whose scratch buffers are kept, most recently used first (a FUSE server's, its decoding pool's and
+#: read-ahead's are a few dozen): a thread past them that reads again gets new ones
+KEEP_SCRATCH_THREADS = 64
+
+
+class _ThreadScratch:
+    """Each thread's scratch buffers by name, keyed by the thread's native id: a thread that libfuse started has a
+    Python thread state only while it runs a callback, so a ``threading.local`` would lose its buffers after every read
+    it serves (docs/measurements.md, "S3: scratch buffers of the FUSE threads"). The ``KEEP_SCRATCH_THREADS`` threads
+    used last are kept; a thread let go of keeps the buffer it holds until it drops it."""
+
+    def __init__(self):
+        self._by_thread: "OrderedDict[int, dict]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, name: str, n: int) -> mmap.mmap:
+        tid = threading.get_native_id()
+        with self._lock:
+            buffers = self._by_thread.get(tid)
+            if buffers is None:
+                buffers = self._by_thread[tid] = {}
+                while len(self._by_thread) > KEEP_SCRATCH_THREADS:
+                    self._by_thread.popitem(last=False)
+            else:
+                self._by_thread.move_to_end(tid)
+        buf = buffers.get(name)  # only this thread touches its own buffers
+        if buf is not None and len(buf) >= n:
+            return buf
+        buf = page_aligned(n)
+        if n <= KEEP_SCRATCH_BYTES:
+            buffers[name] = buf
+        return buf
+
+
+_scratch = _ThreadScratch()
 
 
 def thread_scratch(name: str, n: int) -> mmap.mmap:
     """The calling thread's page-aligned scratch buffer ``name`` of at least ``n`` bytes, kept for its next read (up
     to ``KEEP_SCRATCH_BYTES``): a fresh mapping for every read pays its page faults every time (docs/measurements.md,
     "Region reads: a mapping per block"). Its bytes are the caller's only until the thread's next use of ``name``."""
-    buffers = getattr(_this_thread, "buffers", None)
-    if buffers is None:
-        buffers = _this_thread.buffers = {}
-    buf = buffers.get(name)
-    if buf is not None and len(buf) >= n:
-        return buf
+    return _scratch.get(name, n)
     buf = page_aligned(n)
     if n <= KEEP_SCRATCH_BYTES:
         buffers[name] = buf

@@ -39,6 +39,8 @@ DECLARED = {
                                     "endpoint's down state are the endpoint's, shared by every mount of it",
     "storage/s3client.py:_clients_lock": "guards _clients",
     "storage/base.py:_this_thread": "per-thread counters of reads that waited (a thread's, by nature)",
+    "storage/base.py:_scratch": "each thread's scratch buffers (a thread's, by nature; keyed by the native thread, "
+                                "whose Python state a FUSE callback does not keep)",
     "storage/local.py:page_cache": "whether the kernel answers the page-cache probe (cachestat): the kernel's",
     # threads doing CPU work: per process by nature; what they make lands in each tree's own cache
     "readers/cerebras/lz4chunks/pool.py:_pool": "CPU threads decoding chunks, per process by nature (cores are); "
@@ -184,7 +186,8 @@ def test_storage_keeps_no_part_pool_or_budget_of_its_own():
     """The storage layer's declared state is the process's or an endpoint's: no pool, no budget."""
     storage = {k for k in package_state() if k.startswith("storage/")}
     assert storage == {"storage/s3object.py:_live", "storage/s3client.py:_clients", "storage/s3client.py:_clients_lock",
-                       "storage/base.py:_this_thread", "storage/local.py:page_cache"}, storage
+                       "storage/base.py:_this_thread", "storage/base.py:_scratch", "storage/local.py:page_cache"}, \
+        storage
 
 
 def test_the_rule_sees_a_process_wide_pool_and_a_global_rebinding():
