@@ -562,7 +562,10 @@ def _mount(ckpt, mountpoint, options: MountOptions, *, foreground: bool, allow_o
         # exit 2, nothing left mounted.
         return start_background(ckpt, mp, options, allow_other=allow_other, debug=debug, build=build)
     load_mfusepy()  # a missing libfuse is reported before anything is built
-    from .operations import CACHE_TIMEOUT, serve, trim_memory
+    from .operations import CACHE_TIMEOUT, pin_malloc, serve, trim_memory
+
+    # before any thread starts: a server of a checkpoint in object storage serves on libfuse's threads (``serve``)
+    pin_malloc(one_arena=is_s3_url(str(ckpt)))
     from ..tree.assemble import classify_source
     from ..tree.run import RUN_CACHE_TIMEOUT, check_run, open_run
 

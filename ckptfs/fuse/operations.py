@@ -45,6 +45,7 @@ _FUSE_READDIR_PLUS = 1
 _FUSE_FILL_DIR_PLUS = 2
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 
 
 class FuseUnavailableError(CkptfsError):
@@ -101,8 +102,11 @@ def load_mfusepy():
     return mfusepy
 
 
-def pin_malloc() -> bool:
-    """Stop glibc from trimming/refaulting the heap on every 1 MiB reply. Best effort; False if not glibc."""
+def pin_malloc(one_arena: bool = False) -> bool:
+    """Stop glibc from trimming/refaulting the heap on every 1 MiB reply; ``one_arena``: the threads started from now
+    on allocate from the arenas there are instead of one more each (libfuse's loop threads, whose freed blocks
+    another thread's arena would not reuse: docs/measurements.md, "S3: scratch buffers of the FUSE threads"). Best
+    effort; False if not glibc."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
@@ -110,6 +114,8 @@ def pin_malloc() -> bool:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     # 32 MiB is the largest mmap threshold glibc accepts on 64-bit; trimming only above 512 MiB of free heap
     ok = mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1
+    if one_arena:
+        ok = mallopt(_M_ARENA_MAX, 1) == 1 and ok
     return (mallopt(_M_TRIM_THRESHOLD, 512 << 20) == 1) and ok
 
 
@@ -400,9 +406,9 @@ def serve(tree: Tree, mountpoint, *, fsname: str = "ckptfs", allow_other: bool =
     file's storage announces its own next bytes, so local trees skip that work on every read).
     """
     fuse = load_mfusepy()
-    pin_malloc()
     if threads is None:
         threads = loop_threads(tree, env.fuse_threads())
+    pin_malloc(one_arena=threads)
     cache = tree.cache
     if cache is not None:  # the kernel's page cache keeps what was read: blocks read whole are not kept twice
         cache.streaming = True
