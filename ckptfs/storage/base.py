@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import mmap
+import os
 import threading
 from collections import OrderedDict
 from abc import ABC, abstractmethod
@@ -103,6 +104,16 @@ class _ThreadScratch:
 
 
 _scratch = _ThreadScratch()
+
+
+def _after_fork() -> None:
+    """A forked child has none of the parent's threads (and a lock one of them held would stay held): fresh buffers."""
+    global _scratch
+    _scratch = _ThreadScratch()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 def thread_scratch(name: str, n: int) -> mmap.mmap:

@@ -52,3 +52,23 @@ def test_a_buffer_past_the_kept_size_is_not_kept(monkeypatch):
     assert base.thread_scratch("raw", 1 << 17) is not big
     small = base.thread_scratch("raw", 1 << 10)
     assert base.thread_scratch("raw", 1 << 10) is small
+
+
+def test_a_forked_child_starts_with_no_buffer_and_no_lock_held():
+    """A fork while another thread holds the buffers' lock would leave it held in the child: the child starts
+    afresh."""
+    import os
+
+    if not hasattr(os, "fork"):
+        return
+    held = base.thread_scratch("raw", 4096)
+    base._scratch._lock.acquire()  # as another thread of the parent might at the moment of the fork
+    try:
+        pid = os.fork()
+        if pid == 0:
+            ok = base.thread_scratch("raw", 4096) is not held and not base._scratch._lock.locked()
+            os._exit(0 if ok else 1)
+    finally:
+        base._scratch._lock.release()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
