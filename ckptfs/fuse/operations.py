@@ -387,7 +387,8 @@ def loop_threads(tree: Tree, chosen: bool | None = None) -> bool:
     multi-threaded loop a read that waits holds one worker thread and libfuse starts another for the next request
     (up to its ``max_threads``, 10), so the requests that need no remote bytes answer at once (docs/read-path.md,
     "Slow reads do not stall the mount"). A local checkpoint keeps one loop thread: its reads wait for the disk only,
-    and on 2 cores the multi-threaded loop serves them 20–30% slower (docs/measurements.md, "FUSE server")."""
+    and on 2 cores the multi-threaded loop serves them 10–25% slower (docs/measurements.md, "FUSE server" and "S3:
+    scratch buffers of the FUSE threads")."""
     if chosen is not None:
         return chosen
     cache = tree.cache
