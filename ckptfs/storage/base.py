@@ -121,10 +121,6 @@ def thread_scratch(name: str, n: int) -> mmap.mmap:
     to ``KEEP_SCRATCH_BYTES``): a fresh mapping for every read pays its page faults every time (docs/measurements.md,
     "Region reads: a mapping per block"). Its bytes are the caller's only until the thread's next use of ``name``."""
     return _scratch.get(name, n)
-    buf = page_aligned(n)
-    if n <= KEEP_SCRATCH_BYTES:
-        buffers[name] = buf
-    return buf
 
 
 def packed_room(spans: Iterable, out) -> tuple:
