@@ -13,7 +13,7 @@ A file the tree serves at several paths (the repository folder ``hub/`` mirrors 
 once, at its shallowest path: its other paths become hard links to it (``OutputDir.link``: a copy where the file
 system has no hard links), so the export costs no disk for them.
 
-Each block is read once, so the tree's cache drops a block as soon as it was read whole (``BlockCache.read_once``).
+Each block is read once, so the tree's cache drops a block as soon as it was read whole (``BlockCache.sequential``).
 """
 from __future__ import annotations
 
@@ -167,7 +167,7 @@ def export_tree(tree: Tree, outdir, *, threads: int | None = None, progress: boo
 
         cache_root = cache_dir()
     cache = tree.cache
-    with OutputDir(outdir) as out, cache.read_once() if cache is not None else contextlib.nullcontext():
+    with OutputDir(outdir) as out, cache.sequential() if cache is not None else contextlib.nullcontext():
         record = ExportRecord(out.fd, out.path, cache_root)
         try:
             return _export(tree, out, record, threads, progress, block)

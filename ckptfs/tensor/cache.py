@@ -165,25 +165,14 @@ class BlockCache:
                 self._size -= _cost(v)
 
     @contextmanager
-    def read_once(self):
-        """While inside: the reader goes through every file once, in order, and writes what it reads out (``ckptfs
-        export``). A block is dropped once read whole (``streaming``) and its memory is reused for the next, instead of
-        the cache filling up to its bound with blocks read whole, each in fresh memory faulted in (docs/measurements.md,
-        "Export: blocks read once"). A tensor in two files is read again a whole file later, when an LRU would have let
-        it go anyway for any checkpoint larger than the cache. The previous setting is restored after."""
-        saved = self.streaming
-        self.streaming = True
-        try:
-            yield self
-        finally:
-            self.streaming = saved
-
-    @contextmanager
-    def sequential(self, read_ahead: int):
-        """While inside: serve one reader going through files in order, as the FUSE server does for the kernel —
-        blocks dropped once read whole and the ``read_ahead`` bytes after each read prepared by the read-ahead
-        threads (the next blocks decode, and their chunks come from the disk, while the reader writes this one).
-        The previous settings are restored after."""
+    def sequential(self, read_ahead: int = 0):
+        """While inside: serve readers going through files once, in order, as the FUSE server does for the kernel and
+        an export does for its files — blocks dropped once read whole, so their memory serves the next instead of the
+        cache filling up to its bound with blocks nobody reads again, each in fresh memory faulted in
+        (docs/measurements.md, "Export: blocks read once"; a tensor in two files is read again a whole file later,
+        when an LRU would have let it go anyway for any checkpoint larger than the cache); and the ``read_ahead``
+        bytes after each read prepared by the read-ahead threads (the next blocks decode, and their chunks come from
+        the disk, while the reader writes this one). The previous settings are restored after."""
         saved = self.streaming, self.read_ahead
         self.streaming, self.read_ahead = True, max(self.read_ahead, int(read_ahead))
         try:
