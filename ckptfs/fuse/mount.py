@@ -32,6 +32,7 @@ from typing import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..env import fuse_threads
 from ..errors import CkptfsError, exit_code
 from ..views.options import MountOptions, absolute, check_options, to_argv
 from ckptfs.fuse.proctitle import interpreter_prefix, show_only
@@ -564,8 +565,9 @@ def _mount(ckpt, mountpoint, options: MountOptions, *, foreground: bool, allow_o
     load_mfusepy()  # a missing libfuse is reported before anything is built
     from .operations import CACHE_TIMEOUT, pin_malloc, serve, trim_memory
 
-    # before any thread starts: a server of a checkpoint in object storage serves on libfuse's threads (``serve``)
-    pin_malloc(one_arena=is_s3_url(str(ckpt)))
+    # before any thread starts: a server of a checkpoint in object storage (or one told to) serves on libfuse's
+    # threads (``loop_threads``), which share one malloc arena
+    pin_malloc(one_arena=is_s3_url(str(ckpt)) or fuse_threads() is True)
     from ..tree.assemble import classify_source
     from ..tree.run import RUN_CACHE_TIMEOUT, check_run, open_run
 

@@ -404,12 +404,12 @@ def serve(tree: Tree, mountpoint, *, fsname: str = "ckptfs", allow_other: bool =
     tree in object storage, off for a local one unless ``$CKPTFS_FUSE_THREADS`` says otherwise). Returns normally on a
     clean unmount; raises ``CkptfsError`` if the mount itself fails. A tree whose tensors are in object storage
     (``cache.remote``) has a read running through a file announce the objects ahead (``SERVER_ANNOUNCE_AHEAD``; a local
-    file's storage announces its own next bytes, so local trees skip that work on every read).
+    file's storage announces its own next bytes, so local trees skip that work on every read). The caller has set
+    malloc up before building the tree (``pin_malloc``, which must come before any thread starts).
     """
     fuse = load_mfusepy()
     if threads is None:
         threads = loop_threads(tree, env.fuse_threads())
-    pin_malloc(one_arena=threads)
     cache = tree.cache
     if cache is not None:  # the kernel's page cache keeps what was read: blocks read whole are not kept twice
         cache.streaming = True

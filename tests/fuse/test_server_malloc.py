@@ -52,10 +52,17 @@ def test_one_arena_keeps_every_thread_in_it(one_arena, most, tmp_path):
         assert heaps > 1  # without it, the threads took arenas of their own
 
 
-@pytest.mark.parametrize("ckpt, one_arena", [("s3://bucket/run/checkpoint_0.mdl", True),
-                                            ("/data/run/checkpoint_0.mdl", False)])
-def test_the_server_pins_one_arena_for_object_storage_before_building(ckpt, one_arena, tmp_path, monkeypatch):
+@pytest.mark.parametrize("ckpt, threads, one_arena", [("s3://bucket/run/checkpoint_0.mdl", None, True),
+                                                     ("/data/run/checkpoint_0.mdl", None, False),
+                                                     ("/data/run/checkpoint_0.mdl", "1", True)],
+                         ids=["s3", "local", "local-threads-chosen"])
+def test_the_server_pins_one_arena_for_object_storage_before_building(ckpt, threads, one_arena, tmp_path,
+                                                                      monkeypatch):
     calls = []
+    if threads is None:
+        monkeypatch.delenv("CKPTFS_FUSE_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("CKPTFS_FUSE_THREADS", threads)
 
     def build(*_a, **_k):
         calls.append("build")
