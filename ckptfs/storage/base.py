@@ -25,7 +25,6 @@ import errno
 import mmap
 import os
 import threading
-from collections import OrderedDict
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Hashable, Iterable
@@ -69,31 +68,30 @@ def page_aligned(n: int) -> mmap.mmap:
 
 #: a thread's scratch buffer larger than this is not kept for its next read
 KEEP_SCRATCH_BYTES = 64 << 20
-#: the threads whose scratch buffers are kept, most recently used first (a FUSE server's, its decoding pool's and
-#: read-ahead's are a few dozen): a thread past them that reads again gets new ones
+#: the threads whose scratch buffers are kept, the latest to come first (a FUSE server's, its decoding pool's and
+#: read-ahead's are a few dozen): an older thread that reads again gets new ones
 KEEP_SCRATCH_THREADS = 64
 
 
 class _ThreadScratch:
     """Each thread's scratch buffers by name, keyed by the thread's native id: a thread that libfuse started has a
     Python thread state only while it runs a callback, so a ``threading.local`` would lose its buffers after every read
-    it serves (docs/measurements.md, "S3: scratch buffers of the FUSE threads"). The ``KEEP_SCRATCH_THREADS`` threads
-    used last are kept; a thread let go of keeps the buffer it holds until it drops it."""
+    it serves (docs/measurements.md, "S3: scratch buffers of the FUSE threads"). The buffers of the
+    ``KEEP_SCRATCH_THREADS`` threads that came last are kept; a thread let go of keeps the buffer it holds until it
+    drops it. A read takes no lock: only a thread's first read does, to add it."""
 
     def __init__(self):
-        self._by_thread: "OrderedDict[int, dict]" = OrderedDict()
+        self._by_thread: dict = {}  # native thread id -> {name: buffer}, in the order the threads came
         self._lock = threading.Lock()
 
     def get(self, name: str, n: int) -> mmap.mmap:
         tid = threading.get_native_id()
-        with self._lock:
-            buffers = self._by_thread.get(tid)
-            if buffers is None:
-                buffers = self._by_thread[tid] = {}
+        buffers = self._by_thread.get(tid)
+        if buffers is None:
+            with self._lock:
+                buffers = self._by_thread.setdefault(tid, {})
                 while len(self._by_thread) > KEEP_SCRATCH_THREADS:
-                    self._by_thread.popitem(last=False)
-            else:
-                self._by_thread.move_to_end(tid)
+                    del self._by_thread[next(iter(self._by_thread))]
         buf = buffers.get(name)  # only this thread touches its own buffers
         if buf is not None and len(buf) >= n:
             return buf
