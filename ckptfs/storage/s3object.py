@@ -67,9 +67,9 @@ PART_CACHE_BYTES = 32 << 20
 FETCH_PARTS = 4
 #: bytes asked for ahead (``will_need``) and not read yet, all objects of a pool together, unless its budget says so
 AHEAD_BYTES = 96 << 20
-#: once a part fetched ahead is dropped unread (the reader went elsewhere), nothing announced is fetched ahead until
-#: reads have fetched this many times the ahead budget in parts: a loader reading out of file order would otherwise
-#: have objects fetched twice (announced, dropped, read again)
+#: once a part fetched ahead is dropped unread (the only way: a budget made smaller under it), nothing announced is
+#: fetched ahead until reads have fetched this many times the ahead budget in parts: a loader reading out of file
+#: order would otherwise have objects fetched twice (announced, dropped, read again)
 PAUSE_AHEADS = 2
 #: the share of a pool's budget for parts reads used (the rest: parts fetched ahead), by how its readers read: a
 #: loader reads an ``.mdl`` object's tensors far apart in the object's order and comes back to parts it half read; a
